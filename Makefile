@@ -1,0 +1,49 @@
+# megarl: the two commands of the README are `make demo` and `make test`.
+# Both create (or refresh) the virtual environment first. torch is installed on its own, before
+# anything else, so that no dependency can pull the multi-GB CUDA build on a CPU machine.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.megarl-installed
+TORCH_VERSION := 2.13.0
+# Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k config"`.
+PYTEST_ARGS ?=
+# Tiers that run on a CPU machine without extra environments (vllm has its own: `make test-vllm`).
+TEST_MARKERS ?= not gpu and not vllm
+
+.PHONY: install demo test test-unit test-vllm bench clean help
+
+help:
+	@echo "make demo   - install, then run the quickstart (tiny GRPO on CPU)"
+	@echo "make test   - install, then run the test suite (unit, distributed, integration tiers)"
+	@echo "make bench  - install, then run the benchmarks (JSON + markdown under benchmarks/results)"
+	@echo "make clean  - remove the virtual environment and caches"
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# Re-install when the dependency pins change.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -c "import torch; assert torch.__version__.startswith('$(TORCH_VERSION)'), torch.__version__"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/python tools/quickstart.py
+
+test: install
+	$(BIN)/python -m pytest -m "$(TEST_MARKERS)" $(PYTEST_ARGS)
+
+test-unit: install
+	$(BIN)/python -m pytest -m "unit" $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/megarl bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

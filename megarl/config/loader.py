@@ -1,0 +1,210 @@
+"""Load an experiment: YAML files that may extend a base file, then dotted command-line overrides.
+
+    cfg = load_config("configs/quickstart_cpu.yaml", ["actor.optim.lr=1e-6", "rollout.n=8"])
+
+A YAML file may start with ``extends: base.yaml`` (or a list of files), resolved relative to the file;
+the bases are merged first, then the file. Keys are checked against the schema file by file, so an
+error names the file (or the override) that set the bad key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megarl.config.schema import ExperimentConfig
+from megarl.errors import ConfigError
+
+EXTENDS_KEY = "extends"
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _dataclass_of(tp: Any) -> Optional[type]:
+    """The dataclass inside ``tp`` (``X`` or ``Optional[X]``), else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    for arg in typing.get_args(tp):
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def all_keys(cls: type = ExperimentConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (leaves and sections)."""
+    keys = []
+    for name, tp in _field_types(cls).items():
+        key = f"{prefix}{name}"
+        keys.append(key)
+        sub = _dataclass_of(tp)
+        if sub is not None:
+            keys.extend(all_keys(sub, key + "."))
+    return keys
+
+
+# Short names people type for long keys.
+_ABBREVIATIONS = {
+    "tp": "tensor_model_parallel_size",
+    "pp": "pipeline_model_parallel_size",
+    "cp": "context_parallel_size",
+    "ep": "expert_model_parallel_size",
+    "dp": "data_parallel_size",
+    "lr": "lr",
+}
+
+
+def suggest_key(bad_key: str) -> Optional[str]:
+    """The nearest valid dotted key to ``bad_key``.
+
+    Order: the same leaf name deeper in the same section (``actor.lr`` -> ``actor.optim.lr``), a close
+    sibling (``rollout.temprature`` -> ``rollout.temperature``), the same leaf anywhere, anything close.
+    """
+    known = all_keys()
+    parent, _, leaf = bad_key.rpartition(".")
+    leaf = _ABBREVIATIONS.get(leaf, leaf)
+    if f"{parent}.{leaf}" in known:
+        return f"{parent}.{leaf}"
+    same_leaf = [k for k in known if k.rpartition(".")[2] == leaf]
+    in_section = [k for k in same_leaf if parent and k.startswith(parent + ".")]
+    if in_section:
+        return min(in_section, key=len)
+    siblings = [k for k in known if k.rpartition(".")[0] == parent]
+    close = difflib.get_close_matches(bad_key, siblings, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    if same_leaf:
+        return min(same_leaf, key=len)
+    close = difflib.get_close_matches(bad_key, known, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _unknown_key_error(key: str, source: str) -> str:
+    hint = suggest_key(key)
+    msg = f"{source}: unknown key '{key}'"
+    return msg + (f"; did you mean '{hint}'?" if hint else "; run `megarl config show` to list the valid keys")
+
+
+def check_keys(tree: Any, source: str, cls: type = ExperimentConfig, prefix: str = "") -> list[str]:
+    """Names of keys in ``tree`` that the schema does not have, as error messages naming ``source``."""
+    if not isinstance(tree, dict):
+        return []
+    errors = []
+    types = _field_types(cls)
+    for name, value in tree.items():
+        key = f"{prefix}{name}"
+        if name not in types:
+            errors.append(_unknown_key_error(key, source))
+            continue
+        sub = _dataclass_of(types[name])
+        if sub is not None:
+            if value is not None and not isinstance(value, dict):
+                errors.append(f"{source}: '{key}' is a section ({sub.__name__}); give a mapping, got {value!r}")
+            else:
+                errors.extend(check_keys(value, source, sub, key + "."))
+    return errors
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _load_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[str, dict]]:
+    """[(source, tree)] in merge order: bases (recursively) first, then the file itself."""
+    path = path.resolve()
+    if path in seen:
+        chain = " -> ".join(str(p) for p in (*seen, path))
+        raise ConfigError(f"{path}: '{EXTENDS_KEY}' forms a cycle: {chain}")
+    data = _read_yaml(path)
+    bases = data.pop(EXTENDS_KEY, None) or []
+    if isinstance(bases, str):
+        bases = [bases]
+    out: list[tuple[str, dict]] = []
+    for base in bases:
+        out.extend(_load_chain((path.parent / base), (*seen, path)))
+    out.append((str(path), data))
+    return out
+
+
+def _parse_overrides(overrides: Iterable[str]) -> list[tuple[str, dict]]:
+    out = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"command-line override '{item}' must look like key=value (e.g. actor.optim.lr=1e-6)")
+        key, raw = item.split("=", 1)
+        key = key.strip().lstrip("+")
+        if not key:
+            raise ConfigError(f"command-line override '{item}' has an empty key")
+        value = yaml.safe_load(raw) if raw.strip() else None
+        tree: dict = {}
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+        out.append((f"command-line override '{item}'", tree))
+    return out
+
+
+def _type_error(err: OmegaConfBaseException, source: str) -> str:
+    key = getattr(err, "full_key", None) or "?"
+    msg = str(err).splitlines()[0]
+    return f"{source}: {key}: {msg}"
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Iterable[str] = (), *, validate: bool = True) -> DictConfig:
+    """Load, merge, type-check and (by default) validate an experiment config.
+
+    Raises ConfigError listing every problem found, each naming its file or override and key.
+    """
+    layers: list[tuple[str, dict]] = []
+    if path is not None:
+        layers.extend(_load_chain(Path(path)))
+    layers.extend(_parse_overrides(overrides))
+
+    errors: list[str] = []
+    for source, tree in layers:
+        errors.extend(check_keys(tree, source))
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+    cfg = OmegaConf.structured(ExperimentConfig)
+    for source, tree in layers:
+        try:
+            cfg = OmegaConf.merge(cfg, tree)
+        except OmegaConfBaseException as err:
+            errors.append(_type_error(err, source))
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"invalid config: cannot resolve an interpolation: {err}") from err
+    if validate:
+        from megarl.config.validate import validate_config
+
+        validate_config(cfg)
+    return cfg
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg)

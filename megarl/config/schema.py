@@ -1,0 +1,283 @@
+"""The typed schema of a megarl experiment.
+
+Every key a YAML file or a command-line override may set is a field below. Names follow verl where a
+verl user would look for them (``actor.optim.lr``, ``rollout.n``, ``algorithm.adv_estimator``,
+``actor.clip_ratio_low`` ...). Batch sizes counted in *prompts* are named ``*_batch_size``; micro-batch
+sizes are per data-parallel rank, counted in *sequences* (prompt + one response), as in verl.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron 4D (+EP) layout of one role. ``data_parallel_size`` is derived: world / (tp*pp*cp)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    # GPU only: torch norms refuse it, so it is switched off on CPU.
+    sequence_parallel: bool = False
+    # Set explicitly to assert the derived value; null derives it from the pool size.
+    data_parallel_size: Optional[int] = None
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    # constant | cosine (warmup then cosine decay to min_lr) | linear
+    lr_scheduler: str = "constant"
+    lr_warmup_steps: int = 0
+    lr_warmup_steps_ratio: float = 0.0
+    # Total optimizer steps for the schedule; null derives it from trainer.total_training_steps.
+    total_training_steps: Optional[int] = None
+    use_distributed_optimizer: bool = True
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    tokenizer: Optional[str] = None  # null: the model's directory
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    train_batch_size: int = 8  # prompts per step
+    val_batch_size: Optional[int] = None  # null: the whole validation set in one batch
+    truncation: str = "error"  # error | left | right | middle
+    filter_overlong_prompts: bool = True
+    apply_chat_template: str = "auto"  # auto | true | false
+    shuffle: bool = True
+    seed: int = 1
+    dataloader_num_workers: int = 0
+
+
+@dataclass
+class ModelConfig:
+    # A HF model directory (config.json, weights optional) ...
+    path: Optional[str] = None
+    # ... or a HF config given inline (random init), e.g. for tiny CPU models.
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    # Architecture family in model_specs/; null detects it from config.json's model_type.
+    spec: Optional[str] = None
+    dtype: str = "fp32"  # fp32 | bf16 | fp16
+    init_from_scratch: bool = False  # ignore weights in `path`, initialise randomly with `seed`
+    enable_gradient_checkpointing: bool = False
+    override_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"  # vanilla | gspo | cispo | gpg | reinforce
+
+
+@dataclass
+class ActorConfig:
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    megatron: ParallelConfig = field(default_factory=ParallelConfig)
+    ppo_mini_batch_size: int = 8  # prompts per optimizer step (x rollout.n sequences)
+    ppo_micro_batch_size_per_gpu: int = 4  # sequences per forward/backward on one DP rank
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None  # null: clip_ratio
+    clip_ratio_high: Optional[float] = None  # null: clip_ratio
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    loss_agg_mode: str = "token-mean"
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None  # null: ppo_micro_batch_size_per_gpu
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+
+
+@dataclass
+class CriticConfig:
+    enable: Optional[bool] = None  # null: on when the advantage estimator needs values (gae)
+    model_path: Optional[str] = None  # null: the actor's model (trunk) with a fresh value head
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    megatron: ParallelConfig = field(default_factory=ParallelConfig)
+    ppo_mini_batch_size: int = 8
+    ppo_micro_batch_size_per_gpu: int = 4
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 32768
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    param_offload: bool = False
+    optimizer_offload: bool = False
+
+
+@dataclass
+class RefConfig:
+    enable: Optional[bool] = None  # null: on when a KL term (loss or reward) needs it
+    megatron: ParallelConfig = field(default_factory=ParallelConfig)
+    log_prob_micro_batch_size_per_gpu: int = 8
+    param_offload: bool = False
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = False
+    model_path: Optional[str] = None
+    megatron: ParallelConfig = field(default_factory=ParallelConfig)
+    micro_batch_size_per_gpu: int = 8
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = None
+    name: str = "compute_score"
+
+
+@dataclass
+class RewardConfig:
+    # Built-in scorers are chosen per sample by `data_source`; a custom function overrides them.
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    num_workers: int = 2
+    timeout_s: float = 10.0
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ValidationSamplingConfig:
+    n: int = 1
+    do_sample: bool = False  # false: greedy
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "auto"  # auto | vllm | hf
+    n: int = 4  # responses per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    response_length: Optional[int] = None  # null: data.max_response_length
+    tensor_model_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    kv_cache_memory_gb: float = 1.0  # CPU engines: KV cache size
+    max_num_seqs: int = 256
+    free_cache_engine: bool = True  # sleep the engine during training
+    enforce_eager: bool = True
+    dtype: Optional[str] = None  # null: model.dtype
+    calculate_log_probs: bool = True
+    val_kwargs: ValidationSamplingConfig = field(default_factory=ValidationSamplingConfig)
+    update_weights_bucket_mb: int = 512
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False  # DAPO dynamic sampling
+    metric: str = "acc"  # score | acc | seq_reward | any reward-info key
+    max_num_gen_batches: int = 10  # <= 0: no cap
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    pass_k: int = 1  # grpo_passk
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "megarl"
+    experiment_name: str = "default"
+    total_epochs: int = 1
+    total_training_steps: Optional[int] = None  # null: epochs x batches per epoch
+    test_freq: int = -1  # validate every k steps; <= 0: only at the end
+    save_freq: int = -1  # checkpoint every k steps; <= 0: never
+    val_before_train: bool = True
+    critic_warmup: int = 0  # steps that train only the critic
+    resume_mode: str = "auto"  # auto | disable | resume_path
+    resume_from_path: Optional[str] = None
+    max_ckpt_to_keep: int = 2
+    default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"
+    seed: int = 1
+    log_freq: int = 1
+    progress_bar: bool = True
+
+
+@dataclass
+class PoolConfig:
+    nnodes: int = 1
+    devices_per_node: int = 1
+
+
+@dataclass
+class ResourcesConfig:
+    device: str = "auto"  # auto | cpu | cuda
+    ray_address: Optional[str] = None  # null: start a local Ray cluster for the run
+    ray_num_cpus: Optional[int] = None
+    object_store_memory_gb: float = 2.0
+    num_cpus_per_worker: float = 1.0
+    # The pool the actor (with rollout and, by default, the reference) runs in.
+    actor_pool: PoolConfig = field(default_factory=PoolConfig)
+    # Separate pools: null shares the actor pool (colocated).
+    critic_pool: Optional[PoolConfig] = None
+    ref_pool: Optional[PoolConfig] = None
+    reward_model_pool: Optional[PoolConfig] = None
+
+
+@dataclass
+class TrackingConfig:
+    backends: list[str] = field(default_factory=lambda: ["console", "jsonl", "mlflow"])
+    mlflow_tracking_uri: Optional[str] = None  # null: sqlite store under the run directory
+    report_plots: bool = True
+
+
+@dataclass
+class ExperimentConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)

@@ -1,0 +1,293 @@
+"""Cross-field validation of an experiment config, run before any process or worker starts.
+
+Each rule appends a message naming the key(s), the value found and what would be valid; all
+problems are reported together in one ConfigError.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from megarl.errors import ConfigError
+
+# Names accepted where the algorithm registry cannot be imported; the registry is the authority.
+_BUILTIN_ADV = {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "grpo_passk"}
+_BUILTIN_POLICY_LOSSES = {"vanilla", "gspo", "cispo", "gpg", "reinforce"}
+GROUP_ESTIMATORS = {"grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline"}
+LOSS_AGG_MODES = {"token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
+KL_TYPES = {"kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full", "k1+", "k2+", "k3+", "low_var_kl+"}
+ENUMS: dict[str, set[str]] = {
+    "rollout.engine": {"auto", "vllm", "hf"},
+    "data.truncation": {"error", "left", "right", "middle"},
+    "data.apply_chat_template": {"auto", "true", "false", "True", "False"},
+    "algorithm.kl_ctrl.type": {"fixed", "adaptive"},
+    "actor.optim.lr_scheduler": {"constant", "cosine", "linear"},
+    "critic.optim.lr_scheduler": {"constant", "cosine", "linear"},
+    "model.dtype": {"fp32", "bf16", "fp16"},
+    "trainer.resume_mode": {"auto", "disable", "resume_path"},
+    "resources.device": {"auto", "cpu", "cuda"},
+    "actor.loss_agg_mode": LOSS_AGG_MODES,
+    "critic.loss_agg_mode": LOSS_AGG_MODES,
+    "actor.kl_loss_type": KL_TYPES,
+    "algorithm.kl_penalty": KL_TYPES,
+}
+TRACKING_BACKENDS = {"console", "jsonl", "mlflow"}
+
+
+def registered_names(kind: str) -> set[str]:
+    """Names in the algorithm registries (``advantage`` or ``policy_loss``), plus the built-ins."""
+    base = _BUILTIN_ADV if kind == "advantage" else _BUILTIN_POLICY_LOSSES
+    try:
+        import megarl.algorithms as algos
+
+        registry = algos.ADVANTAGE_ESTIMATORS if kind == "advantage" else algos.POLICY_LOSSES
+        return set(registry) | base
+    except (ImportError, AttributeError):
+        return set(base)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) if n > 0 else "none"
+
+
+def model_hf_config(cfg: DictConfig) -> Optional[dict[str, Any]]:
+    """The HF config of the model: inline ``model.hf_config`` over ``model.path``/config.json."""
+    out: dict[str, Any] = {}
+    if cfg.model.path:
+        cfg_file = Path(cfg.model.path) / "config.json"
+        if cfg_file.is_file():
+            try:
+                out.update(json.loads(cfg_file.read_text()))
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"model.path: {cfg_file} is not valid JSON: {err}") from err
+    out.update(OmegaConf.to_container(cfg.model.hf_config, resolve=True))
+    out.update(OmegaConf.to_container(cfg.model.override_config, resolve=True))
+    return out or None
+
+
+class _Rules:
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.errors: list[str] = []
+
+    def err(self, msg: str) -> None:
+        self.errors.append(msg)
+
+    def positive(self, key: str, strict: bool = True) -> None:
+        value = OmegaConf.select(self.cfg, key)
+        if value is None:
+            return
+        if (strict and value <= 0) or (not strict and value < 0):
+            self.err(f"{key} = {value}: must be {'> 0' if strict else '>= 0'}")
+
+    def in_range(self, key: str, lo: float, hi: float, lo_open: bool = False) -> None:
+        value = OmegaConf.select(self.cfg, key)
+        if value is None:
+            return
+        ok = (lo < value if lo_open else lo <= value) and value <= hi
+        if not ok:
+            self.err(f"{key} = {value}: must be in {'(' if lo_open else '['}{lo}, {hi}]")
+
+    def one_of(self, key: str, allowed: set[str]) -> None:
+        value = OmegaConf.select(self.cfg, key)
+        if value is not None and str(value) not in allowed:
+            self.err(f"{key} = {value!r}: must be one of {sorted(allowed)}")
+
+
+def pool_size(pool: Any) -> int:
+    return int(pool.nnodes) * int(pool.devices_per_node)
+
+
+def critic_enabled(cfg: DictConfig) -> bool:
+    return cfg.critic.enable if cfg.critic.enable is not None else cfg.algorithm.adv_estimator == "gae"
+
+
+def ref_enabled(cfg: DictConfig) -> bool:
+    if cfg.ref.enable is not None:
+        return bool(cfg.ref.enable)
+    return bool(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+
+
+def _check_layout(r: _Rules, role: str, par: Any, world: int, pool_key: str, hf: Optional[dict]) -> int:
+    """Check one role's Megatron layout against its pool; return the derived DP size (0 if invalid)."""
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    cp, ep = par.context_parallel_size, par.expert_model_parallel_size
+    for name, value in (("tensor", tp), ("pipeline", pp), ("context", cp), ("expert", ep)):
+        if value < 1:
+            r.err(f"{role}.megatron.{name}_model_parallel_size = {value}: must be >= 1")
+            return 0
+    model_par = tp * pp * cp
+    if world % model_par != 0:
+        r.err(
+            f"{role}.megatron: TP x PP x CP = {tp} x {pp} x {cp} = {model_par} does not divide the "
+            f"{world} devices of {pool_key} (nnodes x devices_per_node); valid products: {_divisors(world)}"
+        )
+        return 0
+    dp = world // model_par
+    if par.data_parallel_size is not None and par.data_parallel_size != dp:
+        r.err(
+            f"{role}.megatron.data_parallel_size = {par.data_parallel_size}: TP x PP x CP x DP must equal the "
+            f"{world} devices of {pool_key}, so DP must be {dp} (or null to derive it)"
+        )
+    if (dp * cp) % ep != 0:
+        r.err(f"{role}.megatron.expert_model_parallel_size = {ep}: must divide DP x CP = {dp * cp}")
+    if par.sequence_parallel and tp == 1:
+        r.err(f"{role}.megatron.sequence_parallel = true needs tensor_model_parallel_size > 1")
+    if hf:
+        heads = hf.get("num_attention_heads")
+        groups = hf.get("num_key_value_heads") or heads
+        if heads and heads % tp != 0:
+            r.err(
+                f"{role}.megatron.tensor_model_parallel_size = {tp}: must divide the model's "
+                f"num_attention_heads = {heads}; valid: {_divisors(heads)}"
+            )
+        if groups and groups % tp != 0:
+            r.err(
+                f"{role}.megatron.tensor_model_parallel_size = {tp}: must divide the model's query groups "
+                f"(num_key_value_heads = {groups}); valid: {_divisors(groups)}"
+            )
+        layers = hf.get("num_hidden_layers")
+        if layers and layers % pp != 0:
+            r.err(
+                f"{role}.megatron.pipeline_model_parallel_size = {pp}: must divide num_hidden_layers = {layers}; "
+                f"valid: {_divisors(layers)}"
+            )
+        experts = hf.get("num_local_experts") or hf.get("num_experts")
+        if ep > 1 and not experts:
+            r.err(f"{role}.megatron.expert_model_parallel_size = {ep}: the model has no experts; use 1")
+        elif experts and experts % ep != 0:
+            r.err(f"{role}.megatron.expert_model_parallel_size = {ep}: must divide num_experts = {experts}; valid: {_divisors(experts)}")
+    return dp
+
+
+def _check_batches(r: _Rules, role: str, sec: Any, train_bs: int, n: int, dp: int) -> None:
+    mini = sec.ppo_mini_batch_size
+    if mini < 1:
+        r.err(f"{role}.ppo_mini_batch_size = {mini}: must be >= 1")
+        return
+    if train_bs % mini != 0:
+        r.err(
+            f"{role}.ppo_mini_batch_size = {mini} must divide data.train_batch_size = {train_bs} "
+            f"(both count prompts); valid: {_divisors(train_bs)}"
+        )
+    seqs = mini * n
+    if dp and seqs % dp != 0:
+        r.err(
+            f"{role}.ppo_mini_batch_size x rollout.n = {mini} x {n} = {seqs} sequences must be divisible by the "
+            f"data-parallel size {dp}"
+        )
+    elif dp and not sec.use_dynamic_bsz:
+        per_rank = seqs // dp
+        micro = sec.ppo_micro_batch_size_per_gpu
+        if micro < 1 or per_rank % micro != 0:
+            r.err(
+                f"{role}.ppo_micro_batch_size_per_gpu = {micro} must divide the {per_rank} sequences a mini-batch "
+                f"gives each of the {dp} DP ranks; valid: {_divisors(per_rank)}"
+            )
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Raise ConfigError listing every rule ``cfg`` breaks."""
+    r = _Rules(cfg)
+    alg, actor, rollout, data = cfg.algorithm, cfg.actor, cfg.rollout, cfg.data
+
+    for key, allowed in ENUMS.items():
+        r.one_of(key, allowed)
+    r.one_of("algorithm.adv_estimator", registered_names("advantage"))
+    r.one_of("actor.policy_loss.loss_mode", registered_names("policy_loss"))
+    for backend in cfg.tracking.backends:
+        if backend not in TRACKING_BACKENDS:
+            r.err(f"tracking.backends: unknown backend {backend!r}; valid: {sorted(TRACKING_BACKENDS)}")
+
+    for key in ("actor.optim.lr", "critic.optim.lr", "rollout.temperature", "actor.clip_ratio", "rollout.n",
+                "data.train_batch_size", "data.max_prompt_length", "data.max_response_length", "actor.ppo_epochs",
+                "critic.ppo_epochs", "trainer.total_epochs", "trainer.max_ckpt_to_keep", "actor.optim.clip_grad",
+                "reward.timeout_s", "rollout.val_kwargs.n", "critic.cliprange_value", "algorithm.kl_ctrl.horizon"):
+        r.positive(key)
+    for key in ("actor.clip_ratio_low", "actor.clip_ratio_high", "rollout.response_length", "data.val_batch_size",
+                "trainer.total_training_steps"):
+        r.positive(key)
+    for key in ("actor.entropy_coeff", "actor.kl_loss_coef", "algorithm.kl_ctrl.kl_coef", "actor.optim.weight_decay",
+                "reward.num_workers", "trainer.critic_warmup"):
+        r.positive(key, strict=False)
+    r.in_range("rollout.top_p", 0.0, 1.0, lo_open=True)
+    r.in_range("rollout.val_kwargs.top_p", 0.0, 1.0, lo_open=True)
+    r.in_range("algorithm.gamma", 0.0, 1.0)
+    r.in_range("algorithm.lam", 0.0, 1.0)
+    r.in_range("rollout.gpu_memory_utilization", 0.0, 1.0, lo_open=True)
+    if actor.clip_ratio_c <= 1.0:
+        r.err(f"actor.clip_ratio_c = {actor.clip_ratio_c}: the dual-clip bound must be > 1.0 (verl's default is 3.0)")
+
+    if not data.train_files:
+        r.err("data.train_files is empty: give one or more parquet files (`megarl data make arithmetic` writes some)")
+    if not cfg.model.path and not cfg.model.hf_config:
+        r.err("model: set model.path (a HF model directory) or model.hf_config (a HF config for random init)")
+    if cfg.model.path and not Path(cfg.model.path).is_dir() and not cfg.model.hf_config:
+        r.err(f"model.path = {cfg.model.path!r}: no such directory")
+
+    n = rollout.n
+    if alg.adv_estimator in GROUP_ESTIMATORS and n < 2:
+        r.err(
+            f"rollout.n = {n}: algorithm.adv_estimator = {alg.adv_estimator!r} compares responses within a group, "
+            f"so it needs rollout.n >= 2"
+        )
+    if alg.filter_groups.enable and n < 2:
+        r.err(f"rollout.n = {n}: algorithm.filter_groups (DAPO dynamic sampling) needs rollout.n >= 2")
+    if alg.adv_estimator == "grpo_passk" and not 1 <= alg.pass_k <= n:
+        r.err(f"algorithm.pass_k = {alg.pass_k}: must be in [1, rollout.n = {n}]")
+    if alg.adv_estimator == "gae" and cfg.critic.enable is False:
+        r.err("critic.enable = false: algorithm.adv_estimator = 'gae' needs a critic (set critic.enable: true or null)")
+    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
+        r.err("trainer.resume_mode = 'resume_path' needs trainer.resume_from_path")
+    if cfg.reward_model.enable and not cfg.reward_model.model_path:
+        r.err("reward_model.enable = true needs reward_model.model_path")
+    if cfg.reward.overlong_buffer.enable:
+        buf = cfg.reward.overlong_buffer.len
+        resp = rollout.response_length or data.max_response_length
+        if not 0 < buf < resp:
+            r.err(f"reward.overlong_buffer.len = {buf}: must be in (0, response length = {resp})")
+
+    hf = model_hf_config(cfg)
+    world = pool_size(cfg.resources.actor_pool)
+    if world < 1:
+        r.err(f"resources.actor_pool: nnodes x devices_per_node = {world}: must be >= 1")
+        raise ConfigError("invalid config:\n  " + "\n  ".join(r.errors))
+    dp = _check_layout(r, "actor", actor.megatron, world, "resources.actor_pool", hf)
+    _check_batches(r, "actor", actor, data.train_batch_size, n, dp)
+
+    if critic_enabled(cfg):
+        pool_key = "resources.critic_pool" if cfg.resources.critic_pool is not None else "resources.actor_pool"
+        critic_world = pool_size(cfg.resources.critic_pool) if cfg.resources.critic_pool is not None else world
+        critic_dp = _check_layout(r, "critic", cfg.critic.megatron, critic_world, pool_key, hf)
+        _check_batches(r, "critic", cfg.critic, data.train_batch_size, n, critic_dp)
+    if ref_enabled(cfg):
+        ref_world = pool_size(cfg.resources.ref_pool) if cfg.resources.ref_pool is not None else world
+        pool_key = "resources.ref_pool" if cfg.resources.ref_pool is not None else "resources.actor_pool"
+        _check_layout(r, "ref", cfg.ref.megatron, ref_world, pool_key, hf)
+
+    rtp = rollout.tensor_model_parallel_size
+    if rtp < 1 or world % rtp != 0:
+        r.err(
+            f"rollout.tensor_model_parallel_size = {rtp}: must divide the {world} devices of resources.actor_pool "
+            f"(the rollout shares the actor's devices); valid: {_divisors(world)}"
+        )
+    elif hf:
+        heads = hf.get("num_attention_heads")
+        if heads and heads % rtp != 0:
+            r.err(f"rollout.tensor_model_parallel_size = {rtp}: must divide num_attention_heads = {heads}; valid: {_divisors(heads)}")
+
+    if hf:
+        max_pos = hf.get("max_position_embeddings")
+        resp = rollout.response_length or data.max_response_length
+        if max_pos and data.max_prompt_length + resp > max_pos:
+            r.err(
+                f"data.max_prompt_length + response length = {data.max_prompt_length} + {resp} exceeds the model's "
+                f"max_position_embeddings = {max_pos}"
+            )
+
+    if r.errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(r.errors))

@@ -1,0 +1,275 @@
+"""Experiment config: loading, `extends`, overrides, and one test per validation rule."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megarl.cli import main as cli_main
+from megarl.config import all_keys, load_config, suggest_key
+from megarl.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+TINY_MODEL = {
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 4,
+    "intermediate_size": 128,
+    "vocab_size": 64,
+    "max_position_embeddings": 128,
+}
+
+VALID = {
+    "data": {
+        "train_files": ["train.parquet"],
+        "train_batch_size": 8,
+        "max_prompt_length": 32,
+        "max_response_length": 16,
+    },
+    "model": {"hf_config": TINY_MODEL},
+    "actor": {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2, "megatron": {"tensor_model_parallel_size": 2}},
+    "rollout": {"n": 4},
+    "resources": {"actor_pool": {"nnodes": 1, "devices_per_node": 2}},
+}
+
+
+def write(tmp_path: Path, name: str, data: dict) -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture
+def valid_file(tmp_path: Path) -> Path:
+    return write(tmp_path, "exp.yaml", VALID)
+
+
+def errors_of(path: Path, *overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides))
+    return str(info.value)
+
+
+def test_valid_config_loads_with_types(valid_file: Path) -> None:
+    cfg = load_config(valid_file)
+    assert cfg.actor.megatron.tensor_model_parallel_size == 2
+    assert cfg.actor.optim.lr == pytest.approx(1e-6)  # schema default survives
+    assert isinstance(cfg.rollout.n, int)
+
+
+def test_overrides_apply_and_are_typed(valid_file: Path) -> None:
+    cfg = load_config(valid_file, ["actor.optim.lr=3e-5", "rollout.n=8", "data.train_files=[a.parquet,b.parquet]"])
+    assert cfg.actor.optim.lr == pytest.approx(3e-5)
+    assert cfg.rollout.n == 8
+    assert list(cfg.data.train_files) == ["a.parquet", "b.parquet"]
+
+
+def test_extends_merges_base_then_child(tmp_path: Path) -> None:
+    write(tmp_path, "base.yaml", VALID)
+    (tmp_path / "sub").mkdir()
+    child = write(tmp_path / "sub", "child.yaml", {"extends": "../base.yaml", "rollout": {"n": 8}, "actor": {"optim": {"lr": 2e-6}}})
+    cfg = load_config(child)
+    assert cfg.rollout.n == 8
+    assert cfg.actor.optim.lr == pytest.approx(2e-6)
+    assert cfg.actor.megatron.tensor_model_parallel_size == 2  # from the base
+
+
+def test_extends_cycle_is_reported(tmp_path: Path) -> None:
+    write(tmp_path, "a.yaml", {"extends": "b.yaml"})
+    b = write(tmp_path, "b.yaml", {"extends": "a.yaml"})
+    assert "cycle" in errors_of(b)
+
+
+def test_interpolation_resolves(valid_file: Path) -> None:
+    cfg = load_config(valid_file, ["trainer.project_name=p", "trainer.experiment_name=e"])
+    assert cfg.trainer.default_local_dir == "runs/p/e"
+
+
+# --- one test per rule -------------------------------------------------------------------------
+
+
+def test_unknown_key_names_file_and_suggests(tmp_path: Path) -> None:
+    bad = dict(VALID, rollout={"n": 4, "temprature": 0.7})
+    path = write(tmp_path, "bad.yaml", bad)
+    msg = errors_of(path)
+    assert str(path) in msg
+    assert "unknown key 'rollout.temprature'" in msg
+    assert "did you mean 'rollout.temperature'" in msg
+
+
+def test_unknown_key_in_override_suggests_nested_key(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "actor.lr=1e-5")
+    assert "command-line override 'actor.lr=1e-5'" in msg
+    assert "did you mean 'actor.optim.lr'" in msg
+
+
+def test_unknown_section(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "optimizer.lr=1")
+    assert "unknown key 'optimizer'" in msg
+
+
+def test_wrong_type_names_key(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "actor.optim.lr=fast")
+    assert "actor.optim.lr" in msg and "Float" in msg
+
+
+def test_section_given_a_scalar(tmp_path: Path) -> None:
+    path = write(tmp_path, "bad.yaml", dict(VALID, actor=3))
+    assert "'actor' is a section" in errors_of(path)
+
+
+def test_mini_batch_must_divide_train_batch(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "actor.ppo_mini_batch_size=3")
+    assert "actor.ppo_mini_batch_size = 3 must divide data.train_batch_size = 8" in msg
+    assert "valid: 1, 2, 4, 8" in msg
+
+
+def test_mini_batch_sequences_divisible_by_dp(valid_file: Path) -> None:
+    # TP=1 on 2 devices -> DP=2; 1 prompt x 1 response = 1 sequence cannot split over 2 ranks.
+    msg = errors_of(valid_file, "actor.megatron.tensor_model_parallel_size=1", "actor.ppo_mini_batch_size=1",
+                    "rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus")
+    assert "must be divisible by the data-parallel size 2" in msg
+
+
+def test_micro_batch_must_divide_per_rank_share(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "actor.ppo_micro_batch_size_per_gpu=3")
+    assert "actor.ppo_micro_batch_size_per_gpu = 3 must divide the 16 sequences" in msg
+    assert "valid: 1, 2, 4, 8, 16" in msg
+
+
+def test_critic_batches_checked_when_gae(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=5")
+    assert "critic.ppo_mini_batch_size = 5 must divide data.train_batch_size = 8" in msg
+
+
+def test_tp_must_divide_heads(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "model.hf_config.num_attention_heads=6", "model.hf_config.num_key_value_heads=6",
+                    "resources.actor_pool.devices_per_node=4", "actor.megatron.tensor_model_parallel_size=4")
+    assert "must divide the model's num_attention_heads = 6; valid: 1, 2, 3, 6" in msg
+
+
+def test_tp_must_divide_query_groups(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "resources.actor_pool.devices_per_node=4", "actor.megatron.tensor_model_parallel_size=4")
+    assert "query groups (num_key_value_heads = 2); valid: 1, 2" in msg
+
+
+def test_tp_pp_cp_must_divide_pool(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "actor.megatron.pipeline_model_parallel_size=3", "actor.megatron.tensor_model_parallel_size=1")
+    assert "TP x PP x CP = 1 x 3 x 1 = 3 does not divide the 2 devices of resources.actor_pool" in msg
+
+
+def test_explicit_dp_must_complete_the_product(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "actor.megatron.data_parallel_size=2")
+    assert "TP x PP x CP x DP must equal the 2 devices of resources.actor_pool, so DP must be 1" in msg
+
+
+def test_pp_must_divide_layers(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "model.hf_config.num_hidden_layers=3", "actor.megatron.tensor_model_parallel_size=1",
+                    "actor.megatron.pipeline_model_parallel_size=2")
+    assert "must divide num_hidden_layers = 3" in msg
+
+
+def test_ep_needs_experts(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "actor.megatron.tensor_model_parallel_size=1", "actor.megatron.expert_model_parallel_size=2")
+    assert "the model has no experts" in msg
+
+
+def test_rollout_tp_must_divide_world(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "rollout.tensor_model_parallel_size=3")
+    assert "rollout.tensor_model_parallel_size = 3: must divide the 2 devices" in msg
+
+
+def test_grpo_needs_n_at_least_2(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "rollout.n=1")
+    assert "rollout.n = 1" in msg and "needs rollout.n >= 2" in msg
+
+
+def test_dapo_filter_needs_groups(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus",
+                    "algorithm.filter_groups.enable=true", "actor.megatron.tensor_model_parallel_size=2",
+                    "actor.ppo_micro_batch_size_per_gpu=1")
+    assert "filter_groups (DAPO dynamic sampling) needs rollout.n >= 2" in msg
+
+
+def test_unknown_estimator_lists_valid(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "algorithm.adv_estimator=ppo2")
+    assert "algorithm.adv_estimator = 'ppo2': must be one of" in msg and "'grpo'" in msg
+
+
+def test_enum_values(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "actor.loss_agg_mode=mean", "rollout.engine=sglang")
+    assert "actor.loss_agg_mode = 'mean': must be one of" in msg
+    assert "rollout.engine = 'sglang': must be one of ['auto', 'hf', 'vllm']" in msg
+
+
+def test_ranges(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "rollout.top_p=0", "actor.optim.lr=-1", "actor.clip_ratio_c=0.5", "algorithm.gamma=1.5")
+    assert "rollout.top_p = 0.0: must be in (0.0, 1.0]" in msg
+    assert "actor.optim.lr = -1.0: must be > 0" in msg
+    assert "actor.clip_ratio_c = 0.5" in msg
+    assert "algorithm.gamma = 1.5: must be in [0.0, 1.0]" in msg
+
+
+def test_lengths_fit_the_model(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "data.max_prompt_length=100", "data.max_response_length=100")
+    assert "exceeds the model's max_position_embeddings = 128" in msg
+
+
+def test_gae_needs_critic(valid_file: Path) -> None:
+    assert "needs a critic" in errors_of(valid_file, "algorithm.adv_estimator=gae", "critic.enable=false")
+
+
+def test_resume_path_needs_path(valid_file: Path) -> None:
+    assert "needs trainer.resume_from_path" in errors_of(valid_file, "trainer.resume_mode=resume_path")
+
+
+def test_model_path_config_json_is_read(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(dict(TINY_MODEL, num_key_value_heads=1)))
+    data = dict(VALID, model={"path": str(model_dir)})
+    msg = errors_of(write(tmp_path, "exp.yaml", data))
+    assert "num_key_value_heads = 1" in msg
+
+
+def test_all_problems_reported_together(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "rollout.n=1", "actor.ppo_mini_batch_size=3")
+    assert "rollout.n = 1" in msg and "ppo_mini_batch_size = 3" in msg
+
+
+def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
+    assert "config file not found" in errors_of(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: [unclosed")
+    assert "not valid YAML" in errors_of(bad)
+
+
+def test_suggestions() -> None:
+    assert suggest_key("actor.megatron.tp") == "actor.megatron.tensor_model_parallel_size"
+    assert suggest_key("algorithm.adv_estimater") == "algorithm.adv_estimator"
+    assert "actor.optim.lr" in all_keys()
+
+
+def test_cli_validate_and_show(valid_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["config", "validate", str(valid_file)]) == 0
+    assert "valid" in capsys.readouterr().out
+    assert cli_main(["config", "validate", str(valid_file), "rollout.n=1"]) == 1
+    assert "rollout.n = 1" in capsys.readouterr().err
+    assert cli_main(["config", "show", str(valid_file), "rollout.n=6"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["rollout"]["n"] == 6
+
+
+def test_shipped_configs_validate_or_name_missing_data() -> None:
+    """Every shipped config parses and passes key/type checks (files it names may not exist yet)."""
+    root = Path(__file__).resolve().parents[3] / "configs"
+    files = sorted(root.glob("*.yaml"))
+    assert files, "configs/ holds no YAML files"
+    for path in files:
+        load_config(path, validate=False)
