@@ -1,0 +1,95 @@
+"""`megarl train`: validate the config, prepare data and model, start Ray and the workers, run."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from megarl.config import critic_enabled, ref_enabled
+from megarl.config.validate import pool_size
+
+logger = logging.getLogger(__name__)
+
+
+def ray_cpus_needed(cfg: DictConfig) -> int:
+    """Logical CPUs a local Ray cluster needs: every pool's workers plus one for scoring tasks."""
+    res = cfg.resources
+    per_worker = float(res.num_cpus_per_worker)
+    total = pool_size(res.actor_pool)
+    if ref_enabled(cfg) and res.ref_pool is not None:
+        total += pool_size(res.ref_pool)
+    if critic_enabled(cfg) and res.critic_pool is not None:
+        total += pool_size(res.critic_pool)
+    return int(total * per_worker + 0.999) + 1
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Run one experiment; returns the last validation metrics. `cfg` must already be validated."""
+    from megarl.cluster.ray_cluster import start_or_connect
+    from megarl.trainer.checkpoint_dirs import CheckpointDirs
+    from megarl.trainer.loop import RLTrainer
+    from megarl.trainer.setup import prepare_run
+    from megarl.trainer.workers import start_workers
+    from megarl.tracking.progress import Progress
+    from megarl.tracking.report import write_report
+    from megarl.tracking.tracker import Tracker
+
+    run = prepare_run(cfg)  # data, tokenizer, model and rewards are checked before Ray starts
+    resume = CheckpointDirs(run.run_dir / "checkpoints").resolve_resume(cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
+    resume_step = resume[0] if resume else None
+    res = cfg.resources
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    progress = Progress(run.total_steps, start_step=resume_step or 0, enabled=cfg.trainer.progress_bar)
+    tracker = Tracker(
+        run.run_dir, backends=list(cfg.tracking.backends), project=cfg.trainer.project_name,
+        experiment=cfg.trainer.experiment_name, mlflow_tracking_uri=cfg.tracking.mlflow_tracking_uri,
+        config=OmegaConf.to_container(cfg, resolve=True), resume_step=resume_step,
+        console_write=progress.write, total_steps=run.total_steps,
+    )
+    status = "FAILED"
+    try:
+        with start_or_connect(
+            address=res.ray_address,
+            num_cpus=res.ray_num_cpus or ray_cpus_needed(cfg),
+            object_store_memory_gb=res.object_store_memory_gb,
+        ):
+            workers = start_workers(cfg, str(run.model_dir), run.tokenizer, run.total_steps)
+            progress.write(f"rollout engine: {workers.rollout_engine}")
+            try:
+                trainer = RLTrainer(run, workers, tracker, progress)
+                last_val = trainer.fit()
+            finally:
+                workers.shutdown()
+        status = "FINISHED"
+        return last_val
+    finally:
+        progress.close()
+        tracker.close(status=status)
+        run.reward_manager.close()
+        if cfg.tracking.report_plots and (run.run_dir / "metrics.jsonl").is_file():
+            try:
+                paths = write_report(run.run_dir)
+                logger.info("report: %s", ", ".join(str(p) for p in paths.values()))
+            except Exception as err:  # a report must not hide the run's own outcome
+                logger.warning("could not write the run report: %s", err)
+
+
+def register_cli(subparsers: Any) -> None:
+    parser = subparsers.add_parser("train", help="run an experiment (PPO, GRPO, DAPO, ...) from a YAML config")
+    parser.add_argument("config", help="experiment YAML, e.g. configs/quickstart_cpu.yaml")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6 rollout.n=8")
+    parser.set_defaults(func=_train_command)
+
+
+def _train_command(args: Any) -> int:
+    from megarl.config import load_config
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = load_config(args.config, args.overrides)  # every config error before anything starts
+    metrics = train(cfg)
+    if metrics:
+        print("final validation: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))
+    return 0

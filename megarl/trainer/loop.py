@@ -1,0 +1,264 @@
+"""The driver loop of PPO, GRPO, DAPO and their relatives: one file, read top to bottom.
+
+One step (see `RLTrainer.train_step`):
+  1. prompts <- the data loader (left-padded, a `uid` per prompt)
+  2. responses <- rollout (weights synced from the actor first), n per prompt
+  3. scores <- the reward manager (rule scorers or a user function; DAPO overlong shaping)
+     DAPO: drop groups whose responses all score the same; generate more until the batch is full
+  4. old log-probs (actor), reference log-probs, values (critic)
+  5. advantages on the driver's CPU (KL in the reward first when configured)
+  6. critic update, then actor update (after the critic warm-up)
+  7. metrics, validation every `test_freq` steps, checkpoint every `save_freq` steps
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from megarl.algorithms import (
+    DynamicSamplingState,
+    apply_kl_penalty,
+    filter_groups,
+    get_advantage_estimator,
+    make_kl_controller,
+    sequence_metric,
+)
+from megarl.protocol import Batch
+from megarl.trainer.checkpointing import TrainerCheckpointer
+from megarl.trainer.setup import RunContext, resolve_response_length
+from megarl.trainer.timing import Timer
+from megarl.trainer.validation import validate
+from megarl.trainer.workers import Workers
+from megarl.tracking.metrics import compute_data_metrics, compute_throughput, compute_timing_metrics, count_tokens
+
+logger = logging.getLogger(__name__)
+
+
+class RLTrainer:
+    """Runs the algorithm of `cfg.algorithm` with the workers of `start_workers`."""
+
+    def __init__(self, run: RunContext, workers: Workers, tracker: Any, progress: Any) -> None:
+        self.run = run
+        self.cfg = run.cfg
+        self.workers = workers
+        self.tracker = tracker
+        self.progress = progress
+        self.timer = Timer()
+        alg = self.cfg.algorithm
+        self.kl_ctrl = make_kl_controller(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon)
+        self.estimator = get_advantage_estimator(alg.adv_estimator)
+        self.response_length = resolve_response_length(self.cfg)
+        self.global_step = 0
+        self.weights_version = 0  # bumped by every actor update; the rollout syncs when behind
+        self.rollout_version = -1
+        self.checkpointer = TrainerCheckpointer(self)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, float]:
+        self.checkpointer.maybe_resume()
+        last_val: dict[str, float] = {}
+        if self.cfg.trainer.val_before_train and self.global_step == 0 and self.run.val_dataset is not None:
+            last_val = self.validate()
+            self.tracker.log(last_val, step=0)
+        self.progress.start()
+        while self.global_step < self.run.total_steps:
+            step = self.global_step + 1
+            metrics = self.train_step(step)
+            self.global_step = step
+            is_last = step == self.run.total_steps
+            test_freq = self.cfg.trainer.test_freq
+            if self.run.val_dataset is not None and ((test_freq > 0 and step % test_freq == 0) or is_last):
+                last_val = self.validate()
+                metrics.update(last_val)
+            save_freq = self.cfg.trainer.save_freq
+            if save_freq > 0 and (step % save_freq == 0 or is_last):
+                with self.timer("save_checkpoint"):
+                    self.checkpointer.save(step)
+                metrics["timing_s/save_checkpoint"] = self.timer.pop()["save_checkpoint"]
+            self.tracker.log(metrics, step=step)
+            self.progress.step_done(step, reward=metrics.get("critic/score/mean"))
+        return last_val
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        cfg, alg = self.cfg, self.cfg.algorithm
+        metrics: dict[str, Any] = {"training/global_step": step, "training/epoch": self.run.train_loader.epoch}
+        with self.timer("step"):
+            # 1-3. prompts -> responses -> scores (DAPO: until enough groups carry a signal)
+            batch, gen_metrics = self.collect_scored_batch(step)
+            metrics.update(gen_metrics)
+
+            # 4. log-probs of the behaviour policy, the reference, and the critic's values
+            with self.phase("old_log_prob"):
+                batch = batch.union(self.workers.actor.call_dp("compute_log_prob", batch))
+            if self.workers.ref is not None:
+                with self.phase("ref"):
+                    batch = batch.union(self.workers.ref.call_dp("compute_ref_log_prob", batch))
+            if self.workers.critic is not None:
+                with self.phase("values"):
+                    batch = batch.union(self.workers.critic.call_dp("compute_values", batch))
+
+            # 5. rewards (with KL when configured) and advantages, on the driver's CPU
+            with self.phase("adv"):
+                batch, adv_metrics = self.compute_advantages(batch)
+                metrics.update(adv_metrics)
+
+            # 6. updates: critic first, actor after the warm-up
+            if self.workers.critic is not None:
+                with self.phase("update_critic"):
+                    metrics.update(self.workers.critic.call_dp("update_critic", batch)[0])
+            if step > cfg.trainer.critic_warmup:
+                with self.phase("update_actor"):
+                    metrics.update(self.workers.actor.call_dp("update_actor", batch)[0])
+                self.weights_version += 1
+
+        # 7. metrics
+        timings = self.timer.pop()
+        total_tokens, response_tokens = count_tokens(batch)
+        metrics.update(compute_data_metrics(batch, max_response_length=self.response_length,
+                                            max_prompt_length=cfg.data.max_prompt_length))
+        metrics.update(compute_timing_metrics(timings, total_tokens, response_tokens))
+        metrics.update(compute_throughput(total_tokens, timings["step"], self.n_devices))
+        if alg.use_kl_in_reward:
+            metrics["actor/reward_kl_coef"] = self.kl_ctrl.value
+        return metrics
+
+    # ------------------------------------------------------------------ phases
+    def phase(self, name: str) -> Any:
+        """Time `name` and show it in the progress display."""
+        return _Both(self.timer(name), self.progress.phase(name))
+
+    def generate(self, prompts: Batch, sampling: dict[str, Any]) -> Batch:
+        """Responses for `prompts` from the rollout engines (synced to the actor's weights first)."""
+        rollout = self.workers.rollout
+        if self.rollout_version != self.weights_version:
+            with self.phase("sync_weights"):
+                rollout.call_all("wake_up")
+                rollout.call_all("sync_weights", self.weights_version)
+            self.rollout_version = self.weights_version
+        with self.phase("gen"):
+            out = rollout.call_dp("generate", prompts, sampling, dispatch_infos=self.workers.rollout_infos)
+        return out
+
+    def sampling(self, step: int, validation: bool = False) -> dict[str, Any]:
+        ro = self.cfg.rollout
+        seed = int(self.cfg.trainer.seed) * 100003 + step * 2 + int(validation)
+        if validation:
+            v = ro.val_kwargs
+            return {"n": v.n, "max_new_tokens": self.response_length, "greedy": not v.do_sample,
+                    "temperature": v.temperature if v.do_sample else 1.0, "top_p": v.top_p, "top_k": v.top_k, "seed": seed}
+        return {"n": ro.n, "max_new_tokens": self.response_length, "temperature": ro.temperature,
+                "top_p": ro.top_p, "top_k": ro.top_k, "seed": seed}
+
+    def collect_scored_batch(self, step: int) -> tuple[Batch, dict[str, Any]]:
+        """Generate and score; with DAPO's group filter, repeat until `train_batch_size` groups remain."""
+        fg = self.cfg.algorithm.filter_groups
+        needed = int(self.cfg.data.train_batch_size)
+        state = DynamicSamplingState(num_prompts_needed=needed, max_num_gen_batches=fg.max_num_gen_batches)
+        kept: list[Batch] = []
+        metrics: dict[str, Any] = {}
+        attempt = 0
+        while True:
+            prompts = self.run.train_loader.next_batch()
+            gen = self.generate(prompts, self.sampling(step * 1000 + attempt))
+            attempt += 1
+            with self.phase("reward"):
+                gen, reward_metrics = self.score(gen)
+            metrics.update(reward_metrics)
+            if not fg.enable:
+                return gen, metrics
+            group_index = gen.group_indices("uid")
+            info = {k.split("/", 1)[1]: gen[k] for k in gen.non_tensor_keys if k.startswith("reward_info/")}
+            metric = sequence_metric(fg.metric, token_level_scores=gen["token_level_scores"], reward_extra_info=info)
+            keep = filter_groups(metric, group_index, uids=gen["uid"])
+            batch_kept = gen[keep]
+            n_kept = len(set(batch_kept["uid"].tolist()))
+            kept.append(batch_kept)
+            if state.record(n_kept):
+                break
+        batch = Batch.concat(kept)
+        # Exactly train_batch_size groups: drop the surplus, whole groups at a time.
+        uids = list(dict.fromkeys(batch["uid"].tolist()))[:needed]
+        batch = batch[np.isin(batch["uid"], uids)]
+        metrics["dapo/num_gen_batches"] = state.num_gen_batches
+        metrics["dapo/num_prompts_kept"] = state.num_prompts_kept
+        return batch, metrics
+
+    def score(self, gen: Batch) -> tuple[Batch, dict[str, Any]]:
+        result = self.run.reward_manager.score_batch(gen, self.run.tokenizer)
+        gen["token_level_scores"] = result.token_level_scores
+        for key, values in result.reward_info.items():
+            gen[f"reward_info/{key}"] = np.asarray(values, dtype=object)
+        return gen, dict(result.metrics)
+
+    def compute_advantages(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        alg = self.cfg.algorithm
+        metrics: dict[str, float] = {}
+        mask = batch["response_mask"]
+        if alg.use_kl_in_reward:
+            rewards, current_kl = apply_kl_penalty(batch["token_level_scores"], batch["old_log_probs"],
+                                                   batch["ref_log_prob"], mask, self.kl_ctrl.value, alg.kl_penalty)
+            self.kl_ctrl.update(current_kl, n_steps=len(batch))
+            metrics["actor/reward_kl_penalty"] = current_kl
+        else:
+            rewards = batch["token_level_scores"]
+        batch["token_level_rewards"] = rewards
+        baseline = None
+        if alg.adv_estimator == "remax":
+            baseline = self.remax_baseline(batch)
+        advantages, returns = self.estimator(
+            rewards, mask,
+            group_index=batch.group_indices("uid"),
+            values=batch["values"] if "values" in batch else None,
+            baseline_rewards=baseline,
+            gamma=alg.gamma, lam=alg.lam,
+            norm_adv_by_std=alg.norm_adv_by_std_in_grpo,
+            passk_k=alg.pass_k,
+            uids=batch["uid"],
+        )
+        batch["advantages"] = advantages
+        batch["returns"] = returns
+        return batch, metrics
+
+    def remax_baseline(self, batch: Batch) -> torch.Tensor:
+        """ReMax: the reward of one greedy response per prompt, broadcast to that prompt's samples."""
+        first = np.sort(np.unique(batch["uid"], return_index=True)[1])
+        rows = batch[torch.as_tensor(first)]
+        prompt_len = rows["prompts"].shape[1]
+        prompts = Batch.from_dict(
+            {"input_ids": rows["prompts"], "attention_mask": rows["attention_mask"][:, :prompt_len]},
+            {k: rows[k] for k in ("uid", "data_source", "ground_truth", "extra_info") if k in rows},
+        )
+        greedy = self.generate(prompts, {"n": 1, "max_new_tokens": self.response_length, "greedy": True})
+        scored, _ = self.score(greedy)
+        by_uid = dict(zip(scored["uid"].tolist(), scored["token_level_scores"].sum(-1).tolist()))
+        return torch.tensor([by_uid[u] for u in batch["uid"].tolist()], dtype=torch.float32)
+
+    def validate(self) -> dict[str, float]:
+        with self.phase("val"):
+            return validate(self)
+
+    @property
+    def n_devices(self) -> int:
+        res = self.cfg.resources
+        return int(res.actor_pool.nnodes * res.actor_pool.devices_per_node)
+
+
+class _Both:
+    """Enter two context managers as one."""
+
+    def __init__(self, first: Any, second: Any) -> None:
+        self.first, self.second = first, second
+
+    def __enter__(self) -> None:
+        self.first.__enter__()
+        self.second.__enter__()
+
+    def __exit__(self, *exc: Any) -> Optional[bool]:
+        self.second.__exit__(*exc)
+        return self.first.__exit__(*exc)

@@ -1,0 +1,149 @@
+"""What the driver prepares before any worker starts: run directory, tokenizer, model, data, rewards."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from megarl.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+MODEL_READY = "MEGARL_MODEL_READY"
+
+
+@dataclass
+class RunContext:
+    cfg: DictConfig
+    run_dir: Path
+    model_dir: Path  # HF directory every role loads its initial weights from
+    tokenizer: Any
+    train_loader: Any
+    val_dataset: Optional[Any]
+    reward_manager: Any
+    total_steps: int
+
+
+def resolve_response_length(cfg: DictConfig) -> int:
+    return int(cfg.rollout.response_length or cfg.data.max_response_length)
+
+
+def _config_digest(data: dict) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def materialize_model(cfg: DictConfig, tokenizer: Any, out_dir: Path) -> Path:
+    """A HF model directory for the run's initial weights.
+
+    `model.path` without `init_from_scratch` is used as it is. Otherwise a model is built from
+    `model.hf_config` (over `model.path`'s config.json, if given) with the vocabulary of the
+    tokenizer, initialised with `trainer.seed`, and saved once under the run directory; a resumed
+    run finds it there (same config digest) and does not rebuild it.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if cfg.model.path and not cfg.model.init_from_scratch:
+        path = Path(cfg.model.path)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.path = {str(path)!r}: no config.json there")
+        return path
+
+    hf: dict[str, Any] = {}
+    if cfg.model.path:
+        hf.update(json.loads((Path(cfg.model.path) / "config.json").read_text()))
+    hf.update(OmegaConf.to_container(cfg.model.hf_config, resolve=True))
+    hf.update(OmegaConf.to_container(cfg.model.override_config, resolve=True))
+    model_type = hf.pop("model_type", None)
+    if not model_type:
+        raise ConfigError("model.hf_config.model_type is required to build a model from a config (e.g. qwen2, llama)")
+    vocab = len(tokenizer)
+    hf["vocab_size"] = max(int(hf.get("vocab_size") or 0), vocab)
+    for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        value = getattr(tokenizer, key, None)
+        if value is not None and key not in hf:
+            hf[key] = value
+    hf.setdefault("torch_dtype", "float32")
+    digest = _config_digest({"model_type": model_type, "hf": hf, "seed": int(cfg.trainer.seed)})
+    marker = out_dir / MODEL_READY
+    if marker.is_file() and marker.read_text().strip() == digest:
+        return out_dir
+    config = AutoConfig.for_model(model_type, **hf)
+    torch.manual_seed(int(cfg.trainer.seed))
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    marker.write_text(digest)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("initial model: %s, %.2fM parameters, random init (seed %d) -> %s", model_type, n_params / 1e6,
+                int(cfg.trainer.seed), out_dir)
+    return out_dir
+
+
+def load_run_tokenizer(cfg: DictConfig) -> Any:
+    from megarl.data.tokenizer import load_tokenizer
+
+    path = cfg.data.tokenizer or cfg.model.path
+    if not path:
+        raise ConfigError("data.tokenizer: no tokenizer given (set data.tokenizer or model.path)")
+    return load_tokenizer(path)
+
+
+def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[Any, Optional[Any]]:
+    from megarl.data.dataset import RLDataset
+    from megarl.data.loader import RLDataLoader
+
+    data = cfg.data
+    common = dict(
+        prompt_key=data.prompt_key,
+        max_prompt_length=data.max_prompt_length,
+        truncation=data.truncation,
+        filter_overlong_prompts=data.filter_overlong_prompts,
+        apply_chat_template=data.apply_chat_template,
+    )
+    train = RLDataset(list(data.train_files), tokenizer, **common)
+    if len(train) < data.train_batch_size:
+        raise ConfigError(
+            f"data.train_files hold {len(train)} usable prompts, fewer than data.train_batch_size = {data.train_batch_size}"
+        )
+    loader = RLDataLoader(train, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+    val = RLDataset(list(data.val_files), tokenizer, **common) if data.val_files else None
+    return loader, val
+
+
+def total_training_steps(cfg: DictConfig, batches_per_epoch: int) -> int:
+    if cfg.trainer.total_training_steps:
+        return int(cfg.trainer.total_training_steps)
+    return int(batches_per_epoch * cfg.trainer.total_epochs)
+
+
+def prepare_run(cfg: DictConfig) -> RunContext:
+    """Everything the driver needs before starting workers; fails on bad data before Ray starts."""
+    from megarl.rewards.manager import RewardManager
+
+    run_dir = Path(cfg.trainer.default_local_dir).absolute()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_run_tokenizer(cfg)
+    train_loader, val_dataset = build_datasets(cfg, tokenizer)
+    reward_manager = RewardManager.from_config(cfg.reward, resolve_response_length(cfg))
+    reward_manager.check_data_sources(train_loader.dataset.data_sources())
+    if val_dataset is not None:
+        reward_manager.check_data_sources(val_dataset.data_sources())
+    model_dir = materialize_model(cfg, tokenizer, run_dir / "initial_model")
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    return RunContext(
+        cfg=cfg,
+        run_dir=run_dir,
+        model_dir=model_dir,
+        tokenizer=tokenizer,
+        train_loader=train_loader,
+        val_dataset=val_dataset,
+        reward_manager=reward_manager,
+        total_steps=total_training_steps(cfg, len(train_loader)),
+    )
