@@ -1,0 +1,202 @@
+"""PNG plots of a run's metrics (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+KL_KEYS = ("actor/ppo_kl", "actor/kl_loss", "critic/kl")
+MAX_VAL_CURVES = 4
+MAX_PHASES = 10  # phases beyond the largest ones are drawn as "other"
+SMOOTH_FROM = 30  # curves with more points than this get a moving average
+
+
+@dataclass
+class MetricTable:
+    """Metrics by step: ``column(name)[i]`` is the value at ``steps[i]`` (NaN where not logged)."""
+
+    steps: list[int]
+    times: list[Optional[float]]
+    values: dict[str, list[float]]
+
+    @classmethod
+    def from_records(cls, records: list[dict[str, Any]]) -> "MetricTable":
+        names = sorted({name for r in records for name in r["metrics"]})
+        return cls(
+            steps=[r["step"] for r in records],
+            times=[r.get("time") for r in records],
+            values={n: [r["metrics"].get(n, math.nan) for r in records] for n in names},
+        )
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.values)
+
+    def column(self, name: str) -> list[float]:
+        return self.values.get(name, [math.nan] * len(self.steps))
+
+    def series(self, name: str) -> tuple[list[int], list[float]]:
+        """(steps, values) where ``name`` was logged with a finite value."""
+        pairs = [(s, v) for s, v in zip(self.steps, self.column(name)) if not math.isnan(v)]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def validation_reward_keys(names: list[str]) -> list[str]:
+    """Validation reward metrics (``val-core/...`` or ``val/...`` naming a reward or score), mean-like first."""
+    val = [n for n in names if n.startswith(("val-core/", "val/")) and ("reward" in n or "score" in n)]
+    return sorted(val, key=lambda n: (not ("mean" in n), n))
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to ``window`` values (shorter at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _integer_locator() -> Any:
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True)
+
+
+def _line_plot(
+    table: MetricTable,
+    path: Path,
+    title: str,
+    ylabel: str,
+    keys: list[str],
+    band: Optional[tuple[str, str]] = None,
+) -> bool:
+    """One curve per key that was logged (a min–max band if given); False when nothing to draw."""
+    keys = [k for k in keys if table.series(k)[0]]
+    if not keys:
+        return False
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    for key in keys:
+        steps, vals = table.series(key)
+        marker = "o" if len(steps) <= 30 or key.startswith("val") else None
+        if len(steps) > SMOOTH_FROM and not key.startswith("val"):
+            # Noisy per-step curves: the raw values faint, a trailing moving average on top.
+            window = max(3, len(steps) // 20)
+            (raw,) = ax.plot(steps, vals, alpha=0.3, linewidth=1.0)
+            ax.plot(steps, _moving_average(vals, window), color=raw.get_color(), linewidth=2.0,
+                    label=f"{key} (mean of last {window})")
+        else:
+            ax.plot(steps, vals, label=key, marker=marker, markersize=3 if len(steps) > 1 else 6, linewidth=1.6)
+    if band is not None:
+        low_s, low = table.series(band[0])
+        high_s, high = table.series(band[1])
+        if low_s and low_s == high_s:
+            label = f"{band[0].rsplit('/', 1)[-1]}–{band[1].rsplit('/', 1)[-1]}"
+            ax.fill_between(low_s, low, high, alpha=0.15, label=label)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(_integer_locator())
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def plot_reward(table: MetricTable, path: Path) -> bool:
+    keys = ["critic/score/mean"] + validation_reward_keys(table.names)[:MAX_VAL_CURVES]
+    return _line_plot(table, path, "Reward", "reward", keys)
+
+
+def plot_response_length(table: MetricTable, path: Path) -> bool:
+    return _line_plot(
+        table, path, "Response length", "tokens", ["response_length/mean"],
+        band=("response_length/min", "response_length/max"),
+    )
+
+
+def plot_kl(table: MetricTable, path: Path) -> bool:
+    return _line_plot(table, path, "KL", "KL", list(KL_KEYS))
+
+
+def plot_entropy(table: MetricTable, path: Path) -> bool:
+    return _line_plot(table, path, "Policy entropy", "nats per token", ["actor/entropy"])
+
+
+def plot_throughput(table: MetricTable, path: Path) -> bool:
+    return _line_plot(table, path, "Throughput", "tokens/s per device", ["perf/throughput"])
+
+
+def plot_timing(table: MetricTable, path: Path) -> bool:
+    """Seconds per phase per step, stacked (the largest phases; the rest summed as "other")."""
+    phases = [n for n in table.names if n.startswith("timing_s/") and n != "timing_s/step"]
+    if not phases:
+        return False
+    totals = {p: math.fsum(v for v in table.column(p) if not math.isnan(v)) for p in phases}
+    ordered = sorted(phases, key=lambda p: -totals[p])
+    shown, rest = ordered[:MAX_PHASES], ordered[MAX_PHASES:]
+    def seconds(phase: str) -> list[float]:
+        return [0.0 if math.isnan(v) else v for v in table.column(phase)]
+
+    rows = [seconds(p) for p in shown]
+    labels = [f"{p[len('timing_s/'):]} ({100 * totals[p] / (sum(totals.values()) or 1):.0f}%)" for p in shown]
+    if rest:
+        rows.append([sum(col) for col in zip(*(seconds(p) for p in rest))])
+        labels.append("other")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    colors = plt.get_cmap("tab20").colors
+    if len(table.steps) <= 60:
+        bottom = [0.0] * len(table.steps)
+        for i, (row, label) in enumerate(zip(rows, labels)):
+            ax.bar(table.steps, row, bottom=bottom, label=label, color=colors[i % len(colors)], width=0.8)
+            bottom = [b + r for b, r in zip(bottom, row)]
+    else:
+        ax.stackplot(table.steps, rows, labels=labels, colors=colors[: len(rows)])
+    ax.set_title("Time per phase (share of total in legend)")
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(_integer_locator())
+    ax.set_ylabel("seconds")
+    ax.grid(alpha=0.3, axis="y")
+    handles, names = ax.get_legend_handles_labels()  # reversed: legend top = top of the stack
+    ax.legend(handles[::-1], names[::-1], fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+PLOTS: dict[str, Callable[[MetricTable, Path], bool]] = {
+    "reward": plot_reward,
+    "response_length": plot_response_length,
+    "kl": plot_kl,
+    "throughput": plot_throughput,
+    "timing": plot_timing,
+    "entropy": plot_entropy,
+}
+
+
+def write_plots(table: MetricTable, out_dir: Path) -> dict[str, Path]:
+    """Draw every plot whose metrics exist into ``out_dir/<name>.png``; returns ``{name: path}``."""
+    written: dict[str, Path] = {}
+    for name, draw in PLOTS.items():
+        path = out_dir / f"{name}.png"
+        if draw(table, path):
+            written[name] = path
+    return written

@@ -1,0 +1,281 @@
+"""Checkpoint directories that survive a kill at any moment: write to a temporary dir, mark, rename.
+
+Layout under ``root`` (verl's names, so verl users and tools find their way)::
+
+    root/
+      global_step_20/               a complete checkpoint: holds the marker file COMPLETE
+      global_step_30/
+      latest_checkpointed_iteration.txt   "30": the step of the newest complete checkpoint
+      .tmp-step_40-<pid>/           being written (or left by a killed run: removed on start)
+
+A save is ``tmp = dirs.begin(step)``; every writer (all ranks) writes into ``tmp``; then the driver
+calls ``dirs.commit(tmp, step)``: it fsyncs the files, writes ``COMPLETE`` (step and time), renames
+``tmp`` to ``global_step_<step>`` in one atomic ``os.rename``, rewrites the latest-iteration file
+atomically and prunes old checkpoints. A kill before the rename leaves only a ``.tmp-*`` dir; only
+dirs with the marker are ever resumed from. One writer (the driver) per ``root``.
+
+Also here: ``capture_rng_state`` / ``restore_rng_state`` for the RNG part of a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+
+from megarl.errors import CheckpointError, ConfigError
+
+logger = logging.getLogger(__name__)
+
+COMPLETE_MARKER = "COMPLETE"
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+STEP_DIR_PREFIX = "global_step_"
+TMP_PREFIX = ".tmp-"
+RESUME_MODES = ("auto", "disable", "resume_path")
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+def _fsync_path(path: Path) -> None:
+    """fsync a file or directory (directories: so that a rename inside them is durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_marker(checkpoint: Union[str, Path]) -> dict[str, Any]:
+    """The ``COMPLETE`` marker of a checkpoint dir: ``{"step": int, "time": str, "unix_time": float}``.
+
+    Raises ``CheckpointError`` naming what is missing when the dir or marker is absent or unreadable.
+    """
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist (or is not a directory)")
+    marker = path / COMPLETE_MARKER
+    if not marker.is_file():
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: it has no {COMPLETE_MARKER} marker file (the save did not "
+            "finish, e.g. the run was killed while writing it); resume from an earlier checkpoint"
+        )
+    try:
+        record = json.loads(marker.read_text(encoding="utf-8"))
+        record["step"] = int(record["step"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(
+            f"checkpoint {path}: marker {marker} is unreadable ({err}); expected JSON with 'step'"
+        ) from err
+    return record
+
+
+class CheckpointDirs:
+    """Manages the checkpoint directories under ``root`` and keeps the newest ``max_to_keep``.
+
+    ``max_to_keep`` <= 0 or None keeps every checkpoint. Creating the object removes ``.tmp-*``
+    dirs left by an earlier process (interrupted saves).
+    """
+
+    def __init__(self, root: Union[str, Path], max_to_keep: Optional[int] = None) -> None:
+        self.root = Path(root)
+        self.max_to_keep = max_to_keep if max_to_keep and max_to_keep > 0 else None
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._reported: set[Path] = set()
+        for stale in sorted(self.root.glob(TMP_PREFIX + "*")):
+            logger.warning("checkpoint: removing %s, left by an interrupted save", stale)
+            _remove(stale)
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"{STEP_DIR_PREFIX}{step}"
+
+    def begin(self, step: int) -> Path:
+        """Create and return the temporary dir to write the checkpoint of ``step`` into."""
+        if step < 0:
+            raise ValueError(f"checkpoint step must be >= 0, got {step}")
+        tmp = self.root / f"{TMP_PREFIX}step_{step}-{os.getpid()}"
+        if tmp.exists():
+            _remove(tmp)
+        tmp.mkdir()
+        return tmp
+
+    def commit(self, tmp: Union[str, Path], step: int, fsync_files: bool = True) -> Path:
+        """Mark ``tmp`` complete, rename it to ``global_step_<step>``, update the latest file, prune.
+
+        Returns the final path. ``fsync_files`` flushes every file in ``tmp`` to disk first, so that
+        the checkpoint is also complete after a power loss (not only after a process kill).
+        """
+        tmp = Path(tmp)
+        expected = self.root / f"{TMP_PREFIX}step_{step}-{os.getpid()}"
+        if tmp.resolve() != expected.resolve() or not tmp.is_dir():
+            raise CheckpointError(f"commit({tmp}, step={step}): not the dir begin({step}) returned ({expected})")
+        if fsync_files:
+            for dirpath, _, filenames in os.walk(tmp):
+                for name in filenames:
+                    _fsync_path(Path(dirpath) / name)
+        marker = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "unix_time": time.time()}
+        with open(tmp / COMPLETE_MARKER, "w", encoding="utf-8") as f:
+            json.dump(marker, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_path(tmp)
+        final = self.step_dir(step)
+        replaced: Optional[Path] = None
+        if final.exists():  # saving a step again (e.g. resumed from an older checkpoint by path)
+            replaced = self.root / f"{TMP_PREFIX}replaced-step_{step}-{os.getpid()}"
+            os.rename(final, replaced)
+        os.rename(tmp, final)
+        _fsync_path(self.root)
+        if replaced is not None:
+            _remove(replaced)
+        self._write_latest(step)
+        self.prune()
+        return final
+
+    def _write_latest(self, step: int) -> None:
+        latest = self.root / LATEST_FILE
+        tmp = self.root / f"{TMP_PREFIX}{LATEST_FILE}-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(str(step))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, latest)
+        _fsync_path(self.root)
+
+    def _scan(self) -> tuple[list[tuple[int, Path]], list[Path]]:
+        complete: list[tuple[int, Path]] = []
+        incomplete: list[Path] = []
+        for path in self.root.iterdir():
+            match = _STEP_DIR.match(path.name)
+            if not match or not path.is_dir():
+                continue
+            try:
+                marker_step = read_marker(path)["step"]
+            except CheckpointError:
+                incomplete.append(path)
+                continue
+            if marker_step != int(match.group(1)):
+                incomplete.append(path)
+                continue
+            complete.append((marker_step, path))
+        return sorted(complete), sorted(incomplete)
+
+    def complete_checkpoints(self) -> list[tuple[int, Path]]:
+        """``(step, path)`` of every complete checkpoint, oldest first."""
+        return self._scan()[0]
+
+    def incomplete_checkpoints(self) -> list[Path]:
+        """``global_step_*`` dirs without a valid marker (not written by a finished save)."""
+        return self._scan()[1]
+
+    def latest(self) -> Optional[tuple[int, Path]]:
+        """The newest complete checkpoint ``(step, path)``, or None. Incomplete dirs are logged and skipped."""
+        complete, incomplete = self._scan()
+        for path in incomplete:
+            if path not in self._reported:
+                self._reported.add(path)
+                logger.warning("checkpoint: ignoring %s: no valid %s marker (incomplete save)", path, COMPLETE_MARKER)
+        return complete[-1] if complete else None
+
+    def prune(self) -> list[Path]:
+        """Delete the oldest complete checkpoints beyond ``max_to_keep``; returns the removed paths."""
+        if self.max_to_keep is None:
+            return []
+        complete = self.complete_checkpoints()
+        removed = [path for _, path in complete[: max(len(complete) - self.max_to_keep, 0)]]
+        for path in removed:
+            # Rename first: a kill during the (slow) delete must not leave a marked but partial checkpoint.
+            doomed = self.root / f"{TMP_PREFIX}prune-{path.name}-{os.getpid()}"
+            os.rename(path, doomed)
+            _remove(doomed)
+        return removed
+
+    def resolve_resume(self, mode: str, path: Optional[Union[str, Path]] = None) -> Optional[tuple[int, Path]]:
+        """Which checkpoint to resume from: ``(step, path)``, or None to start fresh.
+
+        ``mode`` (``trainer.resume_mode``): ``auto`` = the newest complete checkpoint under ``root``
+        (None if there is none); ``disable`` = None; ``resume_path`` = ``path``
+        (``trainer.resume_from_path``), which must be a complete checkpoint.
+        """
+        if mode not in RESUME_MODES:
+            raise ConfigError(f"trainer.resume_mode={mode!r} is not valid; valid: {list(RESUME_MODES)}")
+        if mode == "disable":
+            return None
+        if mode == "auto":
+            return self.latest()
+        if path is None or str(path) == "":
+            raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N dir)")
+        ckpt = Path(path)
+        if not ckpt.exists():
+            raise CheckpointError(f"trainer.resume_from_path={str(ckpt)!r} does not exist{self._available_hint()}")
+        if ckpt.is_dir() and not (ckpt / COMPLETE_MARKER).exists() and any(ckpt.glob(STEP_DIR_PREFIX + "*")):
+            raise CheckpointError(
+                f"trainer.resume_from_path={str(ckpt)!r} is a checkpoint root, not a checkpoint: name one of its "
+                f"{STEP_DIR_PREFIX}N dirs, or use trainer.resume_mode=auto"
+            )
+        try:
+            return read_marker(ckpt)["step"], ckpt
+        except CheckpointError as err:
+            raise CheckpointError(f"trainer.resume_from_path: {err}{self._available_hint()}") from err
+
+    def _available_hint(self) -> str:
+        complete = self.complete_checkpoints()
+        if not complete:
+            return f" (no complete checkpoint under {self.root})"
+        return f" (complete checkpoints under {self.root}: {', '.join(p.name for _, p in complete)})"
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """RNG states of python ``random``, numpy's global generator, torch CPU and every CUDA device.
+
+    Only plain types and tensors, so ``torch.load(..., weights_only=True)`` reads it back.
+    """
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": {"version": version, "internal": list(internal), "gauss": gauss},
+        "numpy": {
+            "kind": kind,
+            "keys": keys.tolist(),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch_cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Restore states captured by ``capture_rng_state`` (CUDA only when both sides have it)."""
+    try:
+        py = state["python"]
+        random.setstate((py["version"], tuple(py["internal"]), py["gauss"]))
+        npy = state["numpy"]
+        np.random.set_state(
+            (npy["kind"], np.asarray(npy["keys"], dtype=np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+        )
+        torch.set_rng_state(state["torch_cpu"])
+    except KeyError as err:
+        raise CheckpointError(f"RNG state in checkpoint lacks {err}; expected keys python, numpy, torch_cpu") from err
+    if "torch_cuda" in state:
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["torch_cuda"])
+        else:
+            logger.warning("checkpoint: CUDA RNG state not restored (no CUDA on this machine)")

@@ -1,0 +1,182 @@
+"""Tracker: a real sqlite mlflow store read back with MlflowClient, the JSONL file, resume, console."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from megarl.errors import ConfigError
+from megarl.tracking.jsonl import MetricsFileError, read_metrics
+from megarl.tracking.mlflow_backend import TrackingError, flatten_config, sanitize_name, truncate_param_value
+from megarl.tracking.tracker import Tracker
+
+pytestmark = pytest.mark.unit
+
+LONG = "x" * 7000  # over mlflow's 6000-character param limit
+
+
+def _jsonl_lines(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _history(client, run_id: str, key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of a metric's history, by step."""
+    points = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def test_mlflow_store_jsonl_and_resume_continue_one_run(tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    run_dir = tmp_path / "run"
+    config = {"actor": {"optim": {"lr": 1e-6}, "clip_ratio_high": 0.28}, "data": {"files": ["a", "b"]}, "note": LONG}
+    lines: list[str] = []
+    tracker = Tracker(
+        run_dir, project="proj", experiment="exp1", config=config, console_write=lines.append, total_steps=5
+    )
+    run_id = tracker.mlflow_run_id
+    for step in (1, 2, 3, 4):
+        tracker.log({"critic/score/mean": 0.1 * step, "actor/pg_loss": -step}, step)
+        tracker.log({"val-core/x/reward/mean@4": 2.0 * step}, step)  # a second call for the same step
+    tracker.close()  # then the "crash": the checkpoint is at step 2, steps 3-4 are trained again
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
+    run = client.get_run(run_id)
+    assert run.info.run_name == "exp1" and run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "proj"
+    params = run.data.params
+    assert params["actor.optim.lr"] == "1e-06" and params["actor.clip_ratio_high"] == "0.28"
+    assert params["data.files"] == '["a", "b"]'
+    assert len(params["note"]) == 6000 and params["note"].endswith("...[truncated]")
+    steps, values = _history(client, run_id, "critic/score/mean")
+    assert steps == [1, 2, 3, 4] and values == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    assert _history(client, run_id, "val-core/x/reward/mean_4")[0] == [1, 2, 3, 4]  # '@' sanitised
+    assert lines[:2] == ["step 1/5 | score 0.1 | pg_loss -1", "step 1/5 | val 2"]
+
+    resumed = Tracker(run_dir, project="proj", experiment="exp1", config=config, resume_step=2, console_write=lines.append)
+    assert resumed.mlflow_run_id == run_id
+    assert client.get_run(run_id).info.status == "RUNNING"
+    for step in (3, 4, 5):
+        resumed.log({"critic/score/mean": 1.0 * step, "actor/pg_loss": 0.0}, step)
+    resumed.close()
+
+    # mlflow: one value per step; steps 3-4 keep the first attempt's values (mlflow cannot delete values).
+    steps, values = _history(client, run_id, "critic/score/mean")
+    assert steps == [1, 2, 3, 4, 5] and values == pytest.approx([0.1, 0.2, 0.3, 0.4, 5.0])
+    # JSONL: steps <= 2 kept, then the resumed attempt's lines; no step twice.
+    records = _jsonl_lines(run_dir)
+    assert [r["step"] for r in records] == [1, 1, 2, 2, 3, 4, 5]  # one line per log call
+    records = read_metrics(run_dir / "metrics.jsonl")  # merged by step
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert [r["metrics"]["critic/score/mean"] for r in records] == pytest.approx([0.1, 0.2, 3.0, 4.0, 5.0])
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+
+    # The store goes away mid-run: logging goes on (JSONL keeps the step), the failure is counted.
+    again = Tracker(run_dir, backends=["jsonl", "mlflow"], project="proj", experiment="exp1", resume_step=5)
+    (run_dir / "mlflow.db").unlink()
+    (run_dir / "mlflow.db").mkdir()
+    again._mlflow._client._tracking_client.store.engine.dispose()  # drop pooled connections to the old file
+    again.log({"critic/score/mean": 6.0}, 6)
+    again.close()
+    assert again._mlflow.failures == 1
+    last = read_metrics(run_dir / "metrics.jsonl")[-1]
+    assert last["step"] == 6 and last["metrics"] == {"critic/score/mean": 6.0}
+    assert abs(last["time"] - time.time()) < 600
+
+
+def test_unusable_mlflow_store_fails_at_construction_and_changes_nothing(tmp_path: Path) -> None:
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the store's directory should be")
+    old_metrics = '{"step": 1, "time": 0.0, "metrics": {"a": 1.0}}\n'
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text(old_metrics)
+    with pytest.raises(TrackingError, match="not_a_dir.*tracking.mlflow_tracking_uri"):
+        Tracker(tmp_path / "run", mlflow_tracking_uri=f"sqlite:///{blocker}/mlflow.db", console_write=lambda s: None)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["metrics.jsonl"]
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == old_metrics
+
+
+def test_jsonl_console_without_mlflow(tmp_path: Path) -> None:
+    import numpy as np
+    import torch
+
+    lines: list[str] = []
+    with Tracker(tmp_path, backends=["console", "jsonl"], console_write=lines.append) as tracker:
+        assert tracker.mlflow_run_id is None
+        tracker.log(
+            {
+                "critic/score/mean": np.float32(0.5),
+                "perf/throughput": torch.tensor(1234.0),
+                "actor/entropy": float("nan"),
+                "note": "text is not a metric",
+            },
+            step=7,
+        )
+    (record,) = _jsonl_lines(tmp_path)
+    assert record["step"] == 7 and isinstance(record["time"], float)
+    assert record["metrics"] == {"critic/score/mean": 0.5, "perf/throughput": 1234.0, "actor/entropy": None}
+    assert lines == ["step 7 | score 0.5 | entropy nan | tok/s 1234"]
+    assert read_metrics(tmp_path / "metrics.jsonl")[0]["metrics"]["perf/throughput"] == 1234.0
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_fresh_run_keeps_old_metrics_file_and_resume_truncates(tmp_path: Path) -> None:
+    with Tracker(tmp_path, backends=["jsonl"]) as t:
+        for step in (1, 2, 3):
+            t.log({"a": step}, step)
+    with Tracker(tmp_path, backends=["jsonl"], resume_step=1) as t:
+        t.log({"a": 20}, 2)
+    assert [(r["step"], r["metrics"]["a"]) for r in _jsonl_lines(tmp_path)] == [(1, 1), (2, 20)]
+    with Tracker(tmp_path, backends=["jsonl"]) as t:  # not resumed: a new history
+        t.log({"a": 9}, 1)
+    assert [r["step"] for r in _jsonl_lines(tmp_path)] == [1]
+    (old,) = [p for p in tmp_path.glob("metrics.*.jsonl")]
+    assert [json.loads(x)["step"] for x in old.read_text().splitlines()] == [1, 2]
+
+
+def test_read_metrics_merges_steps_and_reports_bad_lines(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(
+        '{"step": 2, "time": 1.0, "metrics": {"a": 1}}\n'
+        '{"step": 1, "time": 0.5, "metrics": {"a": 0}}\n'
+        '{"step": 2, "time": 2.0, "metrics": {"b": null}}\n'
+        '{"step": 3, "metr'  # cut short by a kill: ignored
+    )
+    records = read_metrics(path)
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[1]["metrics"]["a"] == 1.0 and records[1]["metrics"]["b"] != records[1]["metrics"]["b"]  # NaN
+    path.write_text('{"step": 1, "metrics": {}}\nnot json\n{"step": 2, "metrics": {}}\n')
+    with pytest.raises(MetricsFileError, match="metrics.jsonl:2"):
+        read_metrics(path)
+    with pytest.raises(MetricsFileError, match="not found"):
+        read_metrics(tmp_path / "missing.jsonl")
+
+
+def test_bad_backend_and_step(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="wandb.*valid"):
+        Tracker(tmp_path, backends=["wandb"])
+    with Tracker(tmp_path, backends=["jsonl"]) as t, pytest.raises(ValueError, match="step must be >= 0"):
+        t.log({"a": 1}, step=-1)
+
+
+def test_names_and_params_helpers() -> None:
+    assert sanitize_name("val-core/gsm8k/reward/mean@4") == "val-core/gsm8k/reward/mean_4"
+    assert sanitize_name("/a//b/../c/") == "a/b/_/c"
+    assert sanitize_name("timing_s/update actor") == "timing_s/update actor"
+    assert truncate_param_value("short") == "short"
+    assert len(truncate_param_value(LONG)) == 6000
+    assert flatten_config({"a": {"b": None, "c": [1, 2]}, "d": True}) == {"a.b": "null", "a.c": "[1, 2]", "d": "true"}
+
+
+def test_tracker_from_experiment_config(tmp_path: Path) -> None:
+    from megarl.config import load_config
+    from megarl.tracking.tracker import tracker_from_config
+
+    cfg = load_config(None, [f"trainer.default_local_dir={tmp_path}/run", "tracking.backends=[jsonl]"], validate=False)
+    with tracker_from_config(cfg, total_steps=3) as tracker:
+        assert tracker.backends == ("jsonl",) and tracker.run_dir == tmp_path / "run"
+        tracker.log({"critic/score/mean": 1.0}, 1)
+    assert [r["step"] for r in _jsonl_lines(tmp_path / "run")] == [1]
