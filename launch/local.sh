@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# megarl on one machine: the trainer starts a local Ray cluster itself (resources.ray_address: null).
+#
+#   launch/local.sh [CONFIG] [OVERRIDES...]        # CONFIG defaults to configs/quickstart_cpu.yaml
+#   launch/local.sh --dry-run CONFIG ...           # print the command and its environment only
+#
+# Threads: each training worker is one process; OMP_NUM_THREADS defaults to the machine's cores
+# divided by the worker count (MEGARL_LOCAL_WORKERS, default: the GPU count, else 2), at least 1.
+# Environment knobs: MEGARL_ENTRYPOINT (default: megarl train; words split at spaces), MEGARL_LOCAL_WORKERS,
+# MEGARL_DRY_RUN=1,
+# and anything the trainer reads (RAY_AUTH_MODE, CUDA_VISIBLE_DEVICES, ...).
+
+set -euo pipefail
+
+dry_run="${MEGARL_DRY_RUN:-0}"
+if [[ "${1:-}" == "--dry-run" ]]; then
+    dry_run=1
+    shift
+fi
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+    sed -n '2,11p' "$0"
+    exit 0
+fi
+
+config="${1:-configs/quickstart_cpu.yaml}"
+if [[ $# -gt 0 ]]; then
+    shift
+fi
+
+cores="$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)"
+gpus=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+    gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
+fi
+workers="${MEGARL_LOCAL_WORKERS:-}"
+if [[ -z "$workers" ]]; then
+    if [[ "$gpus" -gt 0 ]]; then workers="$gpus"; else workers=2; fi
+fi
+if ! [[ "$workers" =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: MEGARL_LOCAL_WORKERS='$workers' must be a positive integer" >&2
+    exit 2
+fi
+threads=$((cores / workers))
+if [[ "$threads" -lt 1 ]]; then threads=1; fi
+
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$threads}"
+export MKL_NUM_THREADS="${MKL_NUM_THREADS:-$OMP_NUM_THREADS}"
+export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"
+export PYTHONUNBUFFERED=1
+
+read -r -a entrypoint <<< "${MEGARL_ENTRYPOINT:-megarl train}"
+cmd=("${entrypoint[@]}" "$config" "$@")
+
+if [[ "$dry_run" != "0" ]]; then
+    echo "# $cores cores, $gpus GPUs, $workers workers"
+    echo "OMP_NUM_THREADS=$OMP_NUM_THREADS MKL_NUM_THREADS=$MKL_NUM_THREADS TOKENIZERS_PARALLELISM=$TOKENIZERS_PARALLELISM"
+    printf '%q ' "${cmd[@]}"
+    echo
+    exit 0
+fi
+exec "${cmd[@]}"

