@@ -1,0 +1,84 @@
+"""megarl.algorithms: the math of RL post-training, as pure torch functions (no torch.distributed).
+
+Registries let users add their own pieces by name (the names are the config values):
+
+* ``ADVANTAGE_ESTIMATORS`` (``algorithm.adv_estimator``): gae, grpo, rloo, reinforce_plus_plus,
+  reinforce_plus_plus_baseline, remax, grpo_passk — ``register_advantage_estimator(name)``.
+* ``POLICY_LOSSES`` (``actor.policy_loss.loss_mode``): vanilla, gspo, cispo, reinforce/gpg —
+  ``register_policy_loss(name)``.
+* ``KL_ESTIMATORS`` (``actor.kl_loss_type``, ``algorithm.kl_penalty``): k1/kl, abs, k2/mse,
+  k3/low_var_kl, each with a straight-through ``+`` variant — ``register_kl_estimator(name)``.
+
+Loss aggregation and its micro-batch / data-parallel convention: see ``aggregation``.
+"""
+
+from megarl.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    get_advantage_estimator,
+    register_advantage_estimator,
+)
+from megarl.algorithms.aggregation import (
+    LOSS_AGG_MODES,
+    LossNormalisers,
+    agg_loss,
+    aggregate,
+    mini_batch_normalisers,
+)
+from megarl.algorithms.dapo import (
+    DynamicSamplingError,
+    DynamicSamplingState,
+    filter_groups,
+    num_groups,
+    overlong_penalty,
+    sequence_metric,
+)
+from megarl.algorithms.entropy import entropy_from_logits
+from megarl.algorithms.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    kl_penalty,
+    make_kl_controller,
+    register_kl_estimator,
+)
+from megarl.algorithms.policy_loss import POLICY_LOSSES, PolicyLoss, get_policy_loss, register_policy_loss
+from megarl.algorithms.registry import Registry
+from megarl.algorithms.utils import group_index_from_uids, masked_mean, masked_whiten
+from megarl.algorithms.value_loss import compute_value_loss
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "AdvantageEstimator",
+    "DynamicSamplingError",
+    "DynamicSamplingState",
+    "FixedKLController",
+    "LossNormalisers",
+    "PolicyLoss",
+    "Registry",
+    "agg_loss",
+    "aggregate",
+    "apply_kl_penalty",
+    "compute_value_loss",
+    "entropy_from_logits",
+    "filter_groups",
+    "get_advantage_estimator",
+    "get_policy_loss",
+    "group_index_from_uids",
+    "kl_penalty",
+    "make_kl_controller",
+    "masked_mean",
+    "masked_whiten",
+    "mini_batch_normalisers",
+    "num_groups",
+    "overlong_penalty",
+    "register_advantage_estimator",
+    "register_kl_estimator",
+    "register_policy_loss",
+    "sequence_metric",
+]

@@ -1,0 +1,193 @@
+"""Policy-gradient losses: PPO (clip-higher, dual-clip), GSPO, CISPO, REINFORCE/GPG.
+
+Every loss has the same signature, so the trainer calls any of them by name::
+
+    loss, metrics = get_policy_loss(name)(
+        old_log_prob, log_prob, advantages, response_mask,   # (B, R) each
+        loss_agg_mode="token-mean",
+        clip_ratio_low=0.2, clip_ratio_high=0.2,             # ratio kept in [1 - low, 1 + high]
+        clip_ratio_c=3.0,                                    # dual-clip bound (negative advantages)
+        normalisers=None,                                    # LossNormalisers of the mini-batch
+    )
+
+``loss`` is a scalar with gradient through ``log_prob``, aggregated by ``agg_loss`` (see
+aggregation.py for how micro-batch losses add up to the mini-batch loss). ``metrics`` are floats
+over this micro-batch's valid tokens: ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` (the mean
+of ``old_log_prob - log_prob``, an estimate of KL(old || new)). A user loss registered with
+``register_policy_loss(name)`` must accept the same arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+
+from megarl.algorithms.aggregation import LossNormalisers, aggregate
+from megarl.algorithms.registry import Registry
+from megarl.algorithms.utils import masked_mean
+from megarl.errors import ConfigError
+
+LOG_RATIO_CLAMP = 20.0  # verl: exp() of a log-ratio beyond +-20 is clamped for stability
+GSPO_LOG_RATIO_MAX = 10.0
+
+
+class PolicyLoss(Protocol):
+    def __call__(
+        self,
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        *,
+        loss_agg_mode: str = "token-mean",
+        clip_ratio_low: float = 0.2,
+        clip_ratio_high: float = 0.2,
+        clip_ratio_c: float = 3.0,
+        normalisers: Optional[LossNormalisers] = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", "actor.policy_loss.loss_mode")
+register_policy_loss = POLICY_LOSSES.register
+get_policy_loss = POLICY_LOSSES.get
+
+
+def _fraction(condition: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(masked_mean(condition.to(torch.float32), mask))
+
+
+@register_policy_loss("vanilla")
+def compute_policy_loss_vanilla(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    normalisers: Optional[LossNormalisers] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped surrogate with separate low/high clip (DAPO clip-higher) and dual-clip.
+
+    Per token, with ``ratio = exp(clamp(log_prob - old_log_prob, -20, 20))``:
+    ``l = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))``; for ``A < 0`` additionally
+    ``l = min(l, -A * clip_ratio_c)`` (dual-clip: bounds the loss of a very large ratio).
+    ``pg_clipfrac``: share of tokens where the clipped term is active; ``pg_clipfrac_lower``: share
+    where the dual-clip bound is active.
+    """
+    if clip_ratio_c <= 1.0:
+        raise ConfigError(f"actor.clip_ratio_c = {clip_ratio_c}: the dual-clip bound must be > 1.0 (default 3.0)")
+    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clip_loss = torch.maximum(unclipped, clipped)
+    dual_bound = -advantages * clip_ratio_c
+    negative = advantages < 0
+    losses = torch.where(negative, torch.minimum(clip_loss, dual_bound), clip_loss)
+    loss = aggregate(losses, response_mask, loss_agg_mode, normalisers)
+    metrics = {
+        "pg_clipfrac": _fraction(clipped > unclipped, response_mask),
+        "pg_clipfrac_lower": _fraction((clip_loss > dual_bound) & negative, response_mask),
+        "ppo_kl": float(masked_mean(-log_ratio.detach(), response_mask)),
+    }
+    return loss, metrics
+
+
+@register_policy_loss("gspo")
+def compute_policy_loss_gspo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    normalisers: Optional[LossNormalisers] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO (https://arxiv.org/abs/2507.18071): clipping on the sequence-level ratio.
+
+    ``s_i = exp(mean over the sequence's valid tokens of (log_prob - old_log_prob))``; per token the
+    ratio is ``sg[s_i] * pi / sg[pi]`` (value ``s_i``, gradient of the token's log-prob), its log
+    clamped at 10. Always aggregated with ``seq-mean-token-mean`` as the paper defines it (and as
+    verl does); ``loss_agg_mode`` is ignored. ``clip_ratio_c`` is unused (no dual-clip).
+    """
+    mask = response_mask.bool()
+    log_ratio = log_prob - old_log_prob
+    seq_len = mask.sum(dim=-1).clamp_min(1).to(log_ratio.dtype)
+    seq_log_ratio = torch.where(mask, log_ratio, 0.0).sum(dim=-1) / seq_len
+    token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    seq_ratio = token_log_ratio.clamp(max=GSPO_LOG_RATIO_MAX).exp()
+    unclipped = -advantages * seq_ratio
+    clipped = -advantages * seq_ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    losses = torch.maximum(unclipped, clipped)
+    loss = aggregate(losses, response_mask, "seq-mean-token-mean", normalisers)
+    metrics = {
+        "pg_clipfrac": _fraction(clipped > unclipped, response_mask),
+        "pg_clipfrac_lower": 0.0,
+        "ppo_kl": float(masked_mean(-log_ratio.detach(), response_mask)),
+    }
+    return loss, metrics
+
+
+@register_policy_loss("cispo")
+def compute_policy_loss_cispo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    normalisers: Optional[LossNormalisers] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (https://arxiv.org/abs/2506.13585): ``-sg[clip(ratio, 1 - low, 1 + high)] * A * log_prob``.
+
+    The clipped importance weight carries no gradient, so every token keeps a gradient (no token
+    is dropped by clipping). ``pg_clipfrac``: share of tokens whose weight was clipped.
+    """
+    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = log_ratio.exp()
+    weight = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high).detach()
+    losses = -weight * advantages * log_prob
+    loss = aggregate(losses, response_mask, loss_agg_mode, normalisers)
+    metrics = {
+        "pg_clipfrac": _fraction(ratio.detach() != weight, response_mask),
+        "pg_clipfrac_lower": 0.0,
+        "ppo_kl": float(masked_mean(-log_ratio.detach(), response_mask)),
+    }
+    return loss, metrics
+
+
+@register_policy_loss("reinforce", "gpg")
+def compute_policy_loss_reinforce(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    normalisers: Optional[LossNormalisers] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Plain policy gradient (REINFORCE; GPG, https://arxiv.org/abs/2504.02546): ``-A * log_prob``.
+
+    No ratio and no clipping; ``old_log_prob`` is used only for the ``ppo_kl`` metric.
+    """
+    losses = -advantages * log_prob
+    loss = aggregate(losses, response_mask, loss_agg_mode, normalisers)
+    metrics = {
+        "pg_clipfrac": 0.0,
+        "pg_clipfrac_lower": 0.0,
+        "ppo_kl": float(masked_mean((old_log_prob - log_prob).detach(), response_mask)),
+    }
+    return loss, metrics
