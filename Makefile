@@ -7,6 +7,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.megarl-installed
 TORCH_VERSION := 2.13.0
+# Extra `megarl train` overrides for the demo, e.g. `make demo DEMO_ARGS="trainer.total_training_steps=20"`.
+DEMO_ARGS ?=
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k config"`.
 PYTEST_ARGS ?=
 # Tiers that run on a CPU machine without extra environments (vllm has its own: `make test-vllm`).
@@ -33,8 +35,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
+# The quickstart: write the synthetic task and its tokenizer, then train (configs/quickstart_cpu.yaml).
+DEMO_DATA := data/arithmetic
 demo: install
-	$(BIN)/python tools/quickstart.py
+	$(BIN)/megarl data make arithmetic --out $(DEMO_DATA) --tokenizer-out $(DEMO_DATA)/tokenizer --preset single_digit_addition
+	$(BIN)/megarl train configs/quickstart_cpu.yaml $(DEMO_ARGS)
 
 test: install
 	$(BIN)/python -m pytest -m "$(TEST_MARKERS)" $(PYTEST_ARGS)

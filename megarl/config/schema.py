@@ -217,7 +217,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
-    pass_k: int = 1  # grpo_passk
+    pass_k: Optional[int] = None  # grpo_passk: k of pass@k; null = rollout.n
 
 
 @dataclass

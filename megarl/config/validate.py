@@ -19,7 +19,8 @@ _BUILTIN_ADV = {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_pl
 _BUILTIN_POLICY_LOSSES = {"vanilla", "gspo", "cispo", "gpg", "reinforce"}
 GROUP_ESTIMATORS = {"grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline"}
 LOSS_AGG_MODES = {"token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
-KL_TYPES = {"kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full", "k1+", "k2+", "k3+", "low_var_kl+"}
+_KL_BASE = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_TYPES = set(_KL_BASE) | {f"{name}+" for name in _KL_BASE}  # "+": straight-through (gradient of k2)
 ENUMS: dict[str, set[str]] = {
     "rollout.engine": {"auto", "vllm", "hf"},
     "data.truncation": {"error", "left", "right", "middle"},
@@ -237,8 +238,8 @@ def validate_config(cfg: DictConfig) -> None:
         )
     if alg.filter_groups.enable and n < 2:
         r.err(f"rollout.n = {n}: algorithm.filter_groups (DAPO dynamic sampling) needs rollout.n >= 2")
-    if alg.adv_estimator == "grpo_passk" and not 1 <= alg.pass_k <= n:
-        r.err(f"algorithm.pass_k = {alg.pass_k}: must be in [1, rollout.n = {n}]")
+    if alg.adv_estimator == "grpo_passk" and alg.pass_k is not None and not 2 <= alg.pass_k <= n:
+        r.err(f"algorithm.pass_k = {alg.pass_k}: must be in [2, rollout.n = {n}] (or null for rollout.n)")
     if alg.adv_estimator == "gae" and cfg.critic.enable is False:
         r.err("critic.enable = false: algorithm.adv_estimator = 'gae' needs a critic (set critic.enable: true or null)")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:

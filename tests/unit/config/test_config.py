@@ -273,3 +273,14 @@ def test_shipped_configs_validate_or_name_missing_data() -> None:
     assert files, "configs/ holds no YAML files"
     for path in files:
         load_config(path, validate=False)
+
+
+def test_pass_k_within_group(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "algorithm.adv_estimator=grpo_passk", "algorithm.pass_k=9")
+    assert "algorithm.pass_k = 9: must be in [2, rollout.n = 4]" in msg
+    load_config(valid_file, ["algorithm.adv_estimator=grpo_passk"])  # null: the group size
+
+
+def test_kl_types_accept_straight_through(valid_file: Path) -> None:
+    load_config(valid_file, ["actor.kl_loss_type=low_var_kl+", "actor.use_kl_loss=true"])
+    assert "actor.kl_loss_type = 'full'" in errors_of(valid_file, "actor.kl_loss_type=full")
