@@ -38,7 +38,8 @@ install: $(STAMP)
 # The quickstart: write the synthetic task and its tokenizer, then train (configs/quickstart_cpu.yaml).
 DEMO_DATA := data/arithmetic
 demo: install
-	$(BIN)/megarl data make arithmetic --out $(DEMO_DATA) --tokenizer-out $(DEMO_DATA)/tokenizer --preset single_digit_addition
+	$(BIN)/megarl data make arithmetic --out $(DEMO_DATA) --tokenizer-out $(DEMO_DATA)/tokenizer \
+		--num-operands 2 --min-value 0 --max-value 4 --operators +
 	$(BIN)/megarl train configs/quickstart_cpu.yaml $(DEMO_ARGS)
 
 test: install

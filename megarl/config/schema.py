@@ -111,7 +111,7 @@ class CriticConfig:
     enable: Optional[bool] = None  # null: on when the advantage estimator needs values (gae)
     model_path: Optional[str] = None  # null: the actor's model (trunk) with a fresh value head
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    megatron: ParallelConfig = field(default_factory=ParallelConfig)
+    megatron: Optional[ParallelConfig] = None  # null: the actor's layout
     ppo_mini_batch_size: int = 8
     ppo_micro_batch_size_per_gpu: int = 4
     use_dynamic_bsz: bool = False
@@ -127,7 +127,7 @@ class CriticConfig:
 @dataclass
 class RefConfig:
     enable: Optional[bool] = None  # null: on when a KL term (loss or reward) needs it
-    megatron: ParallelConfig = field(default_factory=ParallelConfig)
+    megatron: Optional[ParallelConfig] = None  # null: the actor's layout
     log_prob_micro_batch_size_per_gpu: int = 8
     param_offload: bool = False
 

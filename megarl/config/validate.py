@@ -99,8 +99,18 @@ class _Rules:
             self.err(f"{key} = {value!r}: must be one of {sorted(allowed)}")
 
 
+def _as_dict(node: Any) -> dict:
+    return OmegaConf.to_container(node, resolve=True) if node is not None else {}
+
+
 def pool_size(pool: Any) -> int:
     return int(pool.nnodes) * int(pool.devices_per_node)
+
+
+def role_parallel(cfg: DictConfig, section: str) -> Any:
+    """The Megatron layout of `section` ("actor", "critic", "ref"); critic and ref default to the actor's."""
+    par = cfg[section].get("megatron") if section != "actor" else cfg.actor.megatron
+    return par if par is not None else cfg.actor.megatron
 
 
 def critic_enabled(cfg: DictConfig) -> bool:
@@ -263,12 +273,18 @@ def validate_config(cfg: DictConfig) -> None:
     if critic_enabled(cfg):
         pool_key = "resources.critic_pool" if cfg.resources.critic_pool is not None else "resources.actor_pool"
         critic_world = pool_size(cfg.resources.critic_pool) if cfg.resources.critic_pool is not None else world
-        critic_dp = _check_layout(r, "critic", cfg.critic.megatron, critic_world, pool_key, hf)
+        critic_dp = _check_layout(r, "critic", role_parallel(cfg, "critic"), critic_world, pool_key, hf)
+        if cfg.resources.critic_pool is None and cfg.critic.megatron is not None and _as_dict(cfg.critic.megatron) != _as_dict(actor.megatron):
+            r.err("critic.megatron differs from actor.megatron, but the critic shares the actor's processes "
+                  "(resources.critic_pool is null); set critic.megatron to null (the actor's layout) or give the critic its own pool")
         _check_batches(r, "critic", cfg.critic, data.train_batch_size, n, critic_dp)
     if ref_enabled(cfg):
         ref_world = pool_size(cfg.resources.ref_pool) if cfg.resources.ref_pool is not None else world
         pool_key = "resources.ref_pool" if cfg.resources.ref_pool is not None else "resources.actor_pool"
-        _check_layout(r, "ref", cfg.ref.megatron, ref_world, pool_key, hf)
+        _check_layout(r, "ref", role_parallel(cfg, "ref"), ref_world, pool_key, hf)
+        if cfg.resources.ref_pool is None and cfg.ref.megatron is not None and _as_dict(cfg.ref.megatron) != _as_dict(actor.megatron):
+            r.err("ref.megatron differs from actor.megatron, but the reference shares the actor's processes "
+                  "(resources.ref_pool is null); set ref.megatron to null (the actor's layout) or give the reference its own pool")
 
     rtp = rollout.tensor_model_parallel_size
     if rtp < 1 or world % rtp != 0:

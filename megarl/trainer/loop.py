@@ -96,6 +96,7 @@ class RLTrainer:
             # 4. log-probs of the behaviour policy, the reference, and the critic's values
             with self.phase("old_log_prob"):
                 batch = batch.union(self.workers.actor.call_dp("compute_log_prob", batch))
+            metrics.update(rollout_logprob_gap(batch))
             if self.workers.ref is not None:
                 with self.phase("ref"):
                     batch = batch.union(self.workers.ref.call_dp("compute_ref_log_prob", batch))
@@ -247,6 +248,18 @@ class RLTrainer:
     def n_devices(self) -> int:
         res = self.cfg.resources
         return int(res.actor_pool.nnodes * res.actor_pool.devices_per_node)
+
+
+def rollout_logprob_gap(batch: Batch) -> dict[str, float]:
+    """How far the rollout engine's log-probs are from the trainer's for the same tokens and weights
+    (a weight-sync or numerics problem shows here first)."""
+    if "rollout_log_probs" not in batch:
+        return {}
+    mask = batch["response_mask"].bool()
+    diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[mask]
+    if diff.numel() == 0:
+        return {}
+    return {"training/rollout_probs_diff_mean": float(diff.mean()), "training/rollout_probs_diff_max": float(diff.max())}
 
 
 class _Both:

@@ -18,7 +18,7 @@ from megarl.cluster.resource_pool import ResourcePool
 from megarl.cluster.worker import ParallelInfo
 from megarl.cluster.worker_group import RoleView, WorkerGroup
 from megarl.config import critic_enabled, ref_enabled
-from megarl.errors import ConfigError
+from megarl.config.validate import role_parallel
 from megarl.workers.roles import ActorRole, CriticRole, RefRole, RolloutRole
 
 logger = logging.getLogger(__name__)
@@ -77,14 +77,7 @@ def start_workers(cfg: DictConfig, model_dir: str, tokenizer: Any, total_steps: 
     role_kwargs = {"config": config, "model_dir": str(model_dir), "total_steps": total_steps}
     use_ref = ref_enabled(cfg)
     use_critic = critic_enabled(cfg)
-    if use_ref and res.ref_pool is None and OmegaConf.to_container(cfg.ref.megatron) != OmegaConf.to_container(cfg.actor.megatron):
-        raise ConfigError("ref.megatron must equal actor.megatron when the reference shares the actor's processes "
-                          "(resources.ref_pool is null); give the reference its own pool to use another layout")
-    critic_colocated = use_critic and res.critic_pool is None
-    if critic_colocated and OmegaConf.to_container(cfg.critic.megatron) != OmegaConf.to_container(cfg.actor.megatron):
-        raise ConfigError("critic.megatron must equal actor.megatron when the critic shares the actor's processes "
-                          "(resources.critic_pool is null); give the critic its own pool to use another layout")
-
+    critic_colocated = use_critic and res.critic_pool is None  # layouts checked by validate_config
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     hybrid_roles: dict[str, tuple[type, dict[str, Any]]] = {
@@ -128,7 +121,7 @@ def start_workers(cfg: DictConfig, model_dir: str, tokenizer: Any, total_steps: 
             group = WorkerGroup(_pool(name, pool_cfg, device, cpus), HostWorker, name,
                                 init_kwargs={"roles": {name: (role_cls, role_kwargs)}})
             groups.append(group)
-            group.init_distributed(layout=_layout_dict(cfg[section].megatron))
+            group.init_distributed(layout=_layout_dict(role_parallel(cfg, section)))
             group.for_role(name).call_all("init_model")
             setattr(workers, name, group.for_role(name))
         logger.info("workers ready: %s; rollout engine %s", ", ".join(repr(g) for g in groups), workers.rollout_engine)

@@ -82,7 +82,9 @@ class _EngineRole:
         from megarl.models.spec import ModelSpec
 
         spec = ModelSpec.from_hf_config(self.model_dir)
-        layout = _layout(self.cfg[self.section].megatron)
+        from megarl.config.validate import role_parallel
+
+        layout = _layout(role_parallel(self.cfg, self.section))
         self.engine = MegatronEngine(spec, layout, engine_config(self.cfg, self.section, self.engine_role, self.total_steps))
         self.engine.load_hf_weights(self.model_dir)
 
