@@ -1,0 +1,11 @@
+"""RL datasets: parquet prompts in verl's layout, tokenizers without hub access, synthetic tasks.
+
+- ``dataset.RLDataset`` / ``loader.RLDataLoader`` / ``sampler.StatefulSampler``: prompts to batches,
+  resumable from a checkpoint.
+- ``tokenizer``: ``build_char_tokenizer``, ``train_bpe_tokenizer``, ``load_tokenizer``.
+- ``tasks``: arithmetic and countdown generators; ``prepare``: GSM8K / MATH conversion;
+  ``cli``: ``megarl data make | inspect``.
+
+Submodules are imported explicitly (``from megarl.data.dataset import RLDataset``) so that light
+uses such as the CLI do not pay for importing torch and transformers.
+"""

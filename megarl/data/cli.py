@@ -1,0 +1,125 @@
+"""``megarl data make TASK`` (synthetic datasets) and ``megarl data inspect FILE``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from megarl.data.parquet_io import write_parquet
+from megarl.data.schema import read_parquet_schema
+from megarl.data.tasks import ArithmeticTask, CountdownTask
+from megarl.data.tokenizer import build_char_tokenizer
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="output directory: train.parquet, val.parquet")
+    parser.add_argument("--train-size", type=int, default=1000)
+    parser.add_argument("--val-size", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tokenizer-out", help="also write a character tokenizer covering the task to this directory"
+    )
+    parser.add_argument("--extra-chars", default="", help="more characters for that tokenizer (e.g. letters)")
+
+
+def _arithmetic(args: argparse.Namespace) -> ArithmeticTask:
+    if args.preset == "single_digit_addition":
+        return ArithmeticTask.single_digit_addition()
+    return ArithmeticTask(
+        num_operands=args.num_operands,
+        min_value=args.min_value,
+        max_value=args.max_value,
+        operators=args.operators,
+        allow_negative_results=not args.no_negative,
+        spaces=args.spaces,
+    )
+
+
+def _countdown(args: argparse.Namespace) -> CountdownTask:
+    return CountdownTask(
+        num_numbers=args.num_numbers,
+        min_number=args.min_number,
+        max_number=args.max_number,
+        min_target=args.min_target,
+        max_target=args.max_target,
+        operators=args.operators,
+        prompt_style=args.prompt_style,
+    )
+
+
+def make(args: argparse.Namespace) -> int:
+    task = _arithmetic(args) if args.task == "arithmetic" else _countdown(args)
+    out = Path(args.out)
+    for split, size in (("train", args.train_size), ("val", args.val_size)):
+        count = write_parquet(task.rows(size, args.seed, split), out / f"{split}.parquet")
+        print(f"{split}: {count} rows -> {out / f'{split}.parquet'}")
+    if args.tokenizer_out:
+        tokenizer = build_char_tokenizer(task.alphabet() + args.extra_chars, args.tokenizer_out)
+        print(f"tokenizer: {len(tokenizer)} tokens -> {args.tokenizer_out}")
+    return 0
+
+
+def _short(value: Any, width: int = 200) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def inspect(args: argparse.Namespace) -> int:
+    schema = read_parquet_schema(args.file)
+    parquet = pq.ParquetFile(args.file)
+    print(f"file: {args.file}")
+    print(f"rows: {parquet.metadata.num_rows}")
+    print("schema:")
+    for field in schema:
+        print(f"  {field.name}: {field.type}")
+    if args.rows > 0 and parquet.metadata.num_rows:
+        batch = next(parquet.iter_batches(batch_size=args.rows))
+        for index, row in enumerate(batch.to_pylist()):
+            print(f"row {index}:")
+            for key, value in row.items():
+                print(f"  {key}: {_short(value)}")
+    return 0
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``data make`` and ``data inspect``; each leaf sets ``func(args) -> exit code``."""
+    data = subparsers.add_parser("data", help="make synthetic datasets, inspect parquet files")
+    commands = data.add_subparsers(dest="data_command", required=True)
+
+    make_parser = commands.add_parser("make", help="write a synthetic RL dataset (train/val parquet)")
+    tasks = make_parser.add_subparsers(dest="task", required=True)
+    arithmetic = tasks.add_parser("arithmetic", help='"3+4=" -> "7"')
+    _add_common(arithmetic)
+    arithmetic.add_argument(
+        "--preset", choices=["single_digit_addition"], help="overrides the task options below"
+    )
+    arithmetic.add_argument("--num-operands", type=int, default=2)
+    arithmetic.add_argument("--min-value", type=int, default=0)
+    arithmetic.add_argument("--max-value", type=int, default=9)
+    arithmetic.add_argument("--operators", default="+", help="subset of '+-*'")
+    arithmetic.add_argument(
+        "--no-negative", action="store_true", help="redraw expressions with a negative result"
+    )
+    arithmetic.add_argument("--spaces", action="store_true", help='"3 + 4 =" instead of "3+4="')
+    arithmetic.set_defaults(func=make)
+    countdown = tasks.add_parser("countdown", help="reach a target from given numbers")
+    _add_common(countdown)
+    countdown.add_argument("--num-numbers", type=int, default=3)
+    countdown.add_argument("--min-number", type=int, default=1)
+    countdown.add_argument("--max-number", type=int, default=20)
+    countdown.add_argument("--min-target", type=int, default=1)
+    countdown.add_argument("--max-target", type=int, default=100)
+    countdown.add_argument("--operators", default="+-*/")
+    countdown.add_argument("--prompt-style", choices=["compact", "verbose"], default="compact")
+    countdown.set_defaults(func=make)
+
+    inspect_parser = commands.add_parser(
+        "inspect", help="print schema, row count and first rows of a parquet file"
+    )
+    inspect_parser.add_argument("file")
+    inspect_parser.add_argument("--rows", type=int, default=3)
+    inspect_parser.set_defaults(func=inspect)

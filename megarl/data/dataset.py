@@ -1,0 +1,354 @@
+"""RL prompt dataset over parquet files in verl's column layout (see :mod:`megarl.data.schema`).
+
+Files are opened through ``datasets`` (Arrow files memory-mapped from its cache), so a file of
+millions of rows is not read into Python objects. Rows are tokenised when they are fetched; with
+``filter_overlong_prompts`` one batched pass (``datasets.map``, optionally in ``num_proc`` processes,
+cached) measures every prompt, validates every row and drops the prompts longer than
+``max_prompt_length``. Only an int64 array of kept row numbers is held in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import datasets
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from megarl.data.padding import TRUNCATION_MODES, PromptTooLongError, left_pad, truncate_ids
+from megarl.data.prompt import PromptRenderer
+from megarl.data.schema import (
+    ABILITY,
+    DATA_SOURCE,
+    EXTRA_INFO,
+    GROUND_TRUTH,
+    REWARD_MODEL,
+    check_columns,
+    ground_truth_of,
+    read_parquet_schema,
+    row_error,
+    validate_prompt,
+)
+from megarl.errors import ConfigError, DataError
+from megarl.protocol.batch import Batch
+
+logger = logging.getLogger(__name__)
+
+PAD_TO_MODES = ("max_length", "longest")
+_FINGERPRINT_VERSION = "megarl-prompt-length-v1"
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """Silence datasets' progress bars for the duration (restoring the caller's setting)."""
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+
+
+class _RowLocator:
+    """Maps a global row number (over the concatenated files) to (file, row within file)."""
+
+    def __init__(self, files: Sequence[str], row_counts: Sequence[int]) -> None:
+        self.files = list(files)
+        self.starts = np.concatenate([[0], np.cumsum(row_counts)]).astype(np.int64)
+
+    def __call__(self, global_row: int) -> tuple[str, int]:
+        position = int(np.searchsorted(self.starts, global_row, side="right")) - 1
+        return self.files[position], int(global_row - self.starts[position])
+
+
+class _RowChecker:
+    """Validates rows and measures prompt lengths; runs inside ``datasets.map`` (picklable)."""
+
+    def __init__(
+        self,
+        renderer: PromptRenderer,
+        locate: _RowLocator,
+        prompt_key: str,
+        require_ground_truth: bool,
+        has_reward_model: bool,
+    ) -> None:
+        self.renderer = renderer
+        self.locate = locate
+        self.prompt_key = prompt_key
+        self.require_ground_truth = require_ground_truth
+        # The columns ``datasets.map`` passes, in order (then the row numbers).
+        self.input_columns = [prompt_key, DATA_SOURCE] + ([REWARD_MODEL] if has_reward_model else [])
+
+    def check(self, global_row: int, prompt: Any, data_source: Any, reward_model: Any) -> Any:
+        """Return the validated prompt; DataError naming file, row and column otherwise."""
+        try:
+            prompt = validate_prompt(prompt)
+        except ValueError as exc:
+            raise row_error(*self.locate(global_row), self.prompt_key, str(exc)) from None
+        if not isinstance(data_source, str) or not data_source:
+            raise row_error(
+                *self.locate(global_row), DATA_SOURCE, f"expected a non-empty string, got {data_source!r}"
+            )
+        if self.require_ground_truth:
+            try:
+                ground_truth_of(reward_model)
+            except ValueError as exc:
+                raise row_error(*self.locate(global_row), REWARD_MODEL, str(exc)) from None
+        return prompt
+
+    def __call__(self, *columns: list[Any]) -> dict[str, list[int]]:
+        prompts, sources, rows = columns[0], columns[1], columns[-1]
+        reward_models = columns[2] if len(columns) == 4 else [None] * len(rows)
+        checked = [self.check(r, p, s, m) for r, p, s, m in zip(rows, prompts, sources, reward_models)]
+        return {"prompt_length": self.renderer.lengths(checked)}
+
+
+def _file_fingerprint(path: str) -> str:
+    stat = os.stat(path)
+    return f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+class RLDataset:
+    """Prompts from parquet files, tokenised on access, collated into left-padded batches.
+
+    Args:
+        parquet_files: one path or a list; rows are concatenated in order.
+        tokenizer: a HF tokenizer (see :func:`megarl.data.tokenizer.load_tokenizer`); its pad id pads.
+        prompt_key: the column holding chat messages (or plain strings).
+        max_prompt_length: P, in tokens.
+        truncation: ``error`` | ``left`` | ``right`` | ``middle`` for prompts over P that were not
+            filtered out (see :func:`megarl.data.padding.truncate_ids`).
+        filter_overlong_prompts: drop prompts over P at construction (counted in
+            ``num_dropped_overlong`` and logged); also validates every row up front.
+        apply_chat_template: ``auto`` (use the tokenizer's template when it has one) | true | false.
+        pad_to: ``max_length`` pads every batch to P (verl's layout); ``longest`` to the batch's longest.
+        require_ground_truth: ``reward_model.ground_truth`` must be present (rule-based rewards).
+        num_proc: processes for the length pass (None: this process).
+        cache_dir: ``datasets`` cache directory (None: its default).
+    """
+
+    def __init__(
+        self,
+        parquet_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        prompt_key: str = "prompt",
+        max_prompt_length: int = 512,
+        truncation: str = "error",
+        filter_overlong_prompts: bool = True,
+        apply_chat_template: bool | str | None = "auto",
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        pad_to: str = "max_length",
+        require_ground_truth: bool = True,
+        num_proc: int | None = None,
+        cache_dir: str | None = None,
+    ) -> None:
+        files = (
+            [os.fspath(parquet_files)]
+            if isinstance(parquet_files, (str, os.PathLike))
+            else [os.fspath(f) for f in parquet_files]
+        )
+        if not files:
+            raise ConfigError("RLDataset: no parquet files given")
+        if truncation not in TRUNCATION_MODES:
+            raise ConfigError(f"truncation must be one of {list(TRUNCATION_MODES)}, got {truncation!r}")
+        if pad_to not in PAD_TO_MODES:
+            raise ConfigError(f"pad_to must be one of {list(PAD_TO_MODES)}, got {pad_to!r}")
+        if max_prompt_length < 1:
+            raise ConfigError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad_id is None:
+            raise ConfigError("RLDataset: the tokenizer has neither a pad nor an eos token")
+
+        self.files = files
+        self.prompt_key = prompt_key
+        self.max_prompt_length = max_prompt_length
+        self.truncation = truncation
+        self.pad_to = pad_to
+        self.pad_token_id = int(pad_id)
+        self.require_ground_truth = require_ground_truth
+        self.renderer = PromptRenderer(tokenizer, apply_chat_template, chat_template_kwargs)
+
+        required = [prompt_key, DATA_SOURCE] + ([REWARD_MODEL] if require_ground_truth else [])
+        for path in files:
+            check_columns(path, read_parquet_schema(path), required)
+        parts = [self._open(path, cache_dir) for path in files]
+        self._locate = _RowLocator(files, [len(p) for p in parts])
+        try:
+            self._table = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+        except ValueError as exc:
+            raise DataError(
+                f"files {files} have columns of different types and cannot be concatenated: {exc}"
+            ) from exc
+        self.num_rows_read = len(self._table)
+        self._checker = _RowChecker(
+            self.renderer,
+            self._locate,
+            prompt_key,
+            require_ground_truth,
+            REWARD_MODEL in self._table.column_names,
+        )
+
+        # Dataset index -> global row; None keeps every row (index == row).
+        self._kept_rows: np.ndarray | None = None
+        self.num_dropped_overlong = 0
+        self.prompt_lengths: np.ndarray | None = None  # per kept row, when measured
+        if filter_overlong_prompts:
+            lengths = self._measure_prompts(num_proc)
+            keep = lengths <= max_prompt_length
+            self._kept_rows = np.flatnonzero(keep).astype(np.int64)
+            self.prompt_lengths = lengths[keep]
+            self.num_dropped_overlong = int((~keep).sum())
+            if self.num_dropped_overlong:
+                logger.warning(
+                    "dropped %d of %d prompts longer than max_prompt_length=%d (files: %s)",
+                    self.num_dropped_overlong,
+                    self.num_rows_read,
+                    max_prompt_length,
+                    files,
+                )
+        if len(self) == 0:
+            raise DataError(
+                f"{files}: no rows left (read {self.num_rows_read}, "
+                f"dropped {self.num_dropped_overlong} overlong)"
+            )
+
+    @classmethod
+    def from_config(
+        cls, data: Any, files: Sequence[str], tokenizer: PreTrainedTokenizerBase, **overrides: Any
+    ) -> RLDataset:
+        """From the ``data`` section of the experiment config (prompt_key, max_prompt_length,
+        truncation, filter_overlong_prompts, apply_chat_template); ``overrides`` win."""
+        options = {
+            "prompt_key": data.prompt_key,
+            "max_prompt_length": data.max_prompt_length,
+            "truncation": data.truncation,
+            "filter_overlong_prompts": data.filter_overlong_prompts,
+            "apply_chat_template": data.apply_chat_template,
+        }
+        return cls(files, tokenizer, **{**options, **overrides})
+
+    @staticmethod
+    def _open(path: str, cache_dir: str | None) -> datasets.Dataset:
+        try:
+            with _quiet_datasets():
+                return datasets.load_dataset("parquet", data_files=[path], split="train", cache_dir=cache_dir)
+        except Exception as exc:  # datasets wraps arrow errors in several types; name the file once
+            raise DataError(f"{path}: could not be loaded ({type(exc).__name__}: {exc})") from exc
+
+    def _measure_prompts(self, num_proc: int | None) -> np.ndarray:
+        digest = hashlib.sha256()
+        for part in [
+            _FINGERPRINT_VERSION,
+            self.prompt_key,
+            str(self.require_ground_truth),
+            *map(_file_fingerprint, self.files),
+            *self.renderer.fingerprint_parts(),
+        ]:
+            digest.update(part.encode())
+            digest.update(b"\0")
+        with _quiet_datasets():
+            measured = self._table.map(
+                self._checker,
+                batched=True,
+                batch_size=1000,
+                with_indices=True,
+                input_columns=self._checker.input_columns,
+                remove_columns=self._table.column_names,
+                num_proc=num_proc,
+                new_fingerprint=digest.hexdigest()[:32],
+            )
+        return measured.with_format("numpy")["prompt_length"][:].astype(np.int64)
+
+    def __len__(self) -> int:
+        return self.num_rows_read if self._kept_rows is None else len(self._kept_rows)
+
+    def _global_row(self, index: int) -> int:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} is out of range for a dataset of {len(self)} rows")
+        index %= len(self)
+        return index if self._kept_rows is None else int(self._kept_rows[index])
+
+    def locate(self, index: int) -> tuple[str, int]:
+        """(file, row within that file) of dataset index ``index``."""
+        return self._locate(self._global_row(index))
+
+    def data_sources(self) -> list[str]:
+        """The distinct ``data_source`` values of all rows read (before filtering)."""
+        return sorted(str(s) for s in self._table.unique(DATA_SOURCE))
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.get_rows([index])[0]
+
+    def get_rows(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """Fetch and tokenise rows. Each row: ``input_ids`` (list[int], truncated, unpadded),
+        ``raw_prompt``, ``data_source``, ``ground_truth``, ``extra_info`` (dict), ``ability``,
+        ``index`` (dataset index) and ``row`` (global row over the files)."""
+        rows = [self._global_row(int(i)) for i in indices]
+        columns = self._table[rows]
+        missing = [None] * len(rows)
+        sources = columns[DATA_SOURCE]
+        reward_models = columns.get(REWARD_MODEL, missing)
+        prompts = [
+            self._checker.check(*fields)
+            for fields in zip(rows, columns[self.prompt_key], sources, reward_models)
+        ]
+        token_ids = self.renderer.encode_batch(prompts)
+        examples = []
+        for k, (row, reward_model, extra_info, ability) in enumerate(
+            zip(rows, reward_models, columns.get(EXTRA_INFO, missing), columns.get(ABILITY, missing))
+        ):
+            try:
+                ids = truncate_ids(token_ids[k], self.max_prompt_length, self.truncation)
+            except PromptTooLongError as exc:
+                raise row_error(
+                    *self._locate(row),
+                    self.prompt_key,
+                    f"{exc}; set truncation to left/right/middle or filter_overlong_prompts",
+                ) from None
+            examples.append(
+                {
+                    "input_ids": ids,
+                    "raw_prompt": prompts[k],
+                    "data_source": sources[k],
+                    "ground_truth": reward_model.get(GROUND_TRUTH)
+                    if isinstance(reward_model, dict)
+                    else None,
+                    "extra_info": extra_info or {},
+                    "ability": ability,
+                    "index": int(indices[k]) % len(self),
+                    "row": row,
+                }
+            )
+        return examples
+
+    def collate(self, examples: Sequence[Mapping[str, Any]], uids: Sequence[str] | None = None) -> Batch:
+        """Left-pad examples from :meth:`get_rows` into a Batch.
+
+        Tensors (B, P) int64: ``input_ids``, ``attention_mask``, ``position_ids``. Object columns:
+        ``uid`` (default: the global row number as a string), ``data_source``, ``ground_truth``,
+        ``extra_info``, ``raw_prompt``, ``ability``, ``index``.
+        """
+        if uids is not None and len(uids) != len(examples):
+            raise ValueError(f"{len(uids)} uids for {len(examples)} examples")
+        length = self.max_prompt_length if self.pad_to == "max_length" else None
+        input_ids, attention_mask, position_ids = left_pad(
+            [e["input_ids"] for e in examples], self.pad_token_id, length
+        )
+        non_tensors = {
+            "uid": list(uids) if uids is not None else [str(e["row"]) for e in examples],
+            **{
+                key: [e[key] for e in examples]
+                for key in ("data_source", "ground_truth", "extra_info", "raw_prompt", "ability", "index")
+            },
+        }
+        return Batch.from_dict(
+            {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
+            non_tensors=non_tensors,
+        )

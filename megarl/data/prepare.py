@@ -1,0 +1,226 @@
+"""Convert GSM8K and MATH-style datasets to megarl's parquet layout (verl's columns).
+
+Sources: a local copy (a parquet/jsonl/json file, or a directory holding the original files, e.g.
+``main/train-00000-of-00001.parquet`` for GSM8K or ``train/algebra/1.json`` for the original MATH
+release), or a HF hub dataset through ``datasets.load_dataset`` when the hub is reachable.
+Rows are streamed: nothing holds a whole split in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pyarrow.parquet as pq
+
+from megarl.data.parquet_io import write_parquet
+from megarl.data.tasks.rows import verl_row
+from megarl.errors import DataError
+from megarl.rewards.scorers.math import extract_boxed
+
+GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+SOURCE_SUFFIXES = (".parquet", ".jsonl", ".json")
+
+Located = tuple[str, int, dict[str, Any]]  # (file, row within file, row)
+
+
+def _read_file(path: Path) -> Iterator[Located]:
+    if path.suffix == ".parquet":
+        row = 0
+        try:
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
+                for record in batch.to_pylist():
+                    yield str(path), row, record
+                    row += 1
+        except OSError as exc:
+            raise DataError(f"{path}: not a readable parquet file ({exc})") from exc
+        return
+    with open(path, encoding="utf-8") as handle:
+        if path.suffix == ".json":
+            try:
+                content = json.load(handle)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}: invalid JSON ({exc})") from exc
+            records = content if isinstance(content, list) else [content]
+            for row, record in enumerate(records):
+                yield str(path), row, record
+            return
+        for row, line in enumerate(handle):
+            if not line.strip():
+                continue
+            try:
+                yield str(path), row, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}: row {row} is not valid JSON ({exc.msg})") from exc
+
+
+def _mentions_split(relative: Path, split: str) -> bool:
+    tokens = [*relative.parts[:-1], *re.split(r"[-_.]", relative.name)]
+    return split in tokens
+
+
+def local_split_files(local: str | os.PathLike[str], split: str) -> list[Path]:
+    """The source files of ``split`` under a directory (the split's name in a folder or file name)."""
+    root = Path(local)
+    if not root.exists():
+        raise DataError(f"{root}: does not exist")
+    if root.is_file():
+        return [root]
+    files = sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file() and p.suffix in SOURCE_SUFFIXES and _mentions_split(p.relative_to(root), split)
+    )
+    if not files:
+        raise DataError(
+            f"{root}: no {'/'.join(SOURCE_SUFFIXES)} file for split '{split}' "
+            "(the split name must appear in a folder or file name)"
+        )
+    return files
+
+
+def read_local_split(local: str | os.PathLike[str], split: str) -> Iterator[Located]:
+    for path in local_split_files(local, split):
+        yield from _read_file(path)
+
+
+def read_hub_split(name: str, config: str | None, split: str) -> Iterator[Located]:
+    """Rows of a hub dataset; DataError suggesting ``--local`` when the hub cannot be reached."""
+    try:
+        dataset = datasets.load_dataset(name, config, split=split)
+    except Exception as exc:  # offline, unknown name, ...: all end the same way for the user
+        raise DataError(
+            f"could not load '{name}' ({config}) split '{split}' from the hub: {exc}. "
+            "Pass --local DIR_OR_FILE"
+        ) from exc
+    for row, record in enumerate(dataset):
+        yield f"{name}:{split}", row, record
+
+
+def _field(file: str, row: int, record: Mapping[str, Any], column: str) -> str:
+    value = record.get(column)
+    if not isinstance(value, str) or not value.strip():
+        raise DataError(
+            f"{file}: row {row}, column '{column}': missing or not a non-empty string (got {value!r:.60})"
+        )
+    return value
+
+
+def gsm8k_final_answer(answer: str) -> str:
+    """The number after ``####`` in a GSM8K reference solution, without thousands commas."""
+    if "####" not in answer:
+        raise ValueError("no '####' final answer")
+    return answer.split("####")[-1].strip().replace(",", "")
+
+
+def gsm8k_rows(
+    source: Iterator[Located],
+    split: str,
+    instruction: str = GSM8K_INSTRUCTION,
+    data_source: str = "openai/gsm8k",
+) -> Iterator[dict[str, Any]]:
+    for index, (file, row, record) in enumerate(source):
+        question, answer = _field(file, row, record, "question"), _field(file, row, record, "answer")
+        try:
+            final = gsm8k_final_answer(answer)
+        except ValueError as exc:
+            raise DataError(f"{file}: row {row}, column 'answer': {exc}") from None
+        yield verl_row(
+            data_source=data_source,
+            content=f"{question} {instruction}",
+            ground_truth=final,
+            ability="math",
+            split=split,
+            index=index,
+            question=question,
+            answer=answer,
+        )
+
+
+def math_rows(
+    source: Iterator[Located],
+    split: str,
+    instruction: str = MATH_INSTRUCTION,
+    data_source: str = "DigitalLearningGmbH/MATH-lighteval",
+) -> Iterator[dict[str, Any]]:
+    for index, (file, row, record) in enumerate(source):
+        problem, solution = _field(file, row, record, "problem"), _field(file, row, record, "solution")
+        final = extract_boxed(solution)
+        if final is None:
+            raise DataError(f"{file}: row {row}, column 'solution': no \\boxed{{}} final answer")
+        yield verl_row(
+            data_source=data_source,
+            content=f"{problem} {instruction}",
+            ground_truth=final,
+            ability="math",
+            split=split,
+            index=index,
+            level=str(record.get("level") or ""),
+            type=str(record.get("type") or ""),
+        )
+
+
+_TASKS: dict[str, tuple[Callable[..., Iterator[dict[str, Any]]], str, str | None]] = {
+    # task: (row converter, default hub dataset, hub config)
+    "gsm8k": (gsm8k_rows, "openai/gsm8k", "main"),
+    "math": (math_rows, "DigitalLearningGmbH/MATH-lighteval", "default"),
+}
+
+
+def prepare(
+    task: str,
+    out_dir: str | os.PathLike[str],
+    *,
+    local: str | None = None,
+    hub_name: str | None = None,
+    hub_config: str | None = None,
+    splits: Sequence[str] = ("train", "test"),
+) -> dict[str, int]:
+    """Write ``<out_dir>/<split>.parquet`` for each split; returns rows written per split.
+
+    With ``local`` a single file is one split (``splits`` must then name exactly one).
+    """
+    converter, default_hub, default_config = _TASKS[task]
+    if local is not None and Path(local).is_file() and len(splits) != 1:
+        raise DataError(
+            f"{local}: a single file holds one split; pass --splits with one name (got {list(splits)})"
+        )
+    counts = {}
+    for split in splits:
+        if local is not None:
+            source = read_local_split(local, split)
+        else:
+            source = read_hub_split(
+                hub_name or default_hub, hub_config or (default_config if hub_name is None else None), split
+            )
+        counts[split] = write_parquet(converter(source, split), Path(out_dir) / f"{split}.parquet")
+    return counts
+
+
+def main(task: str, argv: Sequence[str] | None = None) -> int:
+    """Command line of ``tools/prepare_<task>.py``."""
+    parser = argparse.ArgumentParser(description=f"Convert {task} to megarl's parquet layout (verl columns).")
+    parser.add_argument("--out", required=True, help="output directory (<split>.parquet files)")
+    parser.add_argument("--local", help="local copy: a parquet/jsonl/json file or a directory of them")
+    parser.add_argument("--hub-name", help=f"hub dataset (default {_TASKS[task][1]}); needs network access")
+    parser.add_argument("--hub-config", help="hub dataset configuration")
+    parser.add_argument("--splits", nargs="+", default=["train", "test"])
+    args = parser.parse_args(argv)
+    counts = prepare(
+        task,
+        args.out,
+        local=args.local,
+        hub_name=args.hub_name,
+        hub_config=args.hub_config,
+        splits=args.splits,
+    )
+    for split, count in counts.items():
+        print(f"{split}: {count} rows -> {Path(args.out) / f'{split}.parquet'}")
+    return 0

@@ -1,0 +1,101 @@
+"""Turn a dataset prompt (chat messages or a string) into text and token ids."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from megarl.errors import ConfigError
+
+Prompt = str | list[dict[str, str]]
+
+
+def parse_chat_template_mode(value: bool | str | None) -> bool | None:
+    """``auto``/None -> None (decide per tokenizer), ``true``/True -> True, ``false``/False -> False."""
+    if value is None or isinstance(value, bool):
+        return value
+    lowered = str(value).strip().lower()
+    if lowered == "auto":
+        return None
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise ConfigError(f"apply_chat_template must be auto, true or false, got {value!r}")
+
+
+class PromptRenderer:
+    """Renders prompts with the tokenizer's chat template, or as plain text.
+
+    With a chat template a message list becomes ``apply_chat_template(..., add_generation_prompt=True)``
+    and is encoded without adding special tokens (the template holds them); a string prompt is
+    treated as one user message. As plain text the message contents are joined with a blank line and
+    encoded with the tokenizer's own special tokens (BOS for Llama-style tokenizers; none for the
+    character tokenizer, so "3+4=" is exactly 4 tokens).
+
+    ``apply_chat_template``: None (auto) uses the template when the tokenizer has one.
+    Picklable (datasets sends it to worker processes).
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        apply_chat_template: bool | str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        mode = parse_chat_template_mode(apply_chat_template)
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if mode is True and not has_template:
+            raise ConfigError(
+                "apply_chat_template is true but the tokenizer has no chat template "
+                f"({getattr(tokenizer, 'name_or_path', '?')}); set it to auto or false"
+            )
+        self.tokenizer = tokenizer
+        self.use_chat_template = has_template if mode is None else mode
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+
+    def text(self, prompt: Prompt) -> str:
+        """The prompt as the model will see it (before tokenisation)."""
+        if self.use_chat_template:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **self.chat_template_kwargs
+            )
+        if isinstance(prompt, str):
+            return prompt
+        return "\n\n".join(message["content"] for message in prompt)
+
+    def encode_batch(self, prompts: Sequence[Prompt]) -> list[list[int]]:
+        """Token ids of each prompt (unpadded, untruncated)."""
+        if not prompts:
+            return []
+        texts = [self.text(p) for p in prompts]
+        return self.tokenizer(texts, add_special_tokens=not self.use_chat_template)["input_ids"]
+
+    def lengths(self, prompts: Sequence[Prompt]) -> list[int]:
+        """Token count of each prompt (what :meth:`encode_batch` would return, counted)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return [len(ids) for ids in self.encode_batch(prompts)]
+        # A fast tokenizer's ids come from its Rust backend; asking it directly skips building
+        # Python lists for every token (several times faster on large datasets).
+        texts = [self.text(p) for p in prompts]
+        return [len(e) for e in backend.encode_batch(texts, add_special_tokens=not self.use_chat_template)]
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        return self.encode_batch([prompt])[0]
+
+    def fingerprint_parts(self) -> list[str]:
+        """What determines the token ids (for dataset cache fingerprints)."""
+        tok = self.tokenizer
+        backend = getattr(tok, "backend_tokenizer", None)
+        vocab_repr = backend.to_str() if backend is not None else repr(sorted(tok.get_vocab().items()))
+        return [
+            type(tok).__name__,
+            vocab_repr,
+            str(getattr(tok, "chat_template", None)),
+            str(self.use_chat_template),
+            repr(sorted(self.chat_template_kwargs.items())),
+        ]

@@ -1,0 +1,79 @@
+"""Built-in rule-based scorers, chosen per sample by its ``data_source``.
+
+Every scorer is ``compute_score(solution_str, ground_truth, **options) -> {"score", "acc", "format"}``
+and uses only the standard library, so that worker processes can import it cheaply.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from megarl.errors import ConfigError
+from megarl.rewards.scorers import arithmetic, countdown, gsm8k, math
+
+ScorerFn = Callable[..., dict[str, float]]
+
+SCORERS: dict[str, ScorerFn] = {
+    "gsm8k": gsm8k.compute_score,
+    "math": math.compute_score,
+    "countdown": countdown.compute_score,
+    "arithmetic": arithmetic.compute_score,
+}
+
+DATA_SOURCE_SCORERS: dict[str, str] = {
+    "openai/gsm8k": "gsm8k",
+    "gsm8k": "gsm8k",
+    "math": "math",
+    "lighteval/MATH": "math",
+    "DigitalLearningGmbH/MATH-lighteval": "math",
+    "HuggingFaceH4/MATH-500": "math",
+    "countdown": "countdown",
+    "arithmetic": "arithmetic",
+}
+
+
+class UnknownDataSourceError(ConfigError):
+    """A sample's data_source has no built-in scorer and no custom reward function is configured."""
+
+
+def scorer_name_for(data_source: str) -> str:
+    """The built-in scorer that judges ``data_source``; UnknownDataSourceError listing the known ones."""
+    try:
+        return DATA_SOURCE_SCORERS[data_source]
+    except KeyError:
+        raise UnknownDataSourceError(
+            f"no built-in scorer for data_source {data_source!r}; "
+            f"known data sources: {sorted(DATA_SOURCE_SCORERS)}. "
+            "Configure reward.custom_reward_function.path/name to score other sources."
+        ) from None
+
+
+def check_data_sources(data_sources: Iterable[str]) -> None:
+    """Raise UnknownDataSourceError for the first data source without a built-in scorer."""
+    for source in dict.fromkeys(data_sources):
+        scorer_name_for(source)
+
+
+def check_scorer_options(options: Mapping[str, Mapping[str, Any]]) -> None:
+    """Validate per-scorer options ``{scorer name: {option: value}}`` against the scorers' signatures."""
+    for name, kwargs in options.items():
+        if name not in SCORERS:
+            raise ConfigError(f"reward_kwargs: {name!r} is not a built-in scorer; known: {sorted(SCORERS)}")
+        try:
+            inspect.signature(SCORERS[name]).bind("", None, **dict(kwargs))
+        except TypeError as exc:
+            raise ConfigError(f"reward_kwargs.{name}: {exc}") from None
+
+
+def score_builtin(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: Any = None,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> dict[str, float]:
+    """Score one sample with the scorer of its data source (``extra_info`` is not used by them)."""
+    name = scorer_name_for(data_source)
+    return SCORERS[name](solution_str, ground_truth, **dict((options or {}).get(name, {})))

@@ -1,0 +1,158 @@
+"""The scoring worker process: loads a scoring function once, then scores batches of calls.
+
+Started by :class:`megarl.rewards.pool.ScoringPool` as ``python -m megarl.rewards.worker FD`` (a
+fresh interpreter: it never imports the driver's main module, torch or anything else the driver
+holds). Protocol over the connection on file descriptor FD (pickled tuples):
+
+    parent -> worker   ScoringTarget; then ("score", [(call_id, (data_source, solution_str,
+                       ground_truth, extra_info)), ...]) any number of times; ("stop",)
+    worker -> parent   ("ready", pid) or ("load_error", reason); then one (call_id, status, payload)
+                       per call, in order: ("ok", {key: float}) | ("error", reason) | ("bad_return", reason)
+
+Standard library only, so that starting a worker costs an interpreter start and the user's module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import numbers
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+Call = tuple[str, str, Any, Any]  # data_source, solution_str, ground_truth, extra_info
+
+
+@dataclass(frozen=True)
+class ScoringTarget:
+    """What a worker calls. ``path=None`` selects the built-in scorers (``kwargs``: per-scorer options);
+    otherwise ``name`` in the Python file ``path``, called as
+    ``fn(data_source=, solution_str=, ground_truth=, extra_info=, **kwargs)`` (verl's signature)."""
+
+    path: str | None = None
+    name: str = "compute_score"
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+def load_user_function(path: str, name: str) -> Callable[..., Any]:
+    """Import the file at ``path`` as a module and return its callable ``name``."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"reward function file '{path}' does not exist")
+    directory = os.path.dirname(os.path.abspath(path))
+    if directory not in sys.path:  # let the file import its neighbours
+        sys.path.insert(0, directory)
+    module_name = f"megarl_user_reward_{abs(hash(os.path.abspath(path)))}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"'{path}' cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if fn is None:
+        public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
+        raise AttributeError(f"'{path}' has no function '{name}' (callables there: {public})")
+    if not callable(fn):
+        raise TypeError(f"'{name}' in '{path}' is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def build_scorer(target: ScoringTarget) -> Callable[[Call], Any]:
+    if target.path is None:
+        from megarl.rewards.scorers import score_builtin
+
+        return lambda call: score_builtin(*call, options=target.kwargs)
+    fn = load_user_function(target.path, target.name)
+    kwargs = dict(target.kwargs)
+    return lambda call: fn(
+        data_source=call[0], solution_str=call[1], ground_truth=call[2], extra_info=call[3], **kwargs
+    )
+
+
+def _as_finite_float(value: Any) -> float | None:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (numbers.Real, bool)):
+        return None
+    result = float(value)
+    return result if math.isfinite(result) else None
+
+
+def normalize_result(value: Any) -> tuple[str, Any]:
+    """``("ok", {"score": float, ...numeric extras})`` or ``("bad_return", reason)``.
+
+    Accepted: a finite real number (bool, int, float, numpy scalar), or a dict with a finite real
+    ``score``; other numeric entries of the dict are kept (as float), non-numeric ones dropped.
+    """
+    score = _as_finite_float(value)
+    if score is not None:
+        return "ok", {"score": score}
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return "bad_return", f"returned {value!r}, not a finite number"
+    if isinstance(value, Mapping):
+        if "score" not in value:
+            return "bad_return", f"returned a dict without 'score' (keys: {sorted(map(str, value))[:10]})"
+        if _as_finite_float(value["score"]) is None:
+            return "bad_return", f"returned score {value['score']!r:.80}, not a finite number"
+        kept = {str(k): f for k, v in value.items() if (f := _as_finite_float(v)) is not None}
+        return "ok", kept
+    return (
+        "bad_return",
+        f"returned {type(value).__name__} {value!r:.80}, expected a number or a dict with 'score'",
+    )
+
+
+def score_one(scorer: Callable[[Call], Any], call: Call) -> tuple[str, Any]:
+    """Run one call; exceptions (even SystemExit) become ``("error", reason)``."""
+    try:
+        value = scorer(call)
+    except BaseException as exc:  # user code may raise anything; the worker must survive it
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+        return "error", f"{type(exc).__name__}: {str(exc)[:300]}{where}"
+    return normalize_result(value)
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """Runs in a thread: the worker must not outlive the driver, even mid-way through a hung call."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(1.0)
+
+
+def serve(conn: Connection) -> None:
+    target: ScoringTarget = conn.recv()
+    try:
+        scorer = build_scorer(target)
+    except BaseException as exc:
+        conn.send(("load_error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:  # the parent went away
+            return
+        if message[0] == "stop":
+            return
+        for call_id, call in message[1]:
+            status, payload = score_one(scorer, call)
+            conn.send((call_id, status, payload))
+
+
+def main() -> None:
+    fd = int(sys.argv[1])
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    serve(Connection(fd))
+
+
+if __name__ == "__main__":
+    main()

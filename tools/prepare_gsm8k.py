@@ -1,0 +1,12 @@
+"""Convert GSM8K to megarl's parquet layout (verl's columns).
+
+python tools/prepare_gsm8k.py --out data/gsm8k --local PATH   # a local copy (file or directory)
+python tools/prepare_gsm8k.py --out data/gsm8k                # from the HF hub, when reachable
+"""
+
+import sys
+
+from megarl.data.prepare import main
+
+if __name__ == "__main__":
+    sys.exit(main("gsm8k"))
