@@ -1,0 +1,217 @@
+"""Starting or joining a Ray cluster, and leaving nothing behind when the driver stops.
+
+    with start_or_connect() as cluster:            # a local cluster for this process
+        pool = ResourcePool("actor", nnodes=1, devices_per_node=2)
+        ...
+    # here every worker group and pool is gone, and so is the local cluster
+
+On exit, on Ctrl-C (KeyboardInterrupt) and on SIGTERM (turned into SystemExit inside the block)
+the context manager shuts down the worker groups and resource pools created inside it, then
+disconnects from Ray; a local cluster stops with it. An atexit hook does the same if the block
+was never left normally.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Protocol
+
+import ray
+
+from megarl.errors import MegarlError
+
+logger = logging.getLogger(__name__)
+
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
+
+class ClusterError(MegarlError, RuntimeError):
+    """The Ray cluster cannot be reached or does not have what was asked of it."""
+
+
+class _ShutsDown(Protocol):
+    def shutdown(self) -> None: ...
+
+
+# Worker groups and resource pools register here so that the cluster's exit can clean them up.
+_live: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def register_for_cleanup(resource: _ShutsDown) -> None:
+    """Shut `resource` down when the surrounding `start_or_connect` block exits."""
+    _live.add(resource)
+
+
+def unregister_for_cleanup(resource: _ShutsDown) -> None:
+    _live.discard(resource)
+
+
+def shutdown_registered() -> None:
+    """Shut down every registered worker group, then every pool (groups first: they use pools)."""
+    resources = list(_live)
+    resources.sort(key=lambda resource: 0 if hasattr(resource, "pool") else 1)  # groups have a pool
+    for resource in resources:
+        try:
+            resource.shutdown()
+        except Exception as error:  # cleanup must go on with the rest
+            logger.warning("cleanup of %r failed: %s", resource, error)
+        _live.discard(resource)
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    """What the driver is connected to."""
+
+    address: str
+    local: bool  # True when this process started the cluster (and will stop it)
+    num_nodes: int
+    resources: dict[str, float]
+
+
+@contextmanager
+def start_or_connect(
+    address: str | None = None,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    object_store_memory_gb: float = 0.5,
+    resources: dict[str, float] | None = None,
+    namespace: str | None = None,
+    wait_for_nodes: int = 1,
+    wait_timeout_s: float = 60.0,
+    log_to_driver: bool = True,
+) -> Iterator[ClusterInfo]:
+    """Start a local Ray cluster (address=None) or connect to a running one; tear down on exit.
+
+    address: "host:port" of a running cluster's GCS, or "auto"; None starts a local cluster with
+    num_cpus/num_gpus logical devices, `object_store_memory_gb` of shared memory and custom
+    `resources`. Token authentication (on by default in Ray 2.60) is switched off only for
+    this local, single-process cluster unless RAY_AUTH_MODE is set; a real cluster keeps it.
+    wait_for_nodes: block until this many nodes are alive (multi-node clusters still joining);
+    ClusterError after wait_timeout_s.
+    """
+    if ray.is_initialized():
+        raise ClusterError("Ray is already initialised in this process; start_or_connect owns the connection")
+    local = address is None
+    auth_env_before = os.environ.get(AUTH_MODE_ENV)
+    if local and auth_env_before is None:
+        os.environ[AUTH_MODE_ENV] = "disabled"
+    init_kwargs: dict[str, Any] = dict(namespace=namespace, log_to_driver=log_to_driver, include_dashboard=False)
+    if local:
+        init_kwargs.update(
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            object_store_memory=int(object_store_memory_gb * 1024**3),
+            resources=resources,
+        )
+    else:
+        init_kwargs.pop("include_dashboard")
+    context = ray.init(address=address, **init_kwargs)
+
+    def cleanup() -> None:
+        shutdown_registered()
+        if ray.is_initialized():
+            ray.shutdown()
+
+    atexit.register(cleanup)
+    installed, previous_sigterm = _install_sigterm_handler()
+    try:
+        nodes = wait_for_alive_nodes(wait_for_nodes, wait_timeout_s)
+        yield ClusterInfo(
+            address=context.address_info.get("gcs_address", address or ""),
+            local=local,
+            num_nodes=nodes,
+            resources=dict(ray.cluster_resources()),
+        )
+    finally:
+        if installed:  # a second SIGTERM must not cut the cleanup short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        cleanup()
+        atexit.unregister(cleanup)
+        if installed:
+            # None means a handler set outside Python: the closest we can restore is the default.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_sigterm is None else previous_sigterm)
+        if local and auth_env_before is None:
+            os.environ.pop(AUTH_MODE_ENV, None)
+
+
+def _install_sigterm_handler() -> tuple[bool, Any]:
+    """Make SIGTERM leave the `with` block like Ctrl-C does, so that cleanup runs. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        return False, None
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    return True, signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def wait_for_alive_nodes(count: int, timeout_s: float) -> int:
+    """Block until at least `count` Ray nodes are alive; return how many are. ClusterError on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = sum(1 for node in ray.nodes() if node["Alive"])
+        if alive >= count:
+            return alive
+        if time.monotonic() > deadline:
+            raise ClusterError(
+                f"waited {timeout_s} s for {count} Ray nodes, {alive} alive:\n{describe_cluster()}"
+            )
+        time.sleep(0.2)
+
+
+def describe_cluster() -> str:
+    """One line per alive node: IP, node id prefix, total and available resources (Ray's view).
+
+    Internal bookkeeping resources (placement-group shadows, node markers, memory) are left out.
+    """
+    lines = []
+    available_by_node = _available_by_node()
+    for node in ray.nodes():
+        if not node["Alive"]:
+            continue
+        node_id = node["NodeID"]
+        total = _user_resources(node["Resources"])
+        available = _user_resources(available_by_node.get(node_id, {}))
+        lines.append(
+            f"node {node['NodeManagerAddress']} ({node_id[:8]}): total {_fmt(total)}, available {_fmt(available)}"
+        )
+    if not lines:
+        return "(no alive Ray nodes)"
+    lines.append(f"cluster: total {_fmt(_user_resources(ray.cluster_resources()))}, "
+                 f"available {_fmt(_user_resources(ray.available_resources()))}")
+    return "\n".join(lines)
+
+
+def _available_by_node() -> dict[str, dict[str, float]]:
+    """Available resources per node id, from Ray's state API (best effort: empty if unavailable)."""
+    try:
+        from ray._private.state import available_resources_per_node
+
+        return {node_id: dict(res) for node_id, res in available_resources_per_node().items()}
+    except Exception:  # a private API: degrade to totals only
+        return {}
+
+
+def _user_resources(resources: dict[str, float]) -> dict[str, float]:
+    """Resources a user asks for: CPU, GPU, custom ones; not placement-group or node bookkeeping."""
+    return {
+        name: amount
+        for name, amount in sorted(resources.items())
+        if "_group_" not in name
+        and not name.startswith("node:")
+        and name not in ("memory", "object_store_memory")
+    }
+
+
+def _fmt(resources: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{name}: {amount:g}" for name, amount in resources.items()) + "}"

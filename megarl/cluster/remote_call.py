@@ -1,0 +1,182 @@
+"""Waiting on remote calls so that a failed rank fails the driver at once, with its own error.
+
+Every call into a worker group goes through `wait_for_calls`: it waits with `ray.wait` over all
+pending results together, so the first rank that raises or dies is seen at once, even while the
+other ranks are blocked in a collective waiting for it. The error names the role, rank and node
+and carries the worker's own traceback. `CallHandle` is the future-like result of an `_async`
+call; `gather` waits on several handles (from several groups) together.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayError, RayTaskError
+
+from megarl.errors import WorkerError
+
+
+class WorkerTimeoutError(WorkerError):
+    """A call into a worker group did not finish within its timeout."""
+
+
+@dataclass(frozen=True)
+class RankCall:
+    """One pending remote call: who runs it and the reference to its result."""
+
+    role: str
+    rank: int
+    node: str  # "ip (node id prefix)" for messages
+    method: str
+    ref: ray.ObjectRef
+
+
+def describe_failure(call: RankCall, error: BaseException) -> str:
+    """The message of the WorkerError for `call` failing with `error` (a Ray error or other)."""
+    where = f"{call.role} rank {call.rank} on node {call.node}"
+    if isinstance(error, RayTaskError):
+        # str() holds the remote traceback and the original exception's message.
+        return f"{where} raised in {call.method}():\n{error}"
+    if isinstance(error, RayActorError):
+        return f"{where} died during {call.method}(): {error}"
+    return f"{where} failed in {call.method}(): {type(error).__name__}: {error}"
+
+
+def _summary(call: RankCall, error: BaseException) -> str:
+    """One line: who failed and the last line of its error."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    verb = "died" if isinstance(error, RayActorError) else "raised"
+    return f"{call.role} rank {call.rank} ({call.node}) {verb}: {lines[-1] if lines else type(error).__name__}"
+
+
+def _root_cause_order(failure: tuple[RankCall, BaseException]) -> tuple[bool, int]:
+    call, error = failure
+    return (not isinstance(error, RayActorError), call.rank)
+
+
+def _failure_message(failures: list[tuple[RankCall, BaseException]]) -> str:
+    """Root cause first: a rank that died explains the others' broken collectives, not vice versa."""
+    failures = sorted(failures, key=_root_cause_order)
+    call, error = failures[0]
+    message = describe_failure(call, error)
+    if len(failures) > 1:
+        message += "\nAlso failed:\n" + "\n".join("  " + _summary(c, e) for c, e in failures[1:])
+    return message
+
+
+FailureAction = Callable[[Sequence[int]], None]
+
+# Seconds to wait for further failures once one rank has failed (see wait_for_calls).
+FAILURE_GRACE_S = 2.0
+
+
+def _fetch(calls: Sequence[RankCall], positions: Sequence[int], results: list[Any]) -> list[int]:
+    """Store the results of the finished calls at `positions`; return the positions that failed."""
+    failed = []
+    for position in positions:
+        try:
+            results[position] = ray.get(calls[position].ref)
+        except RayError as error:
+            results[position] = error
+            failed.append(position)
+    return failed
+
+
+def wait_for_calls(
+    calls: Sequence[RankCall],
+    timeout_s: float | None = None,
+    on_failure: FailureAction | None = None,
+) -> list[Any]:
+    """Results of `calls` in order; raise WorkerError on the first failing rank.
+
+    timeout_s: None waits for ever; otherwise WorkerTimeoutError names the ranks still running.
+    on_failure: called before raising, with the positions (in `calls`) of the failed call or of
+    the calls still running at a timeout. A worker group kills its actors here, so that ranks
+    left blocked in a collective do not hang around.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    position_of = {call.ref: position for position, call in enumerate(calls)}
+    results: list[Any] = [None] * len(calls)
+    pending = [call.ref for call in calls]
+    while pending:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+        if not ready:
+            positions = [position_of[ref] for ref in pending]
+            if on_failure is not None:
+                on_failure(positions)
+            raise WorkerTimeoutError(
+                f"{calls[positions[0]].method}() did not finish within {timeout_s} s on "
+                + ", ".join(f"{calls[p].role} rank {calls[p].rank} ({calls[p].node})" for p in positions)
+            )
+        failed = _fetch(calls, [position_of[ref] for ref in ready], results)
+        if failed:
+            # Give the other ranks a moment to report too, so the root cause (often a rank that
+            # died, while its peers only see a broken connection) can be named first.
+            if pending:
+                more, pending = ray.wait(pending, num_returns=len(pending), timeout=FAILURE_GRACE_S)
+                failed += _fetch(calls, [position_of[ref] for ref in more], results)
+            if on_failure is not None:
+                on_failure(failed)
+            failures = [(calls[position], results[position]) for position in failed]
+            message = _failure_message(failures)
+            raise WorkerError(message) from min(failures, key=_root_cause_order)[1]
+    return results
+
+
+class CallHandle:
+    """The result of an asynchronous group call: `.result(timeout_s)` waits and post-processes."""
+
+    def __init__(
+        self,
+        calls: Sequence[RankCall],
+        finish: Callable[[list[Any]], Any],
+        on_failure: Callable[[], None] | None = None,
+    ) -> None:
+        self.calls = list(calls)
+        self._finish = finish
+        self.on_failure = on_failure
+        self._done = False
+        self._value: Any = None
+
+    def done(self) -> bool:
+        """True when every rank has finished (successfully or not); never blocks."""
+        if self._done:
+            return True
+        refs = [call.ref for call in self.calls]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(ready) == len(refs)
+
+    def result(self, timeout_s: float | None = None) -> Any:
+        """Wait (at most timeout_s seconds) and return the call's result; raises WorkerError."""
+        if not self._done:
+            action = self.on_failure
+            raw = wait_for_calls(self.calls, timeout_s, None if action is None else lambda _: action())
+            self._value = self._finish(raw)
+            self._done = True
+        return self._value
+
+
+def gather(*handles: CallHandle, timeout_s: float | None = None) -> list[Any]:
+    """Results of several handles (possibly of different groups), waiting on all at once.
+
+    The first failure in any of them raises at once, after the failure action of the handle it
+    belongs to (its group's) has run. Use this when independent roles run concurrently, so that
+    a crash in one is not hidden behind a long wait on another.
+    """
+    calls = [call for handle in handles for call in handle.calls]
+    owner = [handle for handle in handles for _ in handle.calls]
+
+    def fail(positions: Sequence[int]) -> None:
+        actions = {id(owner[p]): owner[p].on_failure for p in positions}
+        for action in actions.values():
+            if action is not None:
+                action()
+
+    wait_for_calls(calls, timeout_s, fail)
+    # Every call is finished now, so each handle's result() returns without waiting.
+    return [handle.result() for handle in handles]

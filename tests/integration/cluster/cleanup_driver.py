@@ -1,0 +1,38 @@
+"""A driver that starts a local cluster and a 2-rank group, says READY, then waits to be stopped.
+
+Run by test_cluster_cleanup.py, which interrupts it (SIGINT / SIGTERM) and checks that every
+process it started is gone.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from megarl.cluster.ray_cluster import start_or_connect
+from megarl.cluster.resource_pool import ResourcePool
+from megarl.cluster.worker import Worker
+from megarl.cluster.worker_group import WorkerGroup
+
+
+class IdleWorker(Worker):
+    pass
+
+
+def main() -> None:
+    with start_or_connect(num_cpus=2, object_store_memory_gb=0.1):
+        pool = ResourcePool("idle", nnodes=1, devices_per_node=2).wait(timeout_s=120)
+        group = WorkerGroup(pool, IdleWorker, "idle")
+        print("READY", " ".join(str(info.pid) for info in group.node_infos), flush=True)
+        try:
+            while True:
+                time.sleep(0.1)
+        finally:
+            print("CLEANING UP", flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)

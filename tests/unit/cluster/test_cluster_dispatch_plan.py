@@ -1,0 +1,102 @@
+"""Data-parallel dispatch planning, splitting and merging (pure functions, no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.cluster.dispatch import (
+    DispatchError,
+    merge_data_parallel_results,
+    plan_dispatch,
+    split_for_data_parallel,
+)
+from megarl.cluster.worker import ParallelInfo
+from megarl.protocol import Batch
+
+
+def grid(dp: int, tp: int, pp: int = 1) -> list[ParallelInfo]:
+    """Megatron's default rank order: TP fastest, then DP, then PP."""
+    infos = []
+    for rank in range(dp * tp * pp):
+        tp_rank, rest = rank % tp, rank // tp
+        dp_rank, pp_rank = rest % dp, rest // dp
+        infos.append(ParallelInfo(rank=rank, dp_rank=dp_rank, dp_size=dp, tp_rank=tp_rank, tp_size=tp,
+                                  pp_rank=pp_rank, pp_size=pp))
+    return infos
+
+
+def test_pure_data_parallel_plan_collects_every_rank():
+    plan = plan_dispatch([ParallelInfo.data_parallel_only(rank, 3) for rank in range(3)])
+    assert plan.dp_size == 3
+    assert plan.shard_of_rank == (0, 1, 2)
+    assert plan.collect_ranks == (0, 1, 2)
+
+
+def test_tp2_pp2_dp2_collects_from_last_stage_tp_rank_0():
+    # 8 ranks: ranks 0-3 are stage 0, 4-7 stage 1; within a stage (dp0: tp0, tp1), (dp1: tp0, tp1).
+    plan = plan_dispatch(grid(dp=2, tp=2, pp=2))
+    assert plan.shard_of_rank == (0, 0, 1, 1, 0, 0, 1, 1)
+    assert plan.collect_ranks == (4, 6)
+
+
+def test_context_parallel_rank_0_only_is_collected():
+    infos = [ParallelInfo(rank=r, dp_rank=0, dp_size=1, cp_rank=r, cp_size=2) for r in range(2)]
+    assert plan_dispatch(infos).collect_ranks == (0,)
+
+
+@pytest.mark.parametrize(
+    "infos, message",
+    [
+        ([], "empty"),
+        ([ParallelInfo(rank=1, dp_rank=0, dp_size=1)], "position 0 belongs to rank 1"),
+        ([ParallelInfo(rank=0, dp_rank=0, dp_size=2), ParallelInfo(rank=1, dp_rank=0, dp_size=1)], "disagree"),
+        ([ParallelInfo(rank=0, dp_rank=0, dp_size=2), ParallelInfo(rank=1, dp_rank=2, dp_size=2)], "outside"),
+        ([ParallelInfo(rank=0, dp_rank=0, dp_size=1), ParallelInfo(rank=1, dp_rank=0, dp_size=1)],
+         r"data-parallel rank 0 .* found ranks \[0, 1\]"),
+        ([ParallelInfo(rank=0, dp_rank=0, dp_size=2, tp_rank=1, tp_size=2),
+          ParallelInfo(rank=1, dp_rank=1, dp_size=2)], r"data-parallel rank 0 .* found ranks \[\]"),
+    ],
+)
+def test_inconsistent_layouts_are_refused_with_the_reason(infos, message):
+    with pytest.raises(DispatchError, match=message):
+        plan_dispatch(infos)
+
+
+def numbered(rows: int) -> Batch:
+    return Batch.from_dict({"x": torch.arange(rows) * 2}, non_tensors={"uid": [f"u{i}" for i in range(rows)]})
+
+
+def test_split_pads_with_leading_rows_hand_worked():
+    shards, pad = split_for_data_parallel(numbered(5), 3)
+    assert pad == 1
+    assert [shard["x"].tolist() for shard in shards] == [[0, 2], [4, 6], [8, 0]]
+    assert [list(shard["uid"]) for shard in shards] == [["u0", "u1"], ["u2", "u3"], ["u4", "u0"]]
+
+
+def test_fewer_rows_than_ranks_still_gives_every_rank_a_row():
+    shards, pad = split_for_data_parallel(numbered(2), 4)
+    assert pad == 2 and [shard["x"].tolist() for shard in shards] == [[0], [2], [0], [2]]
+
+
+@pytest.mark.parametrize("rows, dp", [(1, 1), (1, 4), (7, 2), (8, 4), (9, 4), (10, 3)])
+def test_split_then_merge_round_trips_rows_in_order(rows, dp):
+    batch = numbered(rows)
+    shards, pad = split_for_data_parallel(batch, dp)
+    assert len({len(shard) for shard in shards}) == 1
+    merged = merge_data_parallel_results(shards, pad)
+    assert merged["x"].tolist() == [2 * i for i in range(rows)]
+    assert list(merged["uid"]) == [f"u{i}" for i in range(rows)]
+    tensors = merge_data_parallel_results([shard["x"] for shard in shards], pad)
+    assert tensors.tolist() == [2 * i for i in range(rows)]
+
+
+def test_merge_of_non_row_results():
+    assert merge_data_parallel_results([None, None], 1) is None
+    metrics = [{"loss": 1.0}, {"loss": 2.0}]
+    assert merge_data_parallel_results(metrics, 1) == metrics
+
+
+def test_empty_batch_is_refused():
+    with pytest.raises(DispatchError, match="empty batch"):
+        split_for_data_parallel(numbered(0), 2)
