@@ -111,7 +111,7 @@ def test_ppo_with_critic_and_kl_in_reward(tmp_path: Path, task_dir: Path) -> Non
         tmp_path, task_dir,
         algorithm={"adv_estimator": "gae", "use_kl_in_reward": True, "kl_ctrl": {"type": "adaptive", "kl_coef": 0.05},
                    "gamma": 1.0, "lam": 0.95},
-        critic={"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 8},
+        critic={"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 4},
         rollout={"n": 1},
         actor={"ppo_micro_batch_size_per_gpu": 2},
         trainer={"critic_warmup": 1},
