@@ -1,4 +1,4 @@
-"""Stand-in for `megarl train` (which does not exist yet) in the SLURM bootstrap test.
+"""Stand-in for `megarl train` in the SLURM bootstrap tests that check the cluster plumbing itself.
 
 Called exactly as the trainer would be: ``standin_train.py CONFIG OVERRIDES...``. It connects to the
 cluster named by ``resources.ray_address``, runs one task pinned to each alive node, and writes what

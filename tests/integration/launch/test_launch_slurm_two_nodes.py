@@ -3,8 +3,9 @@
 Each "node" is a ``bootstrap.py`` process with the SLURM variables a real srun task would see
 (SLURM_JOB_NODELIST=node[01-02], SLURM_NODEID=0/1). MEGARL_NODE_IPS maps both hosts to 127.0.0.1 and
 MEGARL_RAY_START_ARGS gives each raylet its own free ports, which is what lets two raylets share one
-machine. The trainer (`megarl train`) does not exist yet: ``standin_train.py`` is run through the same
-entrypoint and argument path, and places one task on each node.
+machine. Most tests run ``standin_train.py`` through the trainer's entrypoint and argument path (it
+places one task on each node and can hold or fail on demand); the last one runs the real
+`megarl train` on a tiny GRPO job with one tensor-parallel rank on each node.
 
 Ray token authentication is on, as on a real cluster (the token reaches both nodes by environment).
 Time bounds are generous: on a loaded 2-core machine one `ray start` alone can take 40 s.
@@ -249,6 +250,53 @@ def test_failed_trainer_status_is_the_job_status_single_node(workdir: tuple[Path
         report = json.loads(alloc.out.read_text())
         assert report["overrides"] == [f"resources.ray_address=127.0.0.1:{alloc.port}", "resources.actor_pool.nnodes=1"]
         assert len(report["ran_on"]) == 1
+        assert_torn_down(alloc)
+    finally:
+        alloc.kill_everything()
+
+
+def test_trainer_runs_a_tiny_job_across_both_nodes(workdir: tuple[Path, Path]) -> None:
+    """The real `megarl train` through the SLURM bootstrap: TP=2 with one rank on each node."""
+    import yaml
+
+    root, ray_temp = workdir
+    data = root / "data"
+    subprocess.run(
+        [sys.executable, "-m", "megarl.cli", "data", "make", "arithmetic", "--out", str(data), "--tokenizer-out",
+         str(data / "tok"), "--num-operands", "2", "--min-value", "0", "--max-value", "4", "--operators", "+",
+         "--train-size", "64", "--val-size", "8"],
+        check=True, capture_output=True,
+    )
+    config = {
+        "data": {"train_files": [str(data / "train.parquet")], "tokenizer": str(data / "tok"), "max_prompt_length": 8,
+                 "max_response_length": 4, "train_batch_size": 2, "apply_chat_template": "false"},
+        "model": {"init_from_scratch": True, "hf_config": {
+            "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 32}},
+        "actor": {"megatron": {"tensor_model_parallel_size": 2}, "ppo_mini_batch_size": 2,
+                  "ppo_micro_batch_size_per_gpu": 4},
+        "rollout": {"engine": "hf", "n": 2},
+        "trainer": {"total_training_steps": 1, "val_before_train": False, "progress_bar": False,
+                    "default_local_dir": str(root / "run")},
+        "resources": {"device": "cpu", "actor_pool": {"nnodes": 1, "devices_per_node": 1}},
+        "tracking": {"backends": ["jsonl"]},
+    }
+    (root / "experiment.yaml").write_text(yaml.safe_dump(config))
+    alloc = FakeAllocation(root, ray_temp)
+    alloc.base_env["MEGARL_ENTRYPOINT"] = f"{sys.executable} -m megarl.cli train"
+    try:
+        worker = alloc.start(1, "experiment.yaml")
+        head = alloc.start(0, "experiment.yaml")
+        try:
+            head_code, worker_code = wait_all([head, worker], timeout_s=500)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the training job did not finish within 500 s\n" + alloc.logs())
+        assert head_code == 0, alloc.logs()
+        assert worker_code == 0, alloc.logs()
+        lines = (root / "run" / "metrics.jsonl").read_text().splitlines()
+        steps = [json.loads(line)["step"] for line in lines]
+        assert 1 in steps, alloc.logs()
+        assert "resources.actor_pool.nnodes=2" in alloc.logs()
         assert_torn_down(alloc)
     finally:
         alloc.kill_everything()
