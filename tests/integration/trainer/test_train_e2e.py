@@ -203,3 +203,22 @@ def test_grpo_learns_arithmetic_from_scratch(tmp_path: Path, task_dir: Path) -> 
     metrics = read_metrics(tmp_path / "run")
     before, after = metrics[0]["val/reward_mean"], metrics[60]["val/reward_mean"]
     assert after >= before + 0.25, f"validation reward {before:.3f} -> {after:.3f} after 60 GRPO steps"
+
+
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("rloo", ["algorithm.adv_estimator=rloo"]),
+        ("reinforce_plus_plus", ["algorithm.adv_estimator=reinforce_plus_plus", "actor.use_kl_loss=true"]),
+        ("remax", ["algorithm.adv_estimator=remax", "rollout.n=2"]),
+        ("gspo", ["actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=seq-mean-token-mean"]),
+        ("drgrpo", ["algorithm.norm_adv_by_std_in_grpo=false", "actor.loss_agg_mode=seq-mean-token-sum-norm"]),
+    ],
+)
+def test_algorithm_relatives_run_one_step(tmp_path: Path, task_dir: Path, name: str, overrides: list[str]) -> None:
+    config = write_config(tmp_path, task_dir)
+    proc = run_train(config, "trainer.total_training_steps=1", *overrides)
+    assert proc.returncode == 0, name
+    step = read_metrics(tmp_path / "run")[1]
+    assert math.isfinite(step["actor/pg_loss"]) and math.isfinite(step["actor/grad_norm"]), name
+    assert math.isfinite(step["critic/advantages/mean"]), name
