@@ -274,3 +274,21 @@ def test_shipped_configs_validate() -> None:
     for path in files:
         cfg = load_config(path)
         assert cfg.data.train_files, path
+
+
+def test_pass_k_within_group(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "algorithm.adv_estimator=grpo_passk", "algorithm.pass_k=9")
+    assert "algorithm.pass_k = 9: must be in [2, rollout.n = 4]" in msg
+    load_config(valid_file, ["algorithm.adv_estimator=grpo_passk"])  # null: the group size
+
+
+def test_kl_types_accept_straight_through(valid_file: Path) -> None:
+    load_config(valid_file, ["actor.kl_loss_type=low_var_kl+", "actor.use_kl_loss=true"])
+    assert "actor.kl_loss_type = 'full'" in errors_of(valid_file, "actor.kl_loss_type=full")
+
+
+def test_colocated_ref_and_critic_follow_the_actor_layout(valid_file: Path) -> None:
+    cfg = load_config(valid_file, ["actor.use_kl_loss=true", "algorithm.adv_estimator=gae"])
+    assert cfg.ref.megatron is None and cfg.critic.megatron is None  # null: the actor's layout
+    msg = errors_of(valid_file, "actor.use_kl_loss=true", "ref.megatron={tensor_model_parallel_size: 1}")
+    assert "ref.megatron differs from actor.megatron" in msg
