@@ -1,0 +1,150 @@
+"""HF safetensors -> Megatron distributed checkpoint (torch_dist), one parameter at a time.
+
+Peak memory is about one unsplit Megatron parameter of one layer (e.g. a fused QKV weight, or
+the embedding): HF tensors are read when the writer asks for a chunk, fused, sliced and written.
+The checkpoint holds model weights only and loads at any TP/PP (`load_converted_weights`).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from megarl.convert.dcp_io import Chunk, write_checkpoint
+from megarl.convert.hf_files import HFCheckpoint, copy_non_weight_files, expected_hf_shapes, read_config
+from megarl.convert.layout import CheckpointTensor, plan_checkpoint, role_of_architecture
+from megarl.convert.output_dir import staged_output_dir
+from megarl.convert.progress import Progress
+from megarl.errors import ConfigError
+from megarl.models.spec import ModelSpec
+from megarl.models.weight_map import fuse, pad_vocab
+
+CONVERTED_FORMAT = "megarl-converted-v1"
+HF_FILES_DIR = "hf"  # config and tokenizer files of the source model, kept inside the checkpoint
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    out_dir: Path
+    num_tensors: int  # HF tensors read or written
+    num_bytes: int  # bytes of weights written
+    seconds: float
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise ConfigError(f"--dtype {name!r}: valid values are {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+class _FusedCache:
+    """The last fused parameter, so that its TP chunks are made from one read."""
+
+    def __init__(self) -> None:
+        self.key: tuple[str, int] | None = None
+        self.value: torch.Tensor | None = None
+
+    def get(self, key: tuple[str, int], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if self.key != key:
+            self.value = None  # free the previous one before making the next
+            self.value, self.key = make(), key
+        assert self.value is not None
+        return self.value
+
+
+def _fused_part(t: CheckpointTensor, layer: int, hf: HFCheckpoint, spec: ModelSpec, dtype: torch.dtype) -> torch.Tensor:
+    """One layer's unsplit Megatron tensor (vocab padded), made from its HF tensors."""
+    row = t.hf_names[layer]
+    parts = hf.read(row)
+    fused = fuse(t.entry, [parts[n].to(dtype) for n in row], spec)
+    return pad_vocab(fused, t.part_shape[0]) if t.entry.vocab_padded else fused
+
+
+def _chunk_data(t: CheckpointTensor, layer: int, start: int, length: int, hf: HFCheckpoint, spec: ModelSpec,
+                dtype: torch.dtype, cache: _FusedCache) -> torch.Tensor:
+    data = cache.get((t.key, layer), functools.partial(_fused_part, t, layer, hf, spec, dtype))
+    if t.entry.tp_axis is not None:
+        data = data.narrow(t.entry.tp_axis, start, length)
+    # A view: the checkpoint writer copies a narrowed view itself before writing it.
+    return data.unsqueeze(0) if t.stacked else data
+
+
+def _chunks_of(t: CheckpointTensor, hf: HFCheckpoint, spec: ModelSpec, tp: int, dtype: torch.dtype | None,
+               cache: _FusedCache) -> list[Chunk]:
+    """The chunks of one checkpoint tensor: per layer, and per TP rank along its split axis
+    (a gate/up weight in 2*tp row blocks, as Megatron itself writes it)."""
+    out_dtype = dtype or hf.tensors[t.hf_names[0][0]].dtype
+    axis = t.entry.tp_axis
+    pieces = 1 if axis is None else tp * (2 if t.entry.fusion == "gate_up" else 1)
+    length = t.part_shape[axis] // pieces if axis is not None else 0
+    chunks = []
+    for layer in range(len(t.hf_names)):
+        for piece in range(pieces):
+            offsets, sizes = [0] * len(t.part_shape), list(t.part_shape)
+            if axis is not None:
+                offsets[axis], sizes[axis] = piece * length, length
+            lead, lead_size = ([layer], [1]) if t.stacked else ([], [])
+            make = functools.partial(_chunk_data, t, layer, piece * length, length, hf, spec, out_dtype, cache)
+            chunks.append(Chunk(t.key, t.global_shape, tuple(lead + offsets), tuple(lead_size + sizes), out_dtype, make))
+    return chunks
+
+
+def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1, ep: int = 1,
+                        dtype: str | None = None, overwrite: bool = False, progress: bool = True) -> ConversionResult:
+    """Write `out_dir`, a Megatron distributed checkpoint of the HF model in `hf_dir`.
+
+    `tp`/`pp` are checked against the model, set the vocabulary padding (padded for `tp`) and
+    the on-disk chunking; the checkpoint loads at any layout. `dtype` (fp32/bf16/fp16) casts;
+    by default tensors keep their HF dtype (bit-exact). Raises CheckpointError / ConfigError on
+    bad input before anything is written; `out_dir` appears only when complete.
+    """
+    start = time.perf_counter()
+    config = read_config(hf_dir)
+    spec = ModelSpec.from_hf_config(config)  # an unknown architecture fails here
+    if ep != 1:
+        raise ConfigError(f"--ep {ep}: the {spec.family} family has no experts (expert parallelism needs an MoE family)")
+    spec.check_layout(tp, pp)
+    out_dtype = parse_dtype(dtype)
+    architecture = (config.get("architectures") or [None])[0]
+    role = role_of_architecture(architecture)
+    hf = HFCheckpoint(hf_dir)
+    expected = expected_hf_shapes(config)
+    plan = plan_checkpoint(spec, role, expected, tp)
+    needed = {n for t in plan for row in t.hf_names for n in row}
+    uncovered = sorted(set(expected) - needed)
+    if uncovered:
+        raise ConfigError(f"model spec {spec.family}: its weight map does not cover HF tensors {uncovered[:5]}")
+    hf.check({n: expected[n] for n in needed})
+
+    cache = _FusedCache()
+    chunks = [c for t in plan for c in _chunks_of(t, hf, spec, tp, out_dtype, cache)]
+    total = sum(_nbytes(c) for c in chunks)
+    bar = Progress("hf-to-mcore", total, len(chunks), enabled=progress, unit="chunks")
+    common: dict[str, Any] = {"megarl": {
+        "format": CONVERTED_FORMAT, "model_only": True, "family": spec.family, "role": role,
+        "layout": {"tp": tp, "pp": pp}, "vocab_size": spec.vocab_size, "hf_config": config,
+    }}
+    try:
+        with staged_output_dir(out_dir, overwrite) as stage:
+            write_checkpoint(stage, chunks, common, on_written=lambda c: bar.update(_nbytes(c)))
+            (stage / HF_FILES_DIR).mkdir()
+            copy_non_weight_files(hf_dir, stage / HF_FILES_DIR)
+    finally:
+        bar.close()
+    return ConversionResult(Path(out_dir), len(needed), total, time.perf_counter() - start)
+
+
+def _nbytes(c: Chunk) -> int:
+    n = c.dtype.itemsize
+    for s in c.sizes:
+        n *= s
+    return n

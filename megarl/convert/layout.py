@@ -1,0 +1,88 @@
+"""Which tensors a Megatron distributed checkpoint of a model holds, under which keys and shapes.
+
+The checkpoint stores every parameter in its unsplit (TP=1) layout, decoder layers stacked on a
+leading axis of `num_layers` (the global layer index), under the name a TransformerEngine-spec
+model uses (the norms live inside `linear_qkv` / `linear_fc1` there). This is what the engine's
+`sharded_state_dict()` describes, so a checkpoint written from this plan loads at any TP/PP.
+Vocabulary-sized tensors are zero-padded to the padded vocabulary of the TP size chosen at
+conversion; Megatron accepts another padding when it loads (`allow_shape_mismatch`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from megarl.errors import CheckpointError
+from megarl.models.spec import ModelSpec
+from megarl.models.weight_map import WeightEntry, expand, fuse
+
+ROLES = ("policy", "value")
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """One key of the checkpoint and the HF tensors it is made of."""
+
+    key: str
+    entry: WeightEntry
+    hf_names: tuple[tuple[str, ...], ...]  # one tuple per decoder layer (or a single one)
+    part_shape: tuple[int, ...]  # one layer's unsplit Megatron tensor (vocab padded)
+    stacked: bool  # decoder layers stacked on axis 0
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        return (len(self.hf_names), *self.part_shape) if self.stacked else self.part_shape
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.global_shape:
+            n *= s
+        return n
+
+
+def checkpoint_key(entry: WeightEntry) -> str:
+    """The checkpoint key of a weight-map entry (layer index removed, TE names for norms)."""
+    return (entry.te_name or entry.megatron).replace("{layer}.", "")
+
+
+def role_of_architecture(architecture: str | None) -> str:
+    """policy for *ForCausalLM, value for a scalar-head model (*ForSequenceClassification)."""
+    if architecture and architecture.endswith(("ForSequenceClassification", "ForTokenClassification")):
+        return "value"
+    return "policy"
+
+
+def head_architecture(architecture: str, role: str) -> str:
+    """The HF class name for `role` in the same family (Qwen2ForCausalLM -> Qwen2ForSequenceClassification)."""
+    stem = architecture
+    for suffix in ("ForCausalLM", "ForSequenceClassification", "ForTokenClassification"):
+        if stem.endswith(suffix):
+            stem = stem[: -len(suffix)]
+    return stem + ("ForCausalLM" if role == "policy" else "ForSequenceClassification")
+
+
+def plan_checkpoint(spec: ModelSpec, role: str, hf_shapes: Mapping[str, tuple[int, ...]], tp: int,
+                    optional_hf: tuple[str, ...] = ()) -> list[CheckpointTensor]:
+    """Every checkpoint tensor of `spec` in `role`, with shapes derived from the HF shapes.
+
+    Entries whose HF tensors are all in `optional_hf` and absent from `hf_shapes` are left out
+    (a value model started from a policy has no scalar head yet).
+    """
+    if role not in ROLES:
+        raise CheckpointError(f"role={role!r}, valid: {ROLES}")
+    role_spec = spec.for_role(role)
+    plan = []
+    for entry in role_spec.active_weight_entries():
+        rows = [tuple(hf) for _, hf in expand(entry, 0, 1, role_spec.num_layers)]
+        if all(n in optional_hf and n not in hf_shapes for row in rows for n in row):
+            continue
+        parts = [torch.empty(hf_shapes[n], device="meta") for n in rows[0]]
+        shape = list(fuse(entry, parts, role_spec).shape)
+        if entry.vocab_padded:
+            shape[0] = role_spec.padded_vocab_size(tp)
+        plan.append(CheckpointTensor(checkpoint_key(entry), entry, tuple(rows), tuple(shape), entry.per_layer))
+    return plan

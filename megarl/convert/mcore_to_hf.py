@@ -1,0 +1,179 @@
+"""Megatron distributed checkpoint -> HF safetensors, one layer's parameter at a time.
+
+Works on checkpoints written by `convert_hf_to_mcore` and on the engine's (trainer's) actor and
+critic checkpoints; the optimizer state in the latter is ignored. Peak memory is about one
+layer's unsplit parameter plus one output shard (`max_shard_bytes`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megarl.convert.dcp_io import CheckpointReader
+from megarl.convert.hf_files import copy_non_weight_files, expected_hf_shapes, read_config
+from megarl.convert.hf_to_mcore import HF_FILES_DIR, ConversionResult, parse_dtype
+from megarl.convert.layout import CheckpointTensor, head_architecture, plan_checkpoint
+from megarl.convert.output_dir import staged_output_dir
+from megarl.convert.progress import Progress
+from megarl.errors import CheckpointError, ConfigError
+from megarl.models.spec import ModelSpec
+from megarl.models.weight_map import unfuse
+
+DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
+
+
+class ShardedSafetensorsWriter:
+    """Collects tensors into shards of at most `max_shard_bytes` (one tensor may exceed it) and
+    names them as transformers does: model.safetensors, or model-0000i-of-0000N + an index."""
+
+    def __init__(self, directory: Path, max_shard_bytes: int) -> None:
+        self.dir, self.max = directory, max_shard_bytes
+        self.current: dict[str, torch.Tensor] = {}
+        self.current_bytes = 0
+        self.files: list[tuple[str, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.current and self.current_bytes + size > self.max:
+            self._flush()
+        self.current[name] = tensor.contiguous()
+        self.current_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        fname = f".shard-{len(self.files):05d}.safetensors"
+        save_file(self.current, str(self.dir / fname), metadata={"format": "pt"})
+        self.files.append((fname, list(self.current)))
+        self.current, self.current_bytes = {}, 0
+
+    def close(self) -> None:
+        if self.current or not self.files:
+            self._flush()
+        if len(self.files) == 1:
+            (self.dir / self.files[0][0]).rename(self.dir / "model.safetensors")
+            return
+        n = len(self.files)
+        weight_map = {}
+        for i, (fname, names) in enumerate(self.files):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            (self.dir / fname).rename(self.dir / final)
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def find_hf_source(ckpt_dir: Path, hf_config: str | Path | None) -> Path | None:
+    """Where the config and tokenizer files come from: `hf_config`, the checkpoint's own copy
+    (converted checkpoints), or `<run_dir>/initial_model` above a trainer checkpoint."""
+    if hf_config is not None:
+        return Path(hf_config)
+    if (ckpt_dir / HF_FILES_DIR / "config.json").is_file():
+        return ckpt_dir / HF_FILES_DIR
+    for parent in list(ckpt_dir.absolute().parents)[:4]:
+        if (parent / "initial_model" / "config.json").is_file():
+            return parent / "initial_model"
+    return None
+
+
+def _output_config(config: dict[str, Any], role: str) -> dict[str, Any]:
+    out = dict(config)
+    arch = (config.get("architectures") or [None])[0]
+    if arch is None:
+        raise ConfigError("HF config has no 'architectures' entry (needed to name the exported model class)")
+    out["architectures"] = [head_architecture(arch, role)]
+    if role == "value":  # a scalar head: transformers' *ForSequenceClassification with one label
+        out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    return out
+
+
+def _check_shapes(reader: CheckpointReader, plan: list[CheckpointTensor], vocab_size: int) -> None:
+    for t in plan:
+        got = tuple(reader.tensor_meta(t.key).size)
+        want = t.global_shape
+        vocab_dim = 1 if t.stacked else 0
+        same = len(got) == len(want) and all(
+            g == w or (t.entry.vocab_padded and d == vocab_dim and g >= vocab_size)
+            for d, (g, w) in enumerate(zip(got, want))
+        )
+        if not same:
+            raise CheckpointError(
+                f"{reader.dir}: tensor {t.key} has shape {list(got)}, the model config needs {list(want)}"
+                + (f" (vocabulary dim >= {vocab_size})" if t.entry.vocab_padded else "")
+            )
+
+
+def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,
+                        dtype: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                        overwrite: bool = False, progress: bool = True) -> ConversionResult:
+    """Write `out_dir`, a HF model directory (safetensors + config + tokenizer files).
+
+    A policy becomes `<Family>ForCausalLM`; a critic (value role) becomes
+    `<Family>ForSequenceClassification` with `num_labels=1` (its `score` is the value head).
+    """
+    start = time.perf_counter()
+    ckpt = Path(ckpt_dir)
+    roles = [r for r in ("actor", "critic") if (ckpt / r / "metadata.json").is_file()]
+    if roles and not (ckpt / "metadata.json").exists():
+        raise CheckpointError(f"{ckpt} is a trainer step directory: pass one of {[str(ckpt / r) for r in roles]}")
+    reader = CheckpointReader(ckpt)
+    info = reader.common().get("megarl") or {}
+    source = find_hf_source(ckpt, hf_config)
+    if source is not None:
+        config = read_config(source)
+    elif "hf_config" in info:
+        config = dict(info["hf_config"])
+    else:
+        raise ConfigError(
+            f"{ckpt}: cannot find the HF config: pass --hf-config DIR (tried {ckpt / HF_FILES_DIR} and "
+            f"initial_model/ in the run directories above it)"
+        )
+    spec = ModelSpec.from_hf_config(config)
+    if info.get("family") not in (None, spec.family):
+        raise CheckpointError(f"{ckpt}: saved for family {info['family']}, the HF config is {spec.family}")
+    role = info.get("role", "policy")
+    if role not in ("policy", "value"):
+        raise CheckpointError(f"{ckpt}: role {role!r} cannot be exported (policy or value)")
+    out_config = _output_config(config, role)
+    expected = expected_hf_shapes(out_config)
+    plan = plan_checkpoint(spec, role, expected, tp=1)
+    _check_shapes(reader, plan, spec.vocab_size)
+    out_dtype = parse_dtype(dtype)
+    role_spec = spec.for_role(role)
+
+    total = sum(t.numel * reader.tensor_meta(t.key).properties.dtype.itemsize for t in plan)
+    bar = Progress("mcore-to-hf", total, sum(len(t.hf_names) for t in plan), enabled=progress, unit="parameters")
+    written: set[str] = set()
+    try:
+        with staged_output_dir(out_dir, overwrite) as stage:
+            writer = ShardedSafetensorsWriter(stage, max_shard_bytes)
+            for t in plan:
+                for layer, names in enumerate(t.hf_names):
+                    if t.stacked:
+                        part = reader.read(t.key, (layer,) + (0,) * len(t.part_shape), (1,) + t.part_shape)[0]
+                    else:
+                        part = reader.read(t.key)
+                    if t.entry.vocab_padded:
+                        part = part[: spec.vocab_size]
+                    for name, tensor in zip(names, unfuse(t.entry, part, role_spec)):
+                        writer.add(name, tensor if out_dtype is None else tensor.to(out_dtype))
+                        written.add(name)
+                    bar.update(part.numel() * part.element_size())
+            missing = sorted(set(expected) - written)
+            if missing:
+                raise CheckpointError(f"{ckpt}: nothing in the checkpoint gives HF tensors {missing[:5]}")
+            writer.close()
+            if source is not None:
+                copy_non_weight_files(source, stage)
+            if source is None or out_config != config:  # a policy keeps its original config.json
+                (stage / "config.json").write_text(json.dumps(out_config, indent=2) + "\n")
+    finally:
+        bar.close()
+    return ConversionResult(Path(out_dir), len(written), writer.total_bytes, time.perf_counter() - start)
