@@ -1,0 +1,200 @@
+"""Megatron engine vs HF transformers on the same model: log-prob and train-step throughput, memory.
+
+Both sides compute the per-token log-probs of the response tokens of one batch (left-padded
+prompts, right-padded responses of varied length), fp32 unless --dtype bf16. The train step is one
+AdamW update over the batch with a token-mean policy-gradient loss (engine: Megatron DDP +
+distributed optimizer, micro-batched, padded per micro-batch or packed into one row; HF: one
+forward/backward over the padded batch + torch AdamW). Tokens/s counts
+valid (unpadded) tokens. Runs in this process as a world of 1 (gloo without CUDA, NCCL with it).
+
+    python benchmarks/engine.py                      # ~1-2 min on 2 CPU cores
+    python benchmarks/engine.py --hidden 512 --layers 8 --batch 64
+
+Prints a table and writes JSON to --out (default benchmarks/results/engine.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import socket
+import statistics
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+
+from common import machine_info, write_json  # benchmarks/common.py (run as a script from the repo root)
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _peak_device_mib() -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+
+
+def _timed_interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median seconds per call of each function. Calls alternate between the functions, so that load
+    from other processes on a shared machine falls on all of them alike."""
+    for fn in fns.values():
+        fn()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def make_batch(batch: int, prompt_len: int, response_len: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, prompt_len + response_len, dtype=torch.long)
+    for i in range(batch):
+        mask[i, : int(torch.randint(0, prompt_len // 2, (1,), generator=g))] = 0
+        mask[i, prompt_len + int(torch.randint(response_len // 2, response_len + 1, (1,), generator=g)):] = 0
+    ids = torch.randint(0, vocab, (batch, prompt_len + response_len), generator=g) * mask
+    return {
+        "input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+        "responses": ids[:, prompt_len:], "response_mask": mask[:, prompt_len:].float(),
+        "advantages": torch.randn(batch, response_len, generator=g),
+    }
+
+
+def hf_log_probs(model: torch.nn.Module, b: dict[str, torch.Tensor], prompt_len: int) -> torch.Tensor:
+    r = b["responses"].shape[1]
+    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits
+    logp = torch.log_softmax(logits[:, prompt_len - 1:prompt_len + r - 1].float(), -1)
+    return logp.gather(-1, b["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+def pg_loss(outputs: dict[str, torch.Tensor], mb: dict[str, torch.Tensor], n: Any) -> tuple[torch.Tensor, dict]:
+    loss = -(outputs["log_probs"] * mb["advantages"] * mb["response_mask"]).sum() / n.global_num_tokens * n.dp_size
+    return loss, {}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--response-len", type=int, default=64)
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--repeats", type=int, default=5)
+    # One intra-op thread by default: on a shared machine, OpenMP threads that wait on descheduled
+    # siblings slow the many small kernels of both sides unevenly.
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
+    parser.add_argument("--out", default="benchmarks/results/engine.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    import transformers
+
+    from megarl.megatron.engine import MegatronEngine
+    from megarl.megatron.parallel import ParallelLayout, destroy_distributed, init_distributed
+    from megarl.models.spec import ModelSpec
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.prompt_len + args.response_len, tie_word_embeddings=False)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    hf = transformers.Qwen2ForCausalLM(config).to(dtype)
+    hf_dir = tempfile.mkdtemp(prefix="megarl_bench_")
+    hf.save_pretrained(hf_dir)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    hf = hf.to(device)
+    batch = make_batch(args.batch, args.prompt_len, args.response_len, args.vocab, seed=1)
+    dev_batch = {k: v.to(device) for k, v in batch.items()}
+    tokens = int(batch["attention_mask"].sum())
+    params = sum(p.numel() for p in hf.parameters())
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    layout = init_distributed(0, 1, "127.0.0.1", port, ParallelLayout())
+    def build(packed: bool) -> MegatronEngine:
+        eng = MegatronEngine(ModelSpec.from_hf_config(hf_dir), layout, {
+            "micro_batch_size": args.micro_batch_size, "dtype": args.dtype, "lr": 1e-5, "clip_grad": 1.0,
+            "use_sequence_packing": packed})
+        eng.load_hf_weights(hf_dir)
+        return eng
+
+    engine, packed_engine = build(False), build(True)
+    rss_after_build = _peak_rss_mib()
+
+    results: dict[str, Any] = {}
+    mask = batch["response_mask"].bool()
+
+    def hf_forward() -> torch.Tensor:
+        hf.eval()
+        with torch.no_grad():
+            return hf_log_probs(hf, dev_batch, args.prompt_len).float().cpu()
+
+    ref = hf_forward()
+    results["log_prob_max_abs_diff"] = max(
+        float((e.compute_log_prob(batch)["log_probs"] - ref)[mask].abs().max()) for e in (engine, packed_engine))
+    t = _timed_interleaved({"engine": lambda: engine.compute_log_prob(batch),
+                            "engine_packed": lambda: packed_engine.compute_log_prob(batch),
+                            "hf": hf_forward}, args.repeats)
+    results["log_prob_tokens_per_s"] = {k: tokens / v for k, v in t.items()}
+    rss_after_logprob = _peak_rss_mib()
+
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-5)
+
+    def hf_train() -> None:
+        hf.train()
+        opt.zero_grad()
+        lp = hf_log_probs(hf, dev_batch, args.prompt_len)
+        m = dev_batch["response_mask"]
+        loss = -(lp * dev_batch["advantages"] * m).sum() / m.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        opt.step()
+
+    t = _timed_interleaved({"engine": lambda: engine.train_step(batch, pg_loss, mini_batch_size=args.batch),
+                            "engine_packed": lambda: packed_engine.train_step(batch, pg_loss, mini_batch_size=args.batch),
+                            "hf": hf_train}, args.repeats)
+    results["train_step_tokens_per_s"] = {k: tokens / v for k, v in t.items()}
+    t0 = time.perf_counter()
+    engine.offload_to_cpu()
+    engine.onload()
+    results["offload_onload_s"] = time.perf_counter() - t0
+    results["peak_rss_mib"] = {"after_build": rss_after_build, "after_log_prob": rss_after_logprob,
+                               "after_train": _peak_rss_mib()}
+    results["peak_device_mib"] = _peak_device_mib()
+    destroy_distributed()
+
+    lp, tr = results["log_prob_tokens_per_s"], results["train_step_tokens_per_s"]
+    print(f"model: Qwen2 {params / 1e6:.2f}M params, {args.dtype}, batch {args.batch} x "
+          f"{args.prompt_len}+{args.response_len} ({tokens} valid tokens), {args.threads} threads, {device}")
+    print(f"{'':24s}{'engine':>12s}{'packed':>12s}{'HF':>12s}{'engine/HF':>12s}{'packed/HF':>12s}")
+    for name, row in (("log-prob tokens/s", lp), ("train-step tokens/s", tr)):
+        print(f"{name:24s}{row['engine']:12.0f}{row['engine_packed']:12.0f}{row['hf']:12.0f}"
+              f"{row['engine'] / row['hf']:12.2f}{row['engine_packed'] / row['hf']:12.2f}")
+    print(f"log-prob max |engine - HF| = {results['log_prob_max_abs_diff']:.2e}; "
+          f"offload+onload {results['offload_onload_s'] * 1e3:.1f} ms; peak RSS {results['peak_rss_mib']['after_train']:.0f} MiB")
+
+    out = write_json(args.out, {
+        "benchmark": "engine", "args": vars(args), "params": params, "valid_tokens": tokens,
+        "device": str(device), "machine": machine_info(), **results,
+    })
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

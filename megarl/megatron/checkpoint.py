@@ -1,0 +1,153 @@
+"""Engine checkpoints with Megatron distributed checkpointing (torch_dist), reshardable on load.
+
+Model and distributed-optimizer state are saved as sharded tensors in the canonical (unsplit)
+layout, so a checkpoint saved at one TP/PP/DP layout loads at another. The optimizer uses
+`fully_reshardable` sharding (the default format fails at save in megatron-core 0.16.1).
+
+Work-arounds for the native (no Apex/TE) distributed Adam of megatron-core 0.16.1, all done here
+with public methods rather than by patching Megatron:
+- a fresh optimizer has no Adam state, and cannot describe what it wants to load: its state is
+  initialised (zeros, step 0) first;
+- its `load_state_dict` makes every parameter share one `step` tensor (Adam's step would advance by
+  the parameter count per update) and the fully-reshardable loader fails on `step`: the parameter
+  state is loaded with `step` held aside, then each parameter gets its own step, read from the
+  checkpoint's common state.
+The directory is written under a temporary name and renamed when complete; `metadata.json`,
+written last by Megatron, marks a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.errors import CheckpointError
+from megarl.megatron.model import unwrap
+
+FORMAT_VERSION = 1
+_OPT_METADATA = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    # Avoids a CUDA-only gather path of the fully-reshardable format.
+    "distrib_optim_fully_reshardable_mem_efficient": True,
+}
+
+
+def _dist_optimizer(optimizer: Any) -> Any:
+    """The one Megatron optimizer (a ChainedOptimizer of one is unwrapped)."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is None:
+        return optimizer
+    if len(chained) != 1:
+        raise CheckpointError("checkpointing a chained (dense + expert) optimizer is not supported yet")
+    return chained[0]
+
+
+def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    return _dist_optimizer(optimizer).optimizer
+
+
+def adam_step(optimizer: Any) -> int:
+    """Adam's step count (equal for all parameters; 0 before the first update)."""
+    steps = {float(s["step"]) for s in _inner_optimizer(optimizer).state.values() if "step" in s}
+    if len(steps) > 1:
+        raise CheckpointError(f"Adam parameters disagree on the step count: {sorted(steps)}")
+    return int(steps.pop()) if steps else 0
+
+
+def _init_adam_state(optimizer: Any) -> None:
+    """Give every main parameter its own zero Adam state (what torch creates at the first step)."""
+    inner = _inner_optimizer(optimizer)
+    for group in inner.param_groups:
+        for p in group["params"]:
+            if not inner.state.get(p):
+                inner.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+
+
+def _set_adam_step(optimizer: Any, step: int) -> None:
+    for state in _inner_optimizer(optimizer).state.values():
+        state["step"] = torch.tensor(float(step))
+
+
+def _sharded_state(engine: Any, is_loading: bool) -> dict[str, Any]:
+    model_sd = unwrap(engine.ddp).sharded_state_dict()  # standard keys: decoder.layers..., no wrapper prefix
+    return {
+        "model": model_sd,
+        "optimizer": _dist_optimizer(engine.optimizer).sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPT_METADATA),
+    }
+
+
+def save(engine: Any, path: str | os.PathLike[str]) -> None:
+    """Collective: every rank calls it with the same path."""
+    from megatron.core import dist_checkpointing
+
+    target = Path(path)
+    tmp = target.with_name(target.name + ".partial")
+    rank = dist.get_rank()
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    _init_adam_state(engine.optimizer)  # a fresh optimizer cannot describe its state otherwise
+    state = _sharded_state(engine, is_loading=False)
+    state["megarl"] = {
+        "format_version": FORMAT_VERSION,
+        "family": engine.spec.family,
+        "role": engine.role,
+        "adam_step": adam_step(engine.optimizer),
+        "scheduler": engine.scheduler.state_dict(),
+    }
+    dist_checkpointing.save(state, str(tmp), content_metadata=_OPT_METADATA)
+    dist.barrier()
+    if rank == 0:
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    dist.barrier()
+
+
+def load(engine: Any, path: str | os.PathLike[str]) -> None:
+    """Collective. Loads model, optimizer and LR-schedule state saved at any layout."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if not (path / "metadata.json").exists():
+        raise CheckpointError(f"{path}: not a complete checkpoint (metadata.json missing)")
+    _init_adam_state(engine.optimizer)
+    sharded = _sharded_state(engine, is_loading=True)
+    loaded = dist_checkpointing.load(sharded, str(path))
+    info = loaded.get("megarl")
+    if not info or info.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: not a megarl engine checkpoint (format {FORMAT_VERSION})")
+    if info["family"] != engine.spec.family or info["role"] != engine.role:
+        raise CheckpointError(
+            f"{path}: saved for {info['family']}/{info['role']}, engine is {engine.spec.family}/{engine.role}"
+        )
+    result = unwrap(engine.ddp).load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing:
+        raise CheckpointError(f"{path}: checkpoint lacks model tensors {missing[:5]} (it has {sorted(loaded['model'])[:5]})")
+
+    opt_sd = dict(loaded["optimizer"])
+    param_state = opt_sd.pop("param_state")
+    opt_sd.pop("param_state_sharding_type", None)
+    dist_opt = _dist_optimizer(engine.optimizer)
+    dist_opt.load_state_dict(opt_sd)  # param groups (lr, wd, ...) only
+    inner = _inner_optimizer(engine.optimizer)
+    for state in inner.state.values():
+        state.pop("step", None)
+    dist_opt.load_parameter_state_from_fully_reshardable(param_state)
+    _set_adam_step(engine.optimizer, int(info["adam_step"]))
+    engine.scheduler.load_state_dict(info["scheduler"])
+    # Model params were overwritten by the checkpoint; the fp32 main params came from it too
+    # (fully-reshardable state holds them), so nothing else to refresh.
+    dist.barrier()

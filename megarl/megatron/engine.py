@@ -1,0 +1,387 @@
+"""MegatronEngine: the model, optimizer and schedule that actor, critic, ref and reward workers wrap.
+
+Every rank of the layout runs the same calls (SPMD). A batch given to a rank is that rank's DP
+shard; all TP/PP ranks of one DP replica must receive the same rows. Results are returned on every
+rank (the last pipeline stage computes them and broadcasts them to the other stages).
+
+Gradient convention (shared with `megarl.algorithms.aggregation`): `loss_fn` returns the
+micro-batch's *share* of the mini-batch loss, normalised by the mini-batch's global counts and
+multiplied by `dp_size`; micro-batch gradients are summed; DDP averages over DP. The engine undoes
+Megatron's division of each micro-batch loss by the number of micro-batches, so the gradient is
+exactly that of the whole mini-batch loss however the mini-batch is split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from megarl.algorithms.aggregation import LossNormalisers, mini_batch_normalisers
+from megarl.errors import CheckpointError, ConfigError, DataError
+from megarl.megatron import checkpoint as ckpt
+from megarl.megatron import offload as off
+from megarl.megatron.logprobs import vocab_parallel_logprobs_entropy
+from megarl.megatron.model import build_model_chunk, load_megatron_state, unwrap, wrap_for_training
+from megarl.megatron.optim import EngineConfig, build_optimizer, build_scheduler
+from megarl.megatron.packing import (
+    CompactRows,
+    compact_rows,
+    gather_response,
+    pack_rows,
+    plan_micro_batches,
+    unpack,
+)
+from megarl.megatron.parallel import ParallelLayout, current_ranks
+from megarl.models.spec import ModelSpec, te_available
+from megarl.models.weight_map import hf_to_megatron_state_dict, read_hf_tensors, stage_entries
+
+LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor], LossNormalisers], tuple[torch.Tensor, dict[str, Any]]]
+OPTIONAL_HF_WEIGHTS = ("score.weight",)  # a critic initialised from a policy checkpoint has no head
+
+
+def batch_tensors(batch: Any) -> dict[str, torch.Tensor]:
+    """Tensor columns of a `megarl.protocol.Batch` or of a plain mapping."""
+    if hasattr(batch, "tensor_keys"):
+        return {k: batch[k] for k in batch.tensor_keys}
+    if isinstance(batch, Mapping):
+        return {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    raise DataError(f"expected a Batch or a dict of tensors, got {type(batch).__name__}")
+
+
+def _require(data: Mapping[str, torch.Tensor], keys: tuple[str, ...], what: str) -> None:
+    missing = [k for k in keys if k not in data]
+    if missing:
+        raise DataError(f"{what}: batch lacks columns {missing}; it has {sorted(data)}")
+
+
+class MegatronEngine:
+    """One rank's share of a Megatron model in training (policy, value or reward role)."""
+
+    def __init__(self, spec: ModelSpec, layout: ParallelLayout, engine_config: Any = None,
+                 use_te: bool | None = None) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        self.cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.from_mapping(engine_config)
+        self.spec = spec
+        self.layout = layout
+        self.ranks = current_ranks()
+        self.role = self.cfg.role
+        if self.ranks.cp_size > 1:
+            raise ConfigError(
+                f"context parallel (cp={self.ranks.cp_size}) is not supported by the engine yet: its "
+                "groups exist, but sequences are not split over them; use cp=1"
+            )
+        self.use_te = te_available() if use_te is None else use_te
+        torch.manual_seed(self.cfg.seed)
+        model_parallel_cuda_manual_seed(self.cfg.seed)
+        self.model = build_model_chunk(spec, self.role, self.cfg.torch_dtype, self.ranks.tp_size,
+                                       self.ranks.pp_size, self.use_te)
+        self.ddp = wrap_for_training(self.model, self.cfg.use_distributed_optimizer)
+        self.optimizer = build_optimizer(self.cfg, [self.ddp])
+        self.scheduler = build_scheduler(self.cfg, self.optimizer)
+        config = self.model.config
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = self.ddp.no_sync
+        config.grad_scale_func = self.optimizer.scale_loss
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.is_last_stage = ps.is_pipeline_last_stage()
+        self.last_stage_rank = ps.get_pipeline_model_parallel_last_rank()
+        self.padded_vocab = spec.padded_vocab_size(self.ranks.tp_size)
+        self.vocab_start = self.ranks.tp_rank * (self.padded_vocab // self.ranks.tp_size)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.offloaded: off.OffloadState | None = None
+
+    # ------------------------------------------------------------------ weights
+    def load_hf_weights(self, hf_dir: str) -> None:
+        """Load this rank's shard from HF safetensors via the spec's weight map."""
+        spec = self._role_spec()
+        names = {h for _, _, hf in stage_entries(spec, self.ranks.pp_rank, self.ranks.pp_size, self.use_te) for h in hf}
+        optional = {n for n in names if n in OPTIONAL_HF_WEIGHTS}
+        hf_sd = read_hf_tensors(hf_dir, names - optional)
+        try:
+            hf_sd.update(read_hf_tensors(hf_dir, optional))
+        except CheckpointError:
+            pass  # no head in the checkpoint (a critic started from a policy): keep the seeded init
+        self.load_hf_state_dict(hf_sd)
+
+    def load_hf_state_dict(self, hf_sd: Mapping[str, torch.Tensor]) -> None:
+        """Load from an in-memory HF state dict (all tensors, or at least this rank's)."""
+        spec = self._role_spec()
+        present = dict(hf_sd)
+        optional = tuple(
+            name for e, name, hf in stage_entries(spec, self.ranks.pp_rank, self.ranks.pp_size, self.use_te)
+            if any(h in OPTIONAL_HF_WEIGHTS and h not in present for h in hf)
+        )
+        skip_entries = set(optional)
+        state = hf_to_megatron_state_dict(
+            present, spec, self.ranks.tp_rank, self.ranks.tp_size, self.ranks.pp_rank,
+            self.ranks.pp_size, skip=skip_entries, te_names=self.use_te,
+        )
+        load_megatron_state(self.ddp, state, self.role, optional=optional)
+        self.optimizer.reload_model_params()
+
+    def _role_spec(self) -> ModelSpec:
+        return self.spec.for_role(self.role)
+
+    def get_named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Megatron name, this rank's local shard) for every parameter of this stage.
+        Decoder layer indices are stage-local and names follow the layer spec in use (`self.use_te`),
+        as in `megarl.models.weight_map.stage_entries(..., te_names=self.use_te)`."""
+        for name, p in unwrap(self.ddp).named_parameters():
+            yield name, p.detach()
+
+    # ------------------------------------------------------------------ schedule
+    def _micro_batches(self, data: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+        _require(data, ("input_ids", "attention_mask", "responses"), "engine")
+        response_len = int(data["responses"].shape[1])
+        rows = compact_rows(data["input_ids"], data["attention_mask"], response_len)
+        if self.spec.attention_window is not None and int(rows.total_lens.max()) > self.spec.attention_window:
+            raise DataError(
+                f"{self.spec.family}: a sequence of {int(rows.total_lens.max())} tokens exceeds the "
+                f"sliding attention window {self.spec.attention_window}, which this engine does not implement"
+            )
+        packing = self.cfg.use_sequence_packing
+        if self.cfg.use_dynamic_bsz:
+            plans = plan_micro_batches(rows.total_lens, max_tokens=self.cfg.max_token_len_per_micro_batch,
+                                       packed=packing)
+        else:
+            plans = plan_micro_batches(rows.total_lens, micro_batch_size=self.cfg.micro_batch_size)
+        micro = []
+        for idx in plans:
+            width = int(rows.total_lens[idx].max())
+            sub = CompactRows(rows.tokens[idx, :width], rows.prompt_lens[idx], rows.total_lens[idx],
+                              response_len).to(self.device)
+            mb = {
+                "index": idx,
+                "rows": sub,
+                "tokens": sub.tokens,
+                "positions": torch.arange(width, device=self.device).unsqueeze(0).expand(len(idx), width),
+                "data": {k: v[idx].to(self.device) for k, v in data.items()},
+            }
+            if packing:
+                mb.update(self._packed_inputs(sub))
+            micro.append(mb)
+        return micro
+
+    def _packed_inputs(self, rows: CompactRows) -> dict[str, Any]:
+        packed = pack_rows(rows, with_mask=not self.use_te)
+        seq_ids = torch.repeat_interleave(torch.arange(len(packed.lengths), device=self.device), packed.lengths)
+        positions = torch.arange(packed.tokens.shape[1], device=self.device) - packed.offsets[seq_ids]
+        out: dict[str, Any] = {"packed": packed, "tokens": packed.tokens, "positions": positions.unsqueeze(0),
+                               "attention_mask": packed.attention_mask}
+        if self.use_te:
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            longest = int(packed.lengths.max())
+            out["packed_seq_params"] = PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=packed.cu_seqlens, cu_seqlens_kv=packed.cu_seqlens,
+                max_seqlen_q=longest, max_seqlen_kv=longest)
+        return out
+
+    def _run(self, micro: list[dict[str, Any]], loss_func: Callable[..., Any], forward_only: bool) -> list[Any]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module) -> Any:
+            mb = next(data_iterator)
+            output = model(mb["tokens"], mb["positions"], mb.get("attention_mask"),
+                           packed_seq_params=mb.get("packed_seq_params"))
+            return output, functools.partial(loss_func, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro),
+            model=[self.ddp],
+            num_microbatches=len(micro),
+            seq_length=max(int(m["tokens"].shape[1]) for m in micro),
+            micro_batch_size=max(int(m["tokens"].shape[0]) for m in micro),
+            forward_only=forward_only,
+            collect_non_loss_data=forward_only,
+        )
+
+    def _head_outputs(self, mb: dict[str, Any], output: torch.Tensor, temperature: float,
+                      with_entropy: bool) -> dict[str, torch.Tensor]:
+        """Model output (b, s, V_local) or (b, s, 1) -> response-aligned (b, R) tensors."""
+        rows: CompactRows = mb["rows"]
+
+        def per_row(x: torch.Tensor) -> torch.Tensor:  # (1, S) packed -> (b, T) per row
+            return unpack(x, mb["packed"], rows.tokens.shape[1]) if "packed" in mb else x
+
+        if self.role != "policy":
+            values = per_row(output[..., 0].float())
+            return {"values": gather_response(values, rows), "per_position": values}
+        # The next token is the target; at a packed row's end it belongs to the next row, a
+        # position gather_response never reads.
+        targets = torch.roll(mb["tokens"], shifts=-1, dims=1)
+        lp, ent = vocab_parallel_logprobs_entropy(
+            output, targets, self.vocab_start, self.spec.vocab_size, temperature, self.tp_group, with_entropy
+        )
+        out = {"log_probs": gather_response(per_row(lp), rows)}
+        if ent is not None:
+            out["entropys"] = gather_response(per_row(ent), rows)
+        return out
+
+    def _check_onloaded(self, call: str) -> None:
+        if self.offloaded is not None:
+            raise RuntimeError(f"{call} called while the engine is offloaded to CPU: call onload() first")
+
+    def _forward_collect(self, batch: Any, temperature: float, with_entropy: bool) -> tuple[list[dict[str, Any]], list[Any]]:
+        self._check_onloaded("forward")
+        data = batch_tensors(batch)
+        micro = self._micro_batches(data)
+
+        def collect(mb: dict[str, Any], output: torch.Tensor, non_loss_data: bool = True) -> dict[str, Any]:
+            out = self._head_outputs(mb, output, temperature, with_entropy)
+            if self.role == "reward":
+                last = (mb["rows"].total_lens - 1).clamp(min=0)
+                out["scores"] = out["per_position"].gather(1, last.unsqueeze(1)).squeeze(1)
+            out.pop("per_position", None)
+            return out
+
+        self.ddp.eval()
+        with torch.no_grad():
+            results = self._run(micro, collect, forward_only=True)
+        self.ddp.train()
+        return micro, results
+
+    def _assemble(self, micro: list[dict[str, Any]], results: list[Any], key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Scatter per-micro-batch results back to batch order; broadcast from the last stage."""
+        out = torch.zeros(shape, dtype=torch.float32)
+        if self.is_last_stage:
+            for mb, res in zip(micro, results):
+                out[mb["index"]] = res[key].float().cpu()
+        if self.ranks.pp_size > 1:
+            buf = out.to(self.device)
+            dist.broadcast(buf, src=self.last_stage_rank, group=self.pp_group)
+            out = buf.cpu()
+        return out
+
+    # ------------------------------------------------------------------ inference calls
+    def compute_log_prob(self, batch: Any, temperature: float = 1.0, calculate_entropy: bool = False) -> dict[str, torch.Tensor]:
+        """{"log_probs": (B, R), "entropys": (B, R) if asked}, float32, 0 on response padding.
+        Log-prob of response token t is taken from the logits at position P+t-1 divided by
+        `temperature`."""
+        self._check_role("compute_log_prob", "policy")
+        micro, results = self._forward_collect(batch, temperature, calculate_entropy)
+        b, r = batch_tensors(batch)["responses"].shape
+        out = {"log_probs": self._assemble(micro, results, "log_probs", (b, r))}
+        if calculate_entropy:
+            out["entropys"] = self._assemble(micro, results, "entropys", (b, r))
+        return out
+
+    def compute_values(self, batch: Any) -> torch.Tensor:
+        """(B, R) values: V at the state before response token t (position P+t-1)."""
+        self._check_role("compute_values", "value", "reward")
+        micro, results = self._forward_collect(batch, 1.0, False)
+        b, r = batch_tensors(batch)["responses"].shape
+        return self._assemble(micro, results, "values", (b, r))
+
+    def compute_rm_score(self, batch: Any) -> torch.Tensor:
+        """(B,) reward-model scores at each sequence's last valid token."""
+        self._check_role("compute_rm_score", "reward")
+        micro, results = self._forward_collect(batch, 1.0, False)
+        return self._assemble(micro, results, "scores", (len(batch_tensors(batch)["responses"]),))
+
+    def _check_role(self, call: str, *allowed: str) -> None:
+        if self.role not in allowed:
+            raise DataError(f"{call} needs an engine of role {allowed}, this engine's role is {self.role!r}")
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, batch: Any, loss_fn: LossFn, mini_batch_size: int, epochs: int = 1,
+                   shuffle: bool = False, temperature: float = 1.0, calculate_entropy: bool = False,
+                   max_response_len: int | None = None) -> dict[str, Any]:
+        """Optimizer steps over mini-batches of this rank's rows (`mini_batch_size` rows per DP rank).
+
+        `loss_fn(outputs, micro_batch, normalisers) -> (loss, metrics)`; outputs hold "log_probs"
+        (and "entropys") for a policy or "values" for a critic, (b, R), differentiable. Returns
+        metrics as lists, one value per optimizer step: loss, grad_norm, lr, and loss_fn's metrics
+        (mean over micro-batches).
+        """
+        data = batch_tensors(batch)
+        _require(data, ("response_mask",), "train_step")
+        n = len(data["responses"])
+        gen = torch.Generator().manual_seed(self.cfg.seed + int(self.scheduler.num_steps))
+        history: dict[str, list[float]] = {}
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=gen) if shuffle else torch.arange(n)
+            for start in range(0, n, mini_batch_size):
+                idx = order[start:start + mini_batch_size]
+                step = self._optimizer_step({k: v[idx] for k, v in data.items()}, loss_fn, temperature,
+                                            calculate_entropy, max_response_len)
+                for k, v in step.items():
+                    history.setdefault(k, []).append(v)
+        return history
+
+    def _normalisers(self, mask: torch.Tensor, max_response_len: int | None) -> LossNormalisers:
+        """This rank's counts, summed over the DP ranks that share the mini-batch."""
+        local = mini_batch_normalisers(mask, max_response_len=max_response_len, dp_size=self.ranks.dp_size)
+        counts = torch.tensor([local.global_num_tokens, local.global_num_seqs], dtype=torch.float64, device=self.device)
+        dist.all_reduce(counts, group=self.dp_group)
+        return dataclasses.replace(local, global_num_tokens=float(counts[0]), global_num_seqs=float(counts[1]))
+
+    def _optimizer_step(self, data: dict[str, torch.Tensor], loss_fn: LossFn, temperature: float,
+                        with_entropy: bool, max_response_len: int | None) -> dict[str, float]:
+        self._check_onloaded("train_step")
+        normalisers = self._normalisers(data["response_mask"], max_response_len)
+        micro = self._micro_batches(data)
+        num_micro = len(micro)
+
+        def train_loss(mb: dict[str, Any], output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            outputs = self._head_outputs(mb, output, temperature, with_entropy)
+            outputs.pop("per_position", None)
+            loss, metrics = loss_fn(outputs, mb["data"], normalisers)
+            # Megatron divides each micro-batch loss by the number of micro-batches: undo it.
+            report = {"loss_share": loss.detach().float()}
+            report.update({k: torch.as_tensor(v).detach().float() for k, v in metrics.items()})
+            return loss * num_micro, report
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        results = self._run(micro, train_loss, forward_only=False)
+        _, grad_norm, _ = self.optimizer.step()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.scheduler.step(increment=1)
+        return self._reduce_metrics(results, grad_norm, lr)
+
+    def _reduce_metrics(self, results: list[dict[str, torch.Tensor]], grad_norm: Any, lr: float) -> dict[str, float]:
+        keys = sorted(results[0]) if results else []
+        payload = {"loss": sum(float(r["loss_share"]) for r in results)} if self.is_last_stage else {}
+        for k in keys:
+            if k != "loss_share":
+                payload[k] = sum(float(r[k]) for r in results) / len(results)
+        if self.ranks.pp_size > 1:
+            box = [payload]
+            dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.pp_group)
+            payload = box[0]
+        loss = torch.tensor([payload["loss"]], dtype=torch.float64, device=self.device)
+        dist.all_reduce(loss, group=self.dp_group)
+        payload["loss"] = float(loss) / self.ranks.dp_size
+        payload["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        payload["lr"] = lr
+        return payload
+
+    # ------------------------------------------------------------------ memory and checkpoints
+    def offload_to_cpu(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
+        """Move parameters, gradient buffers and optimizer state to CPU memory (see offload.py)."""
+        self.offloaded = off.offload(self.ddp, self.optimizer, params, grads, optimizer)
+
+    def onload(self) -> None:
+        """Bring back what `offload_to_cpu` moved."""
+        if self.offloaded is not None:
+            off.onload(self.offloaded, self.device)
+            self.offloaded = None
+
+    def save_checkpoint(self, path: str) -> None:
+        """Model, optimizer, scheduler and RNG state with Megatron distributed checkpointing."""
+        ckpt.save(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Load a checkpoint saved at any TP/PP/DP layout of the same model."""
+        ckpt.load(self, path)

@@ -1,0 +1,118 @@
+"""Engine settings, Megatron optimizer (distributed Adam) and LR schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+import torch
+
+from megarl.errors import ConfigError
+
+LR_SCHEDULES = ("constant", "cosine")
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineConfig:
+    """What a training engine needs besides the model spec and the parallel layout."""
+
+    role: str = "policy"  # policy | value | reward
+    dtype: str = "fp32"  # fp32 | bf16
+    seed: int = 1
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    lr_schedule: str = "constant"  # constant | cosine (both after linear warmup)
+    lr_warmup_steps: int = 0
+    total_training_steps: int = 1  # optimizer steps, for the cosine decay
+    micro_batch_size: int = 4
+    use_dynamic_bsz: bool = False
+    max_token_len_per_micro_batch: int = 4096
+    # Concatenate the rows of a micro-batch into one row (no padding tokens at all): a
+    # block-diagonal causal mask with the local spec, THD cu_seqlens with TransformerEngine.
+    use_sequence_packing: bool = False
+    use_distributed_optimizer: bool = True
+
+    @classmethod
+    def from_mapping(cls, cfg: Mapping[str, Any] | None) -> "EngineConfig":
+        """Accepts flat keys or verl-style nesting under `optim` (lr, betas, weight_decay, ...)."""
+        cfg = dict(cfg or {})
+        optim = dict(cfg.pop("optim", {}) or {})
+        if "warmup_style" in optim:  # verl's name
+            optim["lr_schedule"] = optim.pop("warmup_style")
+        ratio = optim.pop("lr_warmup_steps_ratio", None)
+        steps = optim.get("lr_warmup_steps")
+        if steps is None or steps < 0:  # verl: -1 means "use the ratio"
+            total = int(optim.get("total_training_steps", cfg.get("total_training_steps", 1)) or 1)
+            optim["lr_warmup_steps"] = int(float(ratio or 0.0) * total)
+        min_ratio = optim.pop("min_lr_ratio", None)
+        if min_ratio is not None:
+            optim["min_lr"] = float(min_ratio) * float(optim.get("lr", cfg.get("lr", cls.lr)))
+        merged = {**optim, **cfg}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(merged) - known)
+        if unknown:
+            raise ConfigError(f"engine config: unknown keys {unknown}; valid: {sorted(known)}")
+        out = cls(**merged)
+        out.betas = tuple(out.betas)  # type: ignore[assignment]
+        out.validate()
+        return out
+
+    def validate(self) -> None:
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"engine config: lr_schedule={self.lr_schedule!r}, valid: {LR_SCHEDULES}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"engine config: dtype={self.dtype!r}, valid: {sorted(DTYPES)}")
+        if self.micro_batch_size < 1:
+            raise ConfigError(f"engine config: micro_batch_size={self.micro_batch_size} must be >= 1")
+        if self.lr_warmup_steps < 0 or self.total_training_steps < 1:
+            raise ConfigError("engine config: lr_warmup_steps >= 0 and total_training_steps >= 1 required")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def build_optimizer(cfg: EngineConfig, model_chunks: list[torch.nn.Module]) -> Any:
+    """Megatron's (distributed) Adam over the DDP-wrapped chunks."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.betas[0],
+        adam_beta2=cfg.betas[1],
+        adam_eps=cfg.eps,
+        clip_grad=cfg.clip_grad,
+        bf16=cfg.torch_dtype == torch.bfloat16,
+        params_dtype=cfg.torch_dtype,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(opt_config, model_chunks)
+
+
+def build_scheduler(cfg: EngineConfig, optimizer: Any) -> Any:
+    """Linear warmup from 0 to `lr` over `lr_warmup_steps`, then constant or cosine to `min_lr`."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    warmup = cfg.lr_warmup_steps
+    decay_steps = max(cfg.total_training_steps, warmup + 1)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup > 0 else cfg.lr,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr if cfg.lr_schedule == "cosine" else cfg.lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=cfg.lr_schedule,
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+    )

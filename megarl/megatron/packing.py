@@ -1,0 +1,154 @@
+"""Remove padding and plan micro-batches (fixed size or by a token budget).
+
+Rows arrive as [left-padded prompt | right-padded response]. Each row is compacted so that its
+valid tokens (attention_mask == 1) start at position 0; a micro-batch is then trimmed to its longest
+row. Trailing padding cannot influence earlier tokens under a causal mask, so no attention mask is
+needed, and positions equal HF's `cumsum(mask) - 1`. The log-prob of response token t of row i
+comes from compact position L_i + t - 1 (L_i = valid prompt tokens of row i).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megarl.errors import ConfigError, DataError
+
+
+@dataclass
+class CompactRows:
+    """Rows with their valid tokens moved to the front.
+
+    tokens: (B, T) int64, T = longest valid length; positions past a row's length hold 0.
+    prompt_lens: (B,) valid prompt tokens L_i. total_lens: (B,) valid tokens T_i.
+    response_len: R, the width of the response columns of the batch.
+    """
+
+    tokens: torch.Tensor
+    prompt_lens: torch.Tensor
+    total_lens: torch.Tensor
+    response_len: int
+
+    def to(self, device: torch.device) -> "CompactRows":
+        return CompactRows(self.tokens.to(device), self.prompt_lens.to(device), self.total_lens.to(device),
+                           self.response_len)
+
+
+def compact_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> CompactRows:
+    """Move each row's valid tokens to the front (stable order). input_ids/attention_mask: (B, P+R)."""
+    if input_ids.shape != attention_mask.shape:
+        raise DataError(f"input_ids {tuple(input_ids.shape)} vs attention_mask {tuple(attention_mask.shape)}")
+    mask = attention_mask.bool()
+    prompt_width = input_ids.shape[1] - response_len
+    prompt_lens = mask[:, :prompt_width].sum(1)
+    if response_len > 0 and bool((prompt_lens == 0).any()):
+        row = int((prompt_lens == 0).nonzero()[0])
+        raise DataError(f"row {row} has no valid prompt token: its first response token has no context")
+    total = mask.sum(1)
+    width = max(int(total.max()), 1)
+    # Stable sort puts valid positions first, in their original order.
+    order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    tokens = input_ids.gather(1, order)
+    keep = torch.arange(width, device=total.device).unsqueeze(0) < total.unsqueeze(1)
+    tokens = torch.where(keep, tokens, torch.zeros_like(tokens))
+    return CompactRows(tokens, prompt_lens, total, response_len)
+
+
+def response_index(rows: CompactRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index (B, R), valid (B, R)): compact position whose output predicts response token t."""
+    t = torch.arange(rows.response_len, device=rows.prompt_lens.device).unsqueeze(0)
+    index = rows.prompt_lens.unsqueeze(1) + t - 1
+    valid = index < (rows.total_lens - 1).unsqueeze(1)
+    return index.clamp(max=max(rows.tokens.shape[1] - 1, 0)), valid
+
+
+def gather_response(per_position: torch.Tensor, rows: CompactRows) -> torch.Tensor:
+    """Per-position values (B, T) -> response-aligned (B, R); 0 where the response is padding."""
+    index, valid = response_index(rows)
+    width = per_position.shape[1]
+    out = per_position.gather(1, index.clamp(max=width - 1))
+    return torch.where(valid, out, torch.zeros_like(out))
+
+
+def plan_micro_batches(
+    lengths: torch.Tensor,
+    micro_batch_size: int | None = None,
+    max_tokens: int | None = None,
+    packed: bool = False,
+) -> list[torch.Tensor]:
+    """Row indices of each micro-batch.
+
+    Fixed: consecutive chunks of `micro_batch_size`. Dynamic (`max_tokens` set): rows sorted by
+    length, a micro-batch closes when its computed tokens would exceed `max_tokens`: rows x longest
+    row when padded, the sum of the lengths when `packed`.
+    """
+    n = int(lengths.numel())
+    if max_tokens is None:
+        if not micro_batch_size or micro_batch_size < 1:
+            raise ConfigError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        return [torch.arange(i, min(i + micro_batch_size, n)) for i in range(0, n, micro_batch_size)]
+    longest = int(lengths.max()) if n else 0
+    if longest > max_tokens:
+        raise ConfigError(
+            f"max_token_len_per_micro_batch={max_tokens} is smaller than the longest sequence "
+            f"({longest} tokens); raise it to at least {longest}"
+        )
+    order = torch.sort(lengths, descending=True, stable=True).indices.tolist()
+    plans: list[list[int]] = []
+    current: list[int] = []
+    current_max = 0
+    current_sum = 0
+    for idx in order:
+        length = int(lengths[idx])
+        new_max = max(current_max, length)
+        cost = current_sum + length if packed else (len(current) + 1) * new_max
+        if current and cost > max_tokens:
+            plans.append(current)
+            current, new_max, current_sum = [], length, 0
+        current.append(idx)
+        current_max = new_max
+        current_sum += length
+    if current:
+        plans.append(current)
+    return [torch.tensor(sorted(p), dtype=torch.long) for p in plans]
+
+
+@dataclass
+class PackedRows:
+    """The rows of one micro-batch concatenated into a single row of S tokens.
+
+    tokens: (1, S). offsets: (b,) start of each row. seq_ids: (S,) which row a position belongs to.
+    attention_mask: (1, 1, S, S) bool, True = masked (causal within each row, nothing across rows);
+    None on the TransformerEngine path, which takes `cu_seqlens` (THD format) instead.
+    """
+
+    tokens: torch.Tensor
+    offsets: torch.Tensor
+    lengths: torch.Tensor
+    attention_mask: torch.Tensor | None
+    cu_seqlens: torch.Tensor
+
+
+def pack_rows(rows: CompactRows, with_mask: bool = True) -> PackedRows:
+    """Concatenate each row's valid tokens (no padding at all)."""
+    lengths = rows.total_lens
+    offsets = torch.cumsum(lengths, 0) - lengths
+    keep = torch.arange(rows.tokens.shape[1], device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
+    tokens = rows.tokens[keep].unsqueeze(0)
+    seq_ids = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+    mask = None
+    if with_mask:
+        pos = torch.arange(tokens.shape[1], device=lengths.device)
+        visible = (seq_ids.unsqueeze(1) == seq_ids.unsqueeze(0)) & (pos.unsqueeze(1) >= pos.unsqueeze(0))
+        mask = (~visible).unsqueeze(0).unsqueeze(0)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32, device=lengths.device), torch.cumsum(lengths, 0).int()])
+    return PackedRows(tokens, offsets, lengths, mask, cu)
+
+
+def unpack(per_position: torch.Tensor, packed: PackedRows, width: int) -> torch.Tensor:
+    """Packed per-position values (1, S) -> (b, width), row-aligned like CompactRows; 0 past a row's end."""
+    pos = torch.arange(width, device=per_position.device).unsqueeze(0)
+    index = (packed.offsets.unsqueeze(1) + pos).clamp(max=per_position.shape[1] - 1)
+    out = per_position[0][index]
+    return torch.where(pos < packed.lengths.unsqueeze(1), out, torch.zeros_like(out))

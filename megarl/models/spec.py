@@ -1,0 +1,261 @@
+"""Model specs: a HF `config.json` -> Megatron `TransformerConfig`, layer spec and weight map.
+
+One YAML per architecture family lives in `model_specs/`. The weight map is data (see
+`megarl.models.weight_map`), so conversion and resharding are driven by it, not by branches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from megarl.errors import ConfigError
+from megarl.models.weight_map import WeightEntry, parse_weight_map
+
+SPEC_DIR_ENV = "MEGARL_MODEL_SPECS"
+
+
+def spec_dir() -> Path:
+    """The folder holding the family YAMLs (`$MEGARL_MODEL_SPECS` or the repository's model_specs/)."""
+    env = os.environ.get(SPEC_DIR_ENV)
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "model_specs"
+
+
+def load_family_specs() -> dict[str, dict[str, Any]]:
+    """All family YAMLs by family name."""
+    specs: dict[str, dict[str, Any]] = {}
+    for path in sorted(spec_dir().glob("*.yaml")):
+        with open(path) as f:
+            data = yaml.safe_load(f)
+        for key in ("family", "model_types", "config_map", "weight_map"):
+            if key not in data:
+                raise ConfigError(f"model spec {path.name}: missing key '{key}'")
+        data["_path"] = str(path)
+        specs[data["family"]] = data
+    return specs
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for s in load_family_specs().values() for t in s["model_types"])
+
+
+def _read_hf_config(hf_config: Any) -> dict[str, Any]:
+    if isinstance(hf_config, (str, Path)):
+        path = Path(hf_config)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            raise ConfigError(f"HF config not found: {path}")
+        with open(path) as f:
+            return json.load(f)
+    if isinstance(hf_config, Mapping):
+        return dict(hf_config)
+    if hasattr(hf_config, "to_dict"):
+        return hf_config.to_dict()
+    raise ConfigError(f"expected a HF config (path, dict or PretrainedConfig), got {type(hf_config)}")
+
+
+@dataclass
+class ModelSpec:
+    """An architecture family bound to one HF config."""
+
+    family: str
+    hf_config: dict[str, Any]
+    config_values: dict[str, Any]  # TransformerConfig fields taken from the HF config
+    features: dict[str, bool]  # qkv_bias, qk_layernorm, untied_embeddings
+    weight_map: list[WeightEntry]
+    vocab_size: int
+    max_position_embeddings: int
+    rotary_base: float
+    normalization: str
+    make_vocab_size_divisible_by: int
+    tie_embeddings: bool
+    attention_window: int | None = None  # longest sequence the spec computes exactly
+    source: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> "ModelSpec":
+        """Pick the family by `model_type` / `architectures` and map the config."""
+        cfg = _read_hf_config(hf_config)
+        families = load_family_specs()
+        model_type = cfg.get("model_type")
+        archs = cfg.get("architectures") or []
+        for fam in families.values():
+            if model_type in fam["model_types"] or any(a in fam.get("architectures", []) for a in archs):
+                return cls._from_family(fam, cfg)
+        supported = ", ".join(
+            f"{name} ({'/'.join(f['model_types'])})" for name, f in sorted(families.items())
+        )
+        raise ConfigError(
+            f"unsupported architecture model_type={model_type!r} architectures={archs}; "
+            f"supported families: {supported}"
+        )
+
+    @classmethod
+    def _from_family(cls, fam: dict[str, Any], cfg: dict[str, Any]) -> "ModelSpec":
+        where = f"model spec {Path(fam['_path']).name}"
+        act = fam.get("activation", "silu")
+        if cfg.get("hidden_act", act) != act:
+            raise ConfigError(f"{where}: hidden_act={cfg.get('hidden_act')!r}, expected {act!r}")
+        values: dict[str, Any] = {}
+        for field_name, rule in fam["config_map"].items():
+            values[field_name] = _resolve(rule, cfg, where, field_name)
+        if values.get("kv_channels") is None:
+            values["kv_channels"] = values["hidden_size"] // values["num_attention_heads"]
+        tie = bool(cfg.get("tie_word_embeddings", False))
+        features = {
+            "qkv_bias": bool(values.get("add_qkv_bias", False)),
+            "qk_layernorm": bool(values.get("qk_layernorm", False)),
+            "untied_embeddings": not tie,
+            "scalar_head": False,
+        }
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"{where}: rope_type={rope_type!r} is not supported (only 'default')")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        window = cfg.get("sliding_window")
+        if not cfg.get("use_sliding_window", True):
+            window = None
+        return cls(
+            family=fam["family"],
+            hf_config=cfg,
+            config_values=values,
+            features=features,
+            weight_map=parse_weight_map(fam["weight_map"], where),
+            vocab_size=int(_resolve("vocab_size", cfg, where, "vocab_size")),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rotary_base=float(theta),
+            normalization=fam.get("normalization", "RMSNorm"),
+            make_vocab_size_divisible_by=int(fam.get("make_vocab_size_divisible_by", 128)),
+            tie_embeddings=tie,
+            attention_window=int(window) if window else None,
+            source=fam["_path"],
+        )
+
+    # ---------------------------------------------------------------- derived quantities
+    @property
+    def num_layers(self) -> int:
+        return int(self.config_values["num_layers"])
+
+    def padded_vocab_size(self, tp_size: int) -> int:
+        """Vocab rounded up so each TP rank holds an equal slice (Megatron's rule)."""
+        multiple = self.make_vocab_size_divisible_by * tp_size
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def for_role(self, role: str) -> "ModelSpec":
+        """The spec of a value or reward model (same trunk, scalar head instead of the LM head)."""
+        if role == "policy":
+            return self
+        import dataclasses
+
+        features = dict(self.features, untied_embeddings=False, scalar_head=True)
+        return dataclasses.replace(self, features=features, tie_embeddings=False)
+
+    def active_weight_entries(self) -> list[WeightEntry]:
+        return [e for e in self.weight_map if e.when is None or self.features.get(e.when, False)]
+
+    def check_layout(self, tp: int, pp: int) -> None:
+        """Raise if the model cannot be split `tp` x `pp` ways."""
+        v = self.config_values
+        if v["num_attention_heads"] % tp or v["num_query_groups"] % tp:
+            raise ConfigError(
+                f"{self.family}: tp={tp} must divide num_attention_heads={v['num_attention_heads']} "
+                f"and num_key_value_heads={v['num_query_groups']}"
+            )
+        if v["ffn_hidden_size"] % tp:
+            raise ConfigError(f"{self.family}: tp={tp} must divide intermediate_size={v['ffn_hidden_size']}")
+        if self.num_layers % pp:
+            raise ConfigError(f"{self.family}: pp={pp} must divide num_hidden_layers={self.num_layers}")
+
+    # ---------------------------------------------------------------- Megatron objects
+    def transformer_config(self, tp: int = 1, pp: int = 1, cp: int = 1, params_dtype: Any = None,
+                           **overrides: Any) -> Any:
+        """A Megatron `TransformerConfig` for this model at the given layout.
+
+        Fusions and CUDA-only features are switched off without CUDA.
+        """
+        import torch
+        import torch.nn.functional as F
+        from megatron.core.transformer import TransformerConfig
+
+        self.check_layout(tp, pp)
+        on_gpu = torch.cuda.is_available()
+        params_dtype = params_dtype or torch.float32
+        kwargs: dict[str, Any] = dict(self.config_values)
+        kwargs.update(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            context_parallel_size=cp,
+            normalization=self.normalization,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            params_dtype=params_dtype,
+            bf16=params_dtype == torch.bfloat16,
+            fp16=params_dtype == torch.float16,
+            pipeline_dtype=params_dtype,
+            use_cpu_initialization=not on_gpu,
+            gradient_accumulation_fusion=False,
+            masked_softmax_fusion=False,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            persist_layer_norm=False,
+            apply_rope_fusion=False,
+            sequence_parallel=False,
+            # Micro-batches differ in length (padding is trimmed per micro-batch); PP then
+            # exchanges shapes first. The MoE allgather dispatcher refuses this flag.
+            variable_seq_lengths=True,
+            moe_token_dispatcher_type="alltoall",
+        )
+        kwargs.update(overrides)
+        return TransformerConfig(**kwargs)
+
+    def layer_spec(self, use_te: bool | None = None) -> Any:
+        """TransformerEngine layer spec when TE is installed and CUDA is present, else local."""
+        from megatron.core.models.gpt import gpt_layer_specs
+
+        if use_te is None:
+            use_te = te_available()
+        if use_te:
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+                qk_layernorm=self.features["qk_layernorm"]
+            )
+        return gpt_layer_specs.get_gpt_layer_local_spec(
+            qk_layernorm=self.features["qk_layernorm"], normalization=self.normalization
+        )
+
+
+def te_available() -> bool:
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _resolve(rule: Any, cfg: Mapping[str, Any], where: str, field_name: str) -> Any:
+    if isinstance(rule, dict):
+        if "value" in rule:
+            return rule["value"]
+        key = rule["optional"]
+        return cfg.get(key) if cfg.get(key) is not None else rule.get("default")
+    keys = rule if isinstance(rule, list) else [rule]
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    raise ConfigError(f"{where}: HF config lacks '{keys[0]}' (needed for {field_name})")

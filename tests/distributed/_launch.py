@@ -1,0 +1,83 @@
+"""Run a function on N local processes joined in one gloo group; collect results or failures.
+
+Never hangs: the parent waits at most `timeout` seconds, then kills every child and fails.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, results: Any) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        from megarl.megatron.parallel import destroy_distributed
+
+        try:
+            # Plain pickle copies tensor data: the queue's shared-memory handles would die with us.
+            results.put((rank, "ok", pickle.dumps(fn(rank, world, port, *args))))
+        finally:
+            destroy_distributed()
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0) -> list[Any]:
+    """fn(rank, world_size, master_port, *args) on `world_size` processes; returns results by rank.
+
+    `fn` must be importable (module level). It initialises its own process groups (so it can try
+    several layouts in one launch); the launcher tears them down.
+    """
+    # Not daemonic: Megatron's checkpoint writer starts helper processes of its own.
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    collected: dict[int, tuple[str, Any]] = {}
+    try:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while len(collected) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"distributed test timed out after {timeout:.0f}s; ranks done: {sorted(collected)}")
+            try:
+                rank, status, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in collected]
+                if dead:
+                    raise RuntimeError(f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}")
+                continue
+            collected[rank] = (status, value)
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(collected) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return [pickle.loads(collected[r][1]) for r in range(world_size)]

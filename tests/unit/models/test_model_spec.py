@@ -1,0 +1,73 @@
+"""Model specs: HF config -> TransformerConfig fields, family choice, errors."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from megarl.errors import ConfigError
+from megarl.models.spec import ModelSpec, supported_model_types
+
+
+def _cfg(name: str, **kw: object) -> transformers.PretrainedConfig:
+    base = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128, head_dim=8)
+    base.update(kw)
+    return getattr(transformers, f"{name}Config")(**base)
+
+
+@pytest.mark.parametrize("name,family,bias,qk_norm", [
+    ("Llama", "llama", False, False), ("Qwen2", "qwen2", True, False),
+    ("Qwen3", "qwen3", False, True), ("Mistral", "mistral", False, False),
+])
+def test_family_and_config_mapping(name: str, family: str, bias: bool, qk_norm: bool) -> None:
+    spec = ModelSpec.from_hf_config(_cfg(name, rope_theta=12345.0))
+    assert spec.family == family
+    v = spec.config_values
+    assert (v["num_layers"], v["hidden_size"], v["ffn_hidden_size"]) == (4, 64, 96)
+    assert (v["num_attention_heads"], v["num_query_groups"], v["kv_channels"]) == (8, 2, 8)
+    assert spec.features == {"qkv_bias": bias, "qk_layernorm": qk_norm, "untied_embeddings": True,
+                             "scalar_head": False}
+    assert spec.rotary_base == 12345.0 and spec.vocab_size == 300
+
+
+def test_llama_attention_bias_and_tied_embeddings_follow_the_config() -> None:
+    spec = ModelSpec.from_hf_config(_cfg("Llama", attention_bias=True, tie_word_embeddings=True).to_dict())
+    assert spec.features["qkv_bias"] and spec.tie_embeddings and not spec.features["untied_embeddings"]
+    names = [e.megatron for e in spec.active_weight_entries()]
+    assert "output_layer.weight" not in names
+    assert "decoder.layers.{layer}.self_attention.linear_qkv.bias" in names
+
+
+def test_transformer_config_for_cpu() -> None:
+    spec = ModelSpec.from_hf_config(_cfg("Qwen3", head_dim=32))
+    tc = spec.transformer_config(tp=2, pp=2)
+    assert tc.kv_channels == 32 and tc.qk_layernorm and tc.num_query_groups == 2
+    assert tc.tensor_model_parallel_size == 2 and tc.pipeline_model_parallel_size == 2
+    assert tc.gated_linear_unit and tc.normalization == "RMSNorm" and not tc.add_bias_linear
+    assert tc.use_cpu_initialization and not tc.gradient_accumulation_fusion
+
+
+def test_padded_vocab() -> None:
+    spec = ModelSpec.from_hf_config(_cfg("Llama"))
+    assert spec.padded_vocab_size(1) == 384 and spec.padded_vocab_size(2) == 512
+
+
+def test_unsupported_architecture_lists_supported_ones() -> None:
+    with pytest.raises(ConfigError) as err:
+        ModelSpec.from_hf_config({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    for model_type in ("llama", "qwen2", "qwen3", "mistral"):
+        assert model_type in str(err.value)
+    assert {"llama", "qwen2", "qwen3", "mistral"} <= set(supported_model_types())
+
+
+def test_bad_layout_and_activation_are_refused() -> None:
+    spec = ModelSpec.from_hf_config(_cfg("Llama"))
+    with pytest.raises(ConfigError, match="tp=4"):
+        spec.check_layout(4, 1)  # 2 key/value heads
+    with pytest.raises(ConfigError, match="pp=3"):
+        spec.check_layout(1, 3)
+    with pytest.raises(ConfigError, match="hidden_act"):
+        ModelSpec.from_hf_config(_cfg("Llama", hidden_act="gelu"))
+    with pytest.raises(ConfigError, match="rope_type"):
+        ModelSpec.from_hf_config({**_cfg("Llama").to_dict(), "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
