@@ -122,6 +122,13 @@ def load(engine: Any, path: str | os.PathLike[str]) -> None:
     path = Path(path)
     if not (path / "metadata.json").exists():
         raise CheckpointError(f"{path}: not a complete checkpoint (metadata.json missing)")
+    common = dist_checkpointing.load_common_state_dict(str(path)) or {}
+    if (common.get("megarl") or {}).get("model_only"):
+        # Written by `megarl convert hf-to-mcore`: weights only, no optimizer or schedule state.
+        from megarl.convert.engine_load import load_converted_weights
+
+        load_converted_weights(engine, path)
+        return
     _init_adam_state(engine.optimizer)
     sharded = _sharded_state(engine, is_loading=True)
     loaded = dist_checkpointing.load(sharded, str(path))

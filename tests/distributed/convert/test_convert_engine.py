@@ -43,12 +43,10 @@ def _engine(rank: int, world: int, port: int, hf_dir: str, layout_kw: dict, role
 
 
 def _logprobs_per_layout(rank: int, world: int, port: int, hf_dir: str, ckpt: str, batch: dict) -> list:
-    from megarl.convert.engine_load import load_converted_weights
-
     out = []
     for layout_kw in LAYOUTS:
         engine = _engine(rank, world, port, hf_dir, layout_kw)  # random init: the checkpoint must overwrite it
-        load_converted_weights(engine, ckpt)
+        engine.load_checkpoint(ckpt)  # a converted (model-only) checkpoint through the engine's own loader
         out.append(engine.compute_log_prob(batch)["log_probs"])
     return out
 
