@@ -42,7 +42,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
     resume_step = resume[0] if resume else None
     res = cfg.resources
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    progress = Progress(run.total_steps, start_step=resume_step or 0, enabled=cfg.trainer.progress_bar)
+    # Without a terminal the console backend already prints a line per step: the progress line
+    # (step time, ETA) then comes every 10 steps.
+    every = 10 if "console" in cfg.tracking.backends else 1
+    progress = Progress(run.total_steps, start_step=resume_step or 0, enabled=cfg.trainer.progress_bar,
+                        log_every=every * max(1, cfg.trainer.log_freq))
     tracker = Tracker(
         run.run_dir, backends=list(cfg.tracking.backends), project=cfg.trainer.project_name,
         experiment=cfg.trainer.experiment_name, mlflow_tracking_uri=cfg.tracking.mlflow_tracking_uri,
