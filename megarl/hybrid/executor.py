@@ -1,0 +1,252 @@
+"""Run a `ReshardPlan`: copy local pieces, exchange remote ones bucket by bucket.
+
+Every rank calls `execute_plan` with its own training shards (SPMD). Each step, a rank packs the
+pieces it owes each peer into one flat buffer (at most `plan.bucket_bytes`), posts non-blocking
+receives and sends (batched point-to-point, gloo or NCCL), and unpacks the received buffers
+straight into its engine parameters while the next step's transfers are in flight. Engine
+parameters have the rollout shard's size, so no rank holds a whole unsharded tensor unless the
+rollout TP size is 1.
+
+`execute_plan_locally` runs the same packing and unpacking for all ranks in one process with an
+in-memory transport (tests, benchmarks of the planning/copy cost).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Protocol
+
+import torch
+import torch.distributed as dist
+
+from megarl.errors import ConfigError
+from megarl.hybrid.plan import Piece, ReshardPlan
+
+Pair = tuple[int, int]
+
+
+@dataclass
+class ExecStats:
+    """What one rank did in one sync. Bytes are in the plan's dtype."""
+
+    rank: int
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_copied_locally: int = 0
+    minimum_bytes: int = 0  # the plan's lower bound on bytes_received (needed - already held)
+    buckets_sent: int = 0
+    buckets_received: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    largest_buffer_numel: int = 0  # largest flat exchange buffer
+    largest_engine_tensor_numel: int = 0  # largest tensor assembled on this rank
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def _check_shards(plan: ReshardPlan, rank: int, shards: Mapping[str, torch.Tensor]) -> None:
+    for t in plan.train_tensors[rank]:
+        got = shards.get(t.name)
+        if got is None:
+            raise ConfigError(
+                f"reshard: rank {rank} lacks training shard {t.name!r}; it has {sorted(shards)[:5]}..."
+            )
+        if tuple(got.shape) != t.shape:
+            raise ConfigError(f"reshard: rank {rank} shard {t.name!r} has shape {tuple(got.shape)}, the plan expects {t.shape}")
+        if got.dtype != plan.dtype:
+            raise ConfigError(f"reshard: rank {rank} shard {t.name!r} is {got.dtype}, the plan was built for {plan.dtype}")
+
+
+def _allocate(plan: ReshardPlan, rank: int, device: torch.device,
+              out: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Engine tensors at the rollout shard shape (new, or the given `out` after a check); rows no
+    block covers (vocabulary padding) are zeroed, the rest is written exactly once by the pieces."""
+    targets = {}
+    for t in plan.engine_tensors[rank]:
+        if out is None:
+            tensor = torch.empty(t.shape, dtype=plan.dtype, device=device)
+        else:
+            tensor = out.get(t.name)
+            if tensor is None or tuple(tensor.shape) != t.shape:
+                got = None if tensor is None else tuple(tensor.shape)
+                raise ConfigError(f"reshard: rank {rank} output {t.name!r} has shape {got}, the plan expects {t.shape}")
+        covered = sorted((b.offset, b.offset + b.length) for b in t.blocks)
+        start = 0
+        for lo, hi in covered + [(t.shape[t.axis], t.shape[t.axis])]:
+            if lo > start:
+                tensor.narrow(t.axis, start, lo - start).zero_()
+            start = max(start, hi)
+        targets[t.name] = tensor
+    return targets
+
+
+def _slice(t: torch.Tensor, p: Piece, start: int) -> torch.Tensor:
+    return t.narrow(p.axis, start, p.length)
+
+
+def pack_bucket(pieces: list[Piece], shards: Mapping[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Write the pieces' slices of the sender's shards into the flat buffer `out`, in order."""
+    offset = 0
+    for p in pieces:
+        src = _slice(shards[p.src_name], p, p.src_start)
+        n = src.numel()
+        out[offset:offset + n].view(src.shape).copy_(src)
+        offset += n
+    return out[:offset]
+
+
+def unpack_bucket(flat: torch.Tensor, pieces: list[Piece], targets: Mapping[str, torch.Tensor]) -> None:
+    """Inverse of `pack_bucket` into the receiver's engine parameters."""
+    offset = 0
+    for p in pieces:
+        dst = _slice(targets[p.dst_name], p, p.dst_start)
+        n = dst.numel()
+        dst.copy_(flat[offset:offset + n].view(dst.shape))
+        offset += n
+
+
+def _bucket_numel(pieces: list[Piece], dtype: torch.dtype) -> int:
+    return sum(p.nbytes for p in pieces) // torch.empty((), dtype=dtype).element_size()
+
+
+class Transport(Protocol):
+    """Moves one step's flat buffers: `start` posts the transfers, `wait` completes them."""
+
+    def start(self, sends: dict[Pair, torch.Tensor], recvs: dict[Pair, torch.Tensor]) -> Any: ...
+
+    def wait(self, handle: Any) -> None: ...
+
+
+class P2PTransport:
+    """Batched non-blocking point-to-point sends and receives (gloo or NCCL)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def _peer(self, r: int) -> int:
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def start(self, sends: dict[Pair, torch.Tensor], recvs: dict[Pair, torch.Tensor]) -> Any:
+        # One batch: NCCL would deadlock on two ranks that each receive before they send.
+        ops = [dist.P2POp(dist.irecv, buf, self._peer(pair[0]), self.group) for pair, buf in recvs.items()]
+        ops += [dist.P2POp(dist.isend, buf, self._peer(pair[1]), self.group) for pair, buf in sends.items()]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def wait(self, handle: Any) -> None:
+        for req in handle:
+            req.wait()
+
+
+class InMemoryTransport:
+    """All ranks in one process: a send buffer is copied into the matching receive buffer."""
+
+    def start(self, sends: dict[Pair, torch.Tensor], recvs: dict[Pair, torch.Tensor]) -> Any:
+        for pair, buf in recvs.items():
+            buf.copy_(sends[pair])
+        return None
+
+    def wait(self, handle: Any) -> None:
+        return None
+
+
+def _run(plan: ReshardPlan, shards_by_rank: Mapping[int, Mapping[str, torch.Tensor]], transport: Transport,
+         device: torch.device, out: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+         ) -> dict[int, tuple[dict[str, torch.Tensor], ExecStats]]:
+    """The step loop for the ranks in `shards_by_rank`.
+
+    Double-buffered: step k+1 is packed and posted while step k is in flight, so at most two
+    buckets per peer and direction are in flight; buffers are reused across steps. Local pieces
+    are copied while the first step is in flight.
+    """
+    start = time.perf_counter()
+    result: dict[int, tuple[dict[str, torch.Tensor], ExecStats]] = {}
+    for rank, shards in shards_by_rank.items():
+        _check_shards(plan, rank, shards)
+        targets = _allocate(plan, rank, device, None if out is None else out[rank])
+        stats = ExecStats(rank=rank, minimum_bytes=plan.bytes[rank].minimum, steps=len(plan.steps))
+        stats.largest_engine_tensor_numel = max((t.numel() for t in targets.values()), default=0)
+        result[rank] = (targets, stats)
+
+    largest: dict[Pair, int] = {}
+    for step in plan.steps:
+        for pair, pieces in step.items():
+            largest[pair] = max(largest.get(pair, 0), _bucket_numel(pieces, plan.dtype))
+    pool: dict[tuple[str, Pair, int], torch.Tensor] = {}
+
+    def buffer(kind: str, pair: Pair, parity: int, numel: int) -> torch.Tensor:
+        key = (kind, pair, parity)
+        if key not in pool:
+            pool[key] = torch.empty(largest[pair], dtype=plan.dtype, device=device)
+        return pool[key][:numel]
+
+    def post(k: int) -> tuple[Any, dict[Pair, torch.Tensor]]:
+        sends, recvs = {}, {}
+        for pair, pieces in plan.steps[k].items():
+            numel = _bucket_numel(pieces, plan.dtype)
+            for rank, kind in ((pair[0], "send"), (pair[1], "recv")):
+                if rank not in shards_by_rank:
+                    continue
+                buf = buffer(kind, pair, k % 2, numel)
+                stats = result[rank][1]
+                stats.largest_buffer_numel = max(stats.largest_buffer_numel, numel)
+                if kind == "send":
+                    sends[pair] = pack_bucket(pieces, shards_by_rank[rank], buf)
+                    stats.bytes_sent += numel * buf.element_size()
+                    stats.buckets_sent += 1
+                else:
+                    recvs[pair] = buf
+        return transport.start(sends, recvs), recvs
+
+    pending = post(0) if plan.steps else None
+    for rank, (targets, stats) in result.items():  # while the first bucket is on its way
+        shards = shards_by_rank[rank]
+        for p in plan.local_pieces[rank]:
+            _slice(targets[p.dst_name], p, p.dst_start).copy_(_slice(shards[p.src_name], p, p.src_start))
+            stats.bytes_copied_locally += p.nbytes
+    for k, step in enumerate(plan.steps):
+        handle, recvs = pending
+        # Pack and post step k+1 before waiting for step k: its buffers (the other parity) were
+        # released when step k-1 was waited for and unpacked.
+        pending = post(k + 1) if k + 1 < len(plan.steps) else None
+        transport.wait(handle)
+        for pair, buf in recvs.items():
+            targets, stats = result[pair[1]]
+            unpack_bucket(buf, step[pair], targets)
+            stats.bytes_received += buf.numel() * buf.element_size()
+            stats.buckets_received += 1
+    elapsed = time.perf_counter() - start
+    for _, stats in result.values():
+        stats.seconds = elapsed
+    return result
+
+
+def execute_plan(plan: ReshardPlan, local_shards: Mapping[str, torch.Tensor],
+                 group: dist.ProcessGroup | None = None, out: Mapping[str, torch.Tensor] | None = None,
+                 ) -> tuple[dict[str, torch.Tensor], ExecStats]:
+    """This rank's engine parameters (name -> tensor of the rollout shard shape) and its stats.
+
+    `local_shards`: this rank's Megatron parameters by local-spec name (stage-local layer
+    indices), e.g. `megarl.hybrid.sync.training_shards(engine.get_named_weights(), ...)`. Ranks in the plan are ranks of
+    `group` (default: the world). Every rank of the group must call this with the same plan.
+    `out`: write into these tensors (e.g. the engine's own parameters, any dtype) instead of
+    allocating new ones.
+    """
+    rank = dist.get_rank(group)
+    if dist.get_world_size(group) != plan.world_size:
+        raise ConfigError(f"reshard: plan is for {plan.world_size} ranks, the group has {dist.get_world_size(group)}")
+    device = next(iter(local_shards.values())).device if local_shards else torch.device("cpu")
+    return _run(plan, {rank: local_shards}, P2PTransport(group), device,
+                None if out is None else {rank: out})[rank]
+
+
+def execute_plan_locally(plan: ReshardPlan, shards_by_rank: Mapping[int, Mapping[str, torch.Tensor]],
+                         out: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+                         ) -> dict[int, tuple[dict[str, torch.Tensor], ExecStats]]:
+    """All ranks in this process: the same packing and unpacking, buffers handed over in memory.
+    `out`: per rank, tensors to write into (as in `execute_plan`)."""
+    missing = sorted(set(range(plan.world_size)) - set(shards_by_rank))
+    if missing:
+        raise ConfigError(f"reshard: no training shards given for ranks {missing}")
+    return _run(plan, shards_by_rank, InMemoryTransport(), torch.device("cpu"), out)

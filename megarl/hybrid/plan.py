@@ -1,0 +1,265 @@
+"""The reshard plan: for every rollout rank and every engine parameter, which training rank sends
+which slice, and where it lands.
+
+Built identically on every rank from the model spec and the two layouts (no communication), so
+all ranks agree on the exchange schedule. Sources are chosen to prefer the receiving rank itself
+(zero bytes), then the least-loaded of the training replicas (DP and CP ranks, and TP ranks for
+replicated tensors, hold identical weights). Remote pieces go in buckets of at most
+`bucket_bytes` per (sender, receiver) pair and step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from megarl.errors import ConfigError
+from megarl.hybrid.layout import RolloutLayout, TrainLayout
+from megarl.hybrid.slices import Block, LocalTensor, engine_params, hf_tensor_shapes, megatron_shards
+
+if TYPE_CHECKING:
+    from megarl.models.spec import ModelSpec
+
+DEFAULT_BUCKET_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class Piece:
+    """`length` slices along `axis`: training rank `src`'s shard `src_name` from `src_start`
+    -> rollout rank `dst`'s engine parameter `dst_name` from `dst_start`."""
+
+    src: int
+    dst: int
+    src_name: str
+    dst_name: str
+    axis: int
+    src_start: int
+    dst_start: int
+    length: int
+    nbytes: int
+
+
+@dataclass
+class RankBytes:
+    """Byte accounting of one rank. `minimum` = needed - local: what any plan must receive."""
+
+    needed: int = 0  # real (non-padding) bytes of this rank's rollout shard
+    local: int = 0  # of those, bytes this rank's training shard already holds
+    received: int = 0
+    sent: int = 0
+
+    @property
+    def minimum(self) -> int:
+        return self.needed - self.local
+
+
+@dataclass
+class ReshardPlan:
+    """Everything the executor needs; identical on every rank."""
+
+    train: TrainLayout
+    rollout: RolloutLayout
+    engine: str
+    dtype: torch.dtype
+    bucket_bytes: int
+    engine_tensors: dict[int, list[LocalTensor]]  # rollout rank -> its engine parameters
+    train_tensors: dict[int, list[LocalTensor]]  # training rank -> its Megatron shards
+    local_pieces: dict[int, list[Piece]]  # rank -> pieces it copies from itself
+    steps: list[dict[tuple[int, int], list[Piece]]]  # step -> (src, dst) -> pieces of one bucket
+    bytes: dict[int, RankBytes] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.train.world_size
+
+    def total_received(self) -> int:
+        return sum(b.received for b in self.bytes.values())
+
+
+def _unit_bytes(t: LocalTensor, dtype: torch.dtype) -> int:
+    numel = 1
+    for i, s in enumerate(t.shape):
+        if i != t.axis:
+            numel *= s
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class _Source:
+    coord_key: tuple[int, int]  # (tp, pp) model shard
+    name: str
+    start: int  # HF rows
+    stop: int
+    local_offset: int
+
+
+def build_reshard_plan(
+    spec: "ModelSpec",
+    train: TrainLayout,
+    rollout: RolloutLayout,
+    engine: str = "hf",
+    dtype: torch.dtype = torch.float32,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    hf_shapes: dict[str, tuple[int, ...]] | None = None,
+) -> ReshardPlan:
+    """Plan the move of the training shards of `train` into engine parameters of `rollout`.
+
+    Args:
+        engine: "hf" (HF-named full tensors; rollout tp must be 1) or "vllm" (vLLM per-rank
+            fused parameters).
+        dtype: training parameter dtype (bytes are counted in it; it is also what moves).
+        bucket_bytes: most bytes one (sender, receiver) pair exchanges in one step.
+        hf_shapes: HF tensor shapes (default: built from `spec.hf_config` on the meta device).
+    Raises ConfigError if the world sizes differ, the model does not split, or a slice unit (one
+    row or column) exceeds `bucket_bytes`.
+    """
+    if train.world_size != rollout.world_size:
+        raise ConfigError(f"train world size {train.world_size} != rollout world size {rollout.world_size}")
+    if bucket_bytes <= 0:
+        raise ConfigError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    spec.check_layout(train.tp, train.pp)
+    shapes = hf_shapes if hf_shapes is not None else hf_tensor_shapes(spec)
+    world = train.world_size
+
+    shard_cache: dict[tuple[int, int], list[LocalTensor]] = {}
+    sources: dict[str, list[_Source]] = {}  # HF name -> blocks held by some model shard
+    for tp in range(train.tp):
+        for pp in range(train.pp):
+            shard_cache[(tp, pp)] = megatron_shards(spec, tp, train.tp, pp, train.pp, shapes)
+            for t in shard_cache[(tp, pp)]:
+                for b in t.blocks:
+                    sources.setdefault(b.hf_name, []).append(_Source((tp, pp), t.name, b.start, b.stop, b.offset))
+    train_tensors = {r: shard_cache[(c.tp, c.pp)] for r in range(world) for c in [train.coord(r)]}
+    shard_by_name = {key: {t.name: t for t in ts} for key, ts in shard_cache.items()}
+
+    engine_tensors = {g: engine_params(spec, engine, rollout.coord(g)[1], rollout.tp, shapes) for g in range(world)}
+    # 1. Cut every engine block into segments with one set of holders each.
+    segments: list[_Segment] = []
+    plan_bytes = {r: RankBytes() for r in range(world)}
+    for dst in range(world):
+        c = train.coord(dst)
+        for param in engine_tensors[dst]:
+            unit = _unit_bytes(param, dtype)
+            for block in param.blocks:
+                plan_bytes[dst].needed += block.length * unit
+                cut = _segments(block, sources, (c.tp, c.pp), dst, param, unit, shard_by_name)
+                # What the rank holds, counted before any sender is chosen.
+                plan_bytes[dst].local += sum(seg.nbytes for seg in cut if seg.src == dst)
+                segments += cut
+    # 2. Choose senders: the receiver itself when it holds the rows; otherwise, largest segments
+    # first, the replica that has sent least so far (then one in the receiver's DP index).
+    sent = [0] * world
+    for seg in sorted(segments, key=lambda s: (s.src < 0, -s.nbytes)):
+        if seg.src >= 0:
+            continue
+        dst_dp = train.coord(seg.dst).dp
+        options = [(sent[r], train.coord(r).dp != dst_dp, r, h) for h in seg.holders
+                   for r in train.replicas(*h.coord_key)]
+        _, _, seg.src, seg.source = min(options, key=lambda o: o[:3])
+        sent[seg.src] += seg.nbytes
+    # 3. Merge adjacent segments from the same source into pieces.
+    local_pieces: dict[int, list[Piece]] = {r: [] for r in range(world)}
+    remote: dict[tuple[int, int], list[Piece]] = {}
+    for piece in _merge(segments):
+        if piece.src == piece.dst:
+            local_pieces[piece.dst].append(piece)
+        else:
+            plan_bytes[piece.dst].received += piece.nbytes
+            plan_bytes[piece.src].sent += piece.nbytes
+            remote.setdefault((piece.src, piece.dst), []).append(piece)
+    for rank, b in plan_bytes.items():  # zero redundancy: nothing a rank already holds is sent to it
+        if b.received != b.minimum:
+            raise AssertionError(f"reshard plan: rank {rank} receives {b.received} bytes, minimum {b.minimum}")
+    steps = _bucket(remote, bucket_bytes)
+    return ReshardPlan(train, rollout, engine, dtype, bucket_bytes, engine_tensors, train_tensors,
+                       local_pieces, steps, plan_bytes)
+
+
+@dataclass
+class _Segment:
+    """Rows [lo, hi) of an engine block with the same holders; `src` -1 until a sender is chosen."""
+
+    dst: int
+    param: LocalTensor
+    axis: int
+    dst_start: int
+    length: int
+    nbytes: int
+    lo: int
+    holders: list[_Source]
+    src: int = -1
+    source: _Source | None = None
+
+
+def _segments(block: Block, sources: dict[str, list[_Source]], own: tuple[int, int], dst: int,
+              param: LocalTensor, unit: int,
+              shard_by_name: dict[tuple[int, int], dict[str, LocalTensor]]) -> list[_Segment]:
+    """Cut one engine block at every source boundary; segments the receiver holds get src=dst."""
+    cands = [s for s in sources.get(block.hf_name, []) if s.start < block.stop and s.stop > block.start]
+    cuts = sorted({block.start, block.stop} | {x for s in cands for x in (s.start, s.stop)
+                                               if block.start < x < block.stop})
+    out = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        holders = [s for s in cands if s.start <= lo and s.stop >= hi]
+        if not holders:
+            raise ConfigError(f"reshard plan: no training rank holds rows [{lo}, {hi}) of {block.hf_name}")
+        axis = shard_by_name[holders[0].coord_key][holders[0].name].axis
+        if axis != param.axis:
+            raise ConfigError(f"reshard plan: {block.hf_name} split on axis {axis} in training, {param.axis} in the engine")
+        seg = _Segment(dst, param, axis, block.offset + lo - block.start, hi - lo, (hi - lo) * unit, lo, holders)
+        mine = [s for s in holders if s.coord_key == own]
+        if mine:
+            seg.src, seg.source = dst, mine[0]
+        out.append(seg)
+    return out
+
+
+def _merge(segments: list[_Segment]) -> list[Piece]:
+    pieces: list[Piece] = []
+    for seg in segments:  # in receiver, parameter and row order
+        src = seg.source
+        assert src is not None
+        src_start = src.local_offset + seg.lo - src.start
+        last = pieces[-1] if pieces else None
+        if (last is not None and last.src == seg.src and last.dst == seg.dst and last.src_name == src.name
+                and last.dst_name == seg.param.name and last.src_start + last.length == src_start
+                and last.dst_start + last.length == seg.dst_start):
+            pieces[-1] = dataclasses.replace(last, length=last.length + seg.length, nbytes=last.nbytes + seg.nbytes)
+        else:
+            pieces.append(Piece(seg.src, seg.dst, src.name, seg.param.name, seg.axis, src_start,
+                                seg.dst_start, seg.length, seg.nbytes))
+    return pieces
+
+
+def _bucket(remote: dict[tuple[int, int], list[Piece]], bucket_bytes: int) -> list[dict[tuple[int, int], list[Piece]]]:
+    """Split each pair's pieces into buckets of at most `bucket_bytes`; bucket k goes in step k."""
+    steps: list[dict[tuple[int, int], list[Piece]]] = []
+    for pair in sorted(remote):
+        buckets: list[list[Piece]] = [[]]
+        room = bucket_bytes
+        for piece in remote[pair]:
+            unit = piece.nbytes // piece.length
+            if unit > bucket_bytes:
+                raise ConfigError(
+                    f"reshard plan: one slice of {piece.src_name} is {unit} bytes, more than "
+                    f"bucket_bytes={bucket_bytes}; raise the bucket size"
+                )
+            done = 0
+            while done < piece.length:
+                take = min(piece.length - done, room // unit)
+                if take == 0:
+                    buckets.append([])
+                    room = bucket_bytes
+                    continue
+                buckets[-1].append(Piece(piece.src, piece.dst, piece.src_name, piece.dst_name, piece.axis,
+                                         piece.src_start + done, piece.dst_start + done, take, take * unit))
+                room -= take * unit
+                done += take
+        for k, bucket in enumerate(b for b in buckets if b):
+            while len(steps) <= k:
+                steps.append({})
+            steps[k][pair] = bucket
+    return steps

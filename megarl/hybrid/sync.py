@@ -1,0 +1,106 @@
+"""The hybrid engine's weight sync: training engine shards -> reshard -> rollout engine.
+
+Every rank of the training world runs `WeightSync.sync()` at the same time (SPMD). With rollout
+tensor-parallel size 1 each rank receives HF-named full tensors and hands them to the rollout
+engine's `update_weights` (any engine). With rollout TP > 1 each rank receives only vLLM's
+per-rank fused parameters and copies them in place into the vLLM model of its process.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from megarl.errors import ConfigError
+from megarl.hybrid.executor import ExecStats, execute_plan
+from megarl.hybrid.layout import RolloutLayout, TrainLayout
+from megarl.hybrid.plan import DEFAULT_BUCKET_BYTES, ReshardPlan, build_reshard_plan
+from megarl.models.weight_map import stage_entries
+
+
+def local_spec_names(spec: Any, pp_rank: int, pp_size: int) -> dict[str, str]:
+    """TransformerEngine-spec parameter names -> local-spec names on this stage (the plan's names)."""
+    out = {}
+    for entry, name, _ in stage_entries(spec, pp_rank, pp_size):
+        if entry.te_name is not None:
+            layer = name.split(".")[2] if entry.per_layer else None
+            out[entry.te_name.format(layer=layer)] = name
+    return out
+
+
+def training_shards(named_weights: Iterable[tuple[str, torch.Tensor]], spec: Any, pp_rank: int,
+                    pp_size: int) -> dict[str, torch.Tensor]:
+    """This rank's Megatron parameters keyed by local-spec name (TE names translated)."""
+    rename = local_spec_names(spec, pp_rank, pp_size)
+    return {rename.get(name, name): t for name, t in named_weights}
+
+
+def _vllm_targets(rollout_engine: Any, plan: ReshardPlan, rank: int) -> dict[str, torch.Tensor]:
+    """The vLLM model's own parameters that the plan fills on this rank, checked by name and shape."""
+    params = dict(rollout_engine.engine_model().named_parameters())
+    targets = {}
+    for t in plan.engine_tensors[rank]:
+        p = params.get(t.name)
+        if p is None:
+            raise ConfigError(f"reshard: the vLLM model has no parameter {t.name!r}; it has e.g. {sorted(params)[:4]}")
+        if tuple(p.shape) != t.shape:
+            raise ConfigError(f"reshard: vLLM parameter {t.name!r} has shape {tuple(p.shape)}, the plan expects {t.shape} "
+                              f"(rollout tp={plan.rollout.tp}); is the engine's tensor_parallel_size the same?")
+        targets[t.name] = p.data
+    return targets
+
+
+def sync_shards(plan: ReshardPlan, shards: Mapping[str, torch.Tensor], rollout_engine: Any,
+                group: dist.ProcessGroup | None = None) -> ExecStats:
+    """Reshard this rank's Megatron shards (local-spec names) into the rollout engine.
+
+    Engine layout "hf" (rollout TP 1): full HF-named tensors through `update_weights`, so any
+    engine works. Layout "vllm": pieces are written straight into the vLLM model's parameters
+    of this process (vLLM's loaders want full HF tensors, which would defeat the sharding).
+    """
+    if plan.engine == "hf":
+        tensors, stats = execute_plan(plan, shards, group)
+        rollout_engine.update_weights(tensors.items())
+        return stats
+    if rollout_engine.state.value not in ("awake", "weights_only"):
+        raise ConfigError(f"rollout engine is {rollout_engine.state.value}; wake it up before a weight sync")
+    targets = _vllm_targets(rollout_engine, plan, dist.get_rank(group))
+    with torch.no_grad():
+        _, stats = execute_plan(plan, shards, group, out=targets)
+    rollout_engine.llm.reset_prefix_cache()  # cached blocks were computed with the old weights
+    return stats
+
+
+class WeightSync:
+    """Plans once, then moves the training engine's weights into the rollout engine on `sync()`.
+
+    Args:
+        train_engine: a `MegatronEngine` (needs `spec`, `ranks` and `get_named_weights()`).
+        rollout_engine: a `RolloutEngine`; with `rollout_tp` > 1 a vLLM engine of this process.
+        rollout_tp: rollout tensor-parallel size (consecutive ranks form one engine).
+        bucket_bytes: bound on the bytes one pair of ranks exchanges per step.
+        group: the process group spanning the training world (default: the world).
+    """
+
+    def __init__(self, train_engine: Any, rollout_engine: Any, rollout_tp: int = 1,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, group: dist.ProcessGroup | None = None) -> None:
+        r = train_engine.ranks
+        self.train_engine = train_engine
+        self.rollout_engine = rollout_engine
+        self.group = group
+        self.pp_rank, self.pp_size = r.pp_rank, r.pp_size
+        layout = TrainLayout(tp=r.tp_size, pp=r.pp_size, dp=r.dp_size, cp=r.cp_size)
+        if layout.world_size != dist.get_world_size(group):
+            raise ConfigError(f"weight sync: training layout {layout} does not span the group of "
+                              f"{dist.get_world_size(group)} ranks")
+        dtype = next(iter(train_engine.get_named_weights()))[1].dtype
+        self.plan = build_reshard_plan(train_engine.spec, layout, RolloutLayout(rollout_tp, layout.world_size),
+                                       "hf" if rollout_tp == 1 else "vllm", dtype, bucket_bytes)
+
+    def sync(self) -> ExecStats:
+        """Reshard and deliver; returns this rank's transfer statistics."""
+        shards = training_shards(self.train_engine.get_named_weights(), self.train_engine.spec,
+                                 self.pp_rank, self.pp_size)
+        return sync_shards(self.plan, shards, self.rollout_engine, self.group)
