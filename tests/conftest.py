@@ -25,9 +25,15 @@ def _cuda_available() -> bool:
         return False
 
 
+def _vllm_installed() -> bool:
+    """True when a real vLLM is installed (tests/vllm itself can look like a namespace package)."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin not in (None, "namespace")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     has_cuda = _cuda_available()
-    has_vllm = importlib.util.find_spec("vllm") is not None
+    has_vllm = _vllm_installed()
     for item in items:
         if not any(item.iter_markers(name=tier) for tier in ("distributed", "integration", "vllm", "gpu", "slow")):
             item.add_marker(pytest.mark.unit)

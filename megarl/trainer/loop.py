@@ -57,6 +57,7 @@ class RLTrainer:
         self.global_step = 0
         self.weights_version = 0  # bumped by every actor update; the rollout syncs when behind
         self.rollout_version = -1
+        self.sync_metrics: dict[str, float] = {}  # bytes moved by the last weight sync, all ranks
         self.checkpointer = TrainerCheckpointer(self)
 
     # ------------------------------------------------------------------ the loop
@@ -125,6 +126,7 @@ class RLTrainer:
                                             max_prompt_length=cfg.data.max_prompt_length))
         metrics.update(compute_timing_metrics(timings, total_tokens, response_tokens))
         metrics.update(compute_throughput(total_tokens, timings["step"], self.n_devices))
+        metrics.update(self.sync_metrics)
         if alg.use_kl_in_reward:
             metrics["actor/reward_kl_coef"] = self.kl_ctrl.value
         return metrics
@@ -140,8 +142,10 @@ class RLTrainer:
         if self.rollout_version != self.weights_version:
             with self.phase("sync_weights"):
                 rollout.call_all("wake_up")
-                rollout.call_all("sync_weights", self.weights_version)
+                per_rank = rollout.call_all("sync_weights", self.weights_version)
             self.rollout_version = self.weights_version
+            self.sync_metrics = {k: sum(r[k] for r in per_rank) for k in per_rank[0] if k.startswith("sync/bytes")}
+            self.sync_metrics["sync/seconds_max"] = max(r["sync/seconds"] for r in per_rank)
         with self.phase("gen"):
             out = rollout.call_dp("generate", prompts, sampling, dispatch_infos=self.workers.rollout_infos)
         return out

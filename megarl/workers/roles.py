@@ -181,6 +181,7 @@ class RolloutRole:
         self.eos_token_ids = list(eos_token_ids)
         self.engine: Any = None
         self.actor: Any = None
+        self.weight_sync: Any = None
         self.weights_version = -1
 
     def connect_roles(self, roles: dict[str, Any]) -> None:
@@ -209,16 +210,25 @@ class RolloutRole:
         return f"{self.engine.name} ({self.engine.selection_reason})"
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        """Move the actor's current weights into the rollout engine (every rank calls this)."""
-        from megarl.workers.weight_sync import gather_hf_weights
+        """Reshard the actor's current weights into the rollout engine (every rank calls this).
 
-        import time
+        The plan (built once) sends each rank only the bytes of its rollout shard it does not hold.
+        """
+        from megarl.hybrid.sync import WeightSync
 
-        start = time.perf_counter()
-        hf_weights = gather_hf_weights(self.actor.engine)
-        self.engine.update_weights(hf_weights.items())
+        if self.weight_sync is None:
+            self.weight_sync = WeightSync(
+                self.actor.engine, self.engine, rollout_tp=int(self.cfg.rollout.tensor_model_parallel_size),
+                bucket_bytes=int(self.cfg.rollout.update_weights_bucket_mb) * 2**20,
+            )
+        stats = self.weight_sync.sync()
         self.weights_version = version
-        return {"timing_s/sync_weights_local": time.perf_counter() - start}
+        return {
+            "sync/bytes_received": float(stats.bytes_received),
+            "sync/bytes_minimum": float(stats.minimum_bytes),
+            "sync/bytes_sent": float(stats.bytes_sent),
+            "sync/seconds": float(stats.seconds),
+        }
 
     def generate(self, prompts: Batch, sampling: dict[str, Any]) -> Batch:
         from megarl.rollout.base import SamplingParams
