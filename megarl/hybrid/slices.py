@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megarl.errors import ConfigError
-from megarl.models.weight_map import WeightEntry, _qkv_dims, stage_entries
+from megarl.models.weight_map import WeightEntry, qkv_dims, stage_entries
 
 if TYPE_CHECKING:
     from megarl.models.spec import ModelSpec
@@ -108,7 +108,7 @@ def _unsplit_blocks(entry: WeightEntry, hf_names: list[str], shapes: dict[str, t
     if entry.fusion == "gate_up":
         n = shapes[hf_names[0]][0]
         return [Block(hf_names[0], 0, n, 0), Block(hf_names[1], 0, n, n)]
-    groups, per_group, hd = _qkv_dims(spec)
+    groups, per_group, hd = qkv_dims(spec)
     q, k, v = hf_names
     out, offset = [], 0
     for g in range(groups):
@@ -192,7 +192,7 @@ def _vllm_param(spec: "ModelSpec", entry: WeightEntry, hf_names: list[str], tp_r
         blocks = (Block(hf_names[0], tp_rank * per, (tp_rank + 1) * per, 0),
                   Block(hf_names[1], tp_rank * per, (tp_rank + 1) * per, per))
         return LocalTensor(name, _shape_with(shapes[first], 0, 2 * per), 0, blocks)
-    groups, per_group, hd = _qkv_dims(spec)
+    groups, per_group, hd = qkv_dims(spec)
     heads = groups * per_group
     if heads % tp_size:
         raise ConfigError(f"{first}: {heads} attention heads not divisible by rollout tp={tp_size}")

@@ -72,7 +72,7 @@ def parse_weight_map(raw: Iterable[Mapping[str, Any]], where: str) -> list[Weigh
 
 
 # ------------------------------------------------------------------ fusion (whole tensors)
-def _qkv_dims(spec: "ModelSpec") -> tuple[int, int, int]:
+def qkv_dims(spec: "ModelSpec") -> tuple[int, int, int]:
     v = spec.config_values
     groups = int(v["num_query_groups"])
     return groups, int(v["num_attention_heads"]) // groups, int(v["kv_channels"])
@@ -84,7 +84,7 @@ def fuse(entry: WeightEntry, parts: list[torch.Tensor], spec: "ModelSpec") -> to
         return parts[0]
     if entry.fusion == "gate_up":
         return torch.cat(parts, dim=0)
-    groups, per_group, head_dim = _qkv_dims(spec)
+    groups, per_group, head_dim = qkv_dims(spec)
     q, k, v = parts
     tail = q.shape[1:]
     q = q.reshape(groups, per_group * head_dim, *tail)
@@ -99,7 +99,7 @@ def unfuse(entry: WeightEntry, full: torch.Tensor, spec: "ModelSpec") -> list[to
         return [full]
     if entry.fusion == "gate_up":
         return list(full.chunk(2, dim=0))
-    groups, per_group, head_dim = _qkv_dims(spec)
+    groups, per_group, head_dim = qkv_dims(spec)
     tail = full.shape[1:]
     grouped = full.reshape(groups, (per_group + 2) * head_dim, *tail)
     q, k, v = grouped.split([per_group * head_dim, head_dim, head_dim], dim=1)

@@ -1,0 +1,330 @@
+"""The rollout engine interface: sampling parameters, engine options and the engine contract.
+
+Every engine takes a prompt ``Batch`` (left-padded ``input_ids`` (B, P) + ``attention_mask``) and
+returns a ``Batch`` of B * n rows (the n samples of prompt i are rows i*n .. i*n+n-1) with the
+columns listed in :mod:`megarl.rollout.output`.
+
+Log-prob convention (``rollout_log_probs``), the same as verl's default vLLM setting
+(``logprobs_mode="processed_logprobs"``): the log-probability of the sampled token under the
+distribution it was drawn from, i.e. ``log_softmax(logits / temperature)`` after top-k / top-p
+filtering and renormalisation. For greedy decoding the temperature counts as 1 and no filter is
+applied, so the value is ``log_softmax(logits)``. With top_k / top_p off this is exactly what a
+trainer recomputes as ``log_softmax(logits / temperature)``; with them on, the trainer's value
+differs on purpose (it sees the unfiltered policy). ``logprobs_mode="raw"`` returns
+``log_softmax(logits)`` (temperature and filters ignored), vLLM's ``raw_logprobs``.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megarl.errors import ConfigError, MegarlError
+from megarl.protocol import Batch
+
+LOGPROBS_MODES = ("processed", "raw")
+
+
+class RolloutStateError(MegarlError, RuntimeError):
+    """An engine was used in a state that does not allow it (asleep, released)."""
+
+
+class WeightUpdateError(MegarlError, ValueError):
+    """A weight update named an unknown parameter or had the wrong shape or dtype."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample responses.
+
+    Attributes:
+        n: samples per prompt (>= 1).
+        temperature: softmax temperature (> 0 unless ``greedy``).
+        top_p: nucleus mass in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; -1 or 0 disables it.
+        max_new_tokens: response length R; outputs are right-padded to exactly R.
+        stop_token_ids: tokens that end a response besides the engine's EOS ids (kept in the
+            response and in ``response_mask``).
+        seed: when set, the same prompts, params and weights give the same samples; when None the
+            engine's own random stream (seeded at construction) continues.
+        greedy: argmax decoding (validation); temperature/top_p/top_k are then ignored.
+        ignore_eos: keep generating after EOS / stop tokens (benchmarks).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    greedy: bool = False
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.n < 1:
+            raise ConfigError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.greedy and not self.temperature > 0:
+            raise ConfigError(
+                f"SamplingParams.temperature must be > 0 for sampling, got {self.temperature}; "
+                "use SamplingParams.make_greedy() for argmax decoding"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ConfigError(f"SamplingParams.top_k must be -1, 0 (off) or positive, got {self.top_k}")
+
+    @classmethod
+    def make_greedy(cls, max_new_tokens: int, n: int = 1, **kwargs: Any) -> SamplingParams:
+        """Argmax decoding, for validation."""
+        return cls(n=n, max_new_tokens=max_new_tokens, greedy=True, **kwargs)
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+    @classmethod
+    def from_rollout_config(cls, rollout: Any, max_new_tokens: int, validation: bool = False) -> SamplingParams:
+        """Training sampling from ``rollout.{n,temperature,top_p,top_k}``; with ``validation`` the
+        ``rollout.val_kwargs`` ones, greedy unless ``val_kwargs.do_sample``."""
+        source = rollout.val_kwargs if validation else rollout
+        greedy = validation and not source.do_sample
+        return cls(
+            n=source.n, temperature=source.temperature, top_p=source.top_p, top_k=source.top_k,
+            max_new_tokens=max_new_tokens, greedy=greedy,
+        )
+
+
+@dataclass
+class EngineOptions:
+    """Options an engine is built with (fields named like ``rollout.*`` in the experiment config).
+
+    Attributes:
+        pad_token_id: id written into padded response positions.
+        eos_token_ids: ids that end a response (the tokenizer's EOS and, e.g., end-of-turn ids).
+        dtype: "float32", "bfloat16" or "float16" (or fp32 / bf16 / fp16): weights and compute.
+        seed: the engine's random stream seed.
+        tensor_parallel_size: vLLM tensor-parallel ranks (the HF engine needs 1).
+        logprobs_mode: "processed" (verl's default, see module doc) or "raw".
+        max_model_len: longest prompt + response the engine must hold (None: model config).
+        max_num_seqs: sequences scheduled at once (vLLM).
+        kv_cache_memory_gb: KV-cache size on CPU (vLLM CPU build).
+        gpu_memory_utilization: fraction of GPU memory for vLLM.
+        enforce_eager: no CUDA graphs (vLLM on GPU).
+        enable_sleep_mode: let vLLM free its KV cache / weights between rollouts where supported.
+        extra: passed through to the engine constructor (``vllm.LLM(**extra)``).
+    """
+
+    pad_token_id: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str = "float32"
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    logprobs_mode: str = "processed"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    kv_cache_memory_gb: float = 1.0
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+    enable_sleep_mode: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"rollout logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(
+                f"rollout dtype must be one of {sorted(DTYPES) + sorted(DTYPE_ALIASES)}, got {self.dtype!r}"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"rollout tensor_model_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def from_rollout_config(
+        cls,
+        rollout: Any,
+        *,
+        pad_token_id: int,
+        eos_token_ids: Sequence[int],
+        seed: int,
+        max_model_len: int,
+        model_dtype: str,
+    ) -> EngineOptions:
+        """Options from the experiment's ``rollout`` section (``rollout.dtype`` null: the model's)."""
+        return cls(
+            pad_token_id=pad_token_id,
+            eos_token_ids=tuple(eos_token_ids),
+            dtype=rollout.dtype or model_dtype,
+            seed=seed,
+            tensor_parallel_size=rollout.tensor_model_parallel_size,
+            logprobs_mode=getattr(rollout, "logprobs_mode", "processed"),
+            max_model_len=max_model_len,
+            max_num_seqs=rollout.max_num_seqs,
+            kv_cache_memory_gb=rollout.kv_cache_memory_gb,
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
+            enforce_eager=rollout.enforce_eager,
+            enable_sleep_mode=rollout.free_cache_engine,
+        )
+
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+class EngineState(enum.Enum):
+    """Lifecycle of an engine: what it holds in memory right now."""
+
+    AWAKE = "awake"  # weights and KV cache: generate and update_weights allowed
+    WEIGHTS_ONLY = "weights_only"  # weights resident, no KV cache: update_weights allowed
+    ASLEEP = "asleep"  # neither: only wake_up / release allowed
+    RELEASED = "released"  # gone for good
+
+
+WAKE_TAGS = ("weights", "kv_cache")
+
+
+class RolloutEngine(abc.ABC):
+    """A generator of responses that the trainer can refill with new weights.
+
+    One engine lives in each worker process (SPMD): with tensor parallelism each worker rank holds
+    one tensor-parallel rank of the engine, so weights move by memory copy.
+
+    State machine: AWAKE --sleep()--> ASLEEP --wake_up(("weights",))--> WEIGHTS_ONLY
+    --wake_up()--> AWAKE; ``generate`` needs AWAKE, ``update_weights`` needs AWAKE or WEIGHTS_ONLY,
+    ``release()`` ends the engine. Misuse raises :class:`RolloutStateError`.
+    """
+
+    name: str = "base"
+    selection_reason: str = "constructed directly"
+
+    def __init__(self, options: EngineOptions) -> None:
+        self.options = options
+        self._state = EngineState.AWAKE
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def sleep_frees_memory(self) -> bool:
+        """Whether ``sleep`` really frees memory here (False: it only changes the state)."""
+        return False
+
+    # -- the contract ---------------------------------------------------------------------------
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """Sample ``params.n`` responses for each prompt.
+
+        Args:
+            prompts: a ``Batch`` with ``input_ids`` (B, P) int64, left-padded, and
+                ``attention_mask`` (B, P); optional ``position_ids`` and any non-tensor columns.
+        Returns:
+            a ``Batch`` of B * n rows; see :func:`megarl.rollout.output.assemble_rollout_batch`.
+        """
+        self._require(EngineState.AWAKE, "generate")
+        return self._generate(prompts, params)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy new weights into the engine in place; returns the number of tensors loaded.
+
+        Names are HuggingFace parameter names (``model.layers.0.self_attn.q_proj.weight``) and
+        tensors are full (unsharded) HF tensors; a tensor-parallel vLLM engine slices its own shard
+        from them. Every name must be known and every shape must match, else
+        :class:`WeightUpdateError` names the parameter. Parameters not named keep their values.
+        """
+        if self._state not in (EngineState.AWAKE, EngineState.WEIGHTS_ONLY):
+            raise RolloutStateError(
+                f"{self.name} engine cannot update weights while {self._state.value}; "
+                "call wake_up() (or wake_up(('weights',))) first"
+            )
+        return self._update_weights(named_tensors)
+
+    def sleep(self) -> None:
+        """Free the KV cache and, where the engine allows, the weights (until ``wake_up``)."""
+        self._require_not_released("sleep")
+        if self._state is EngineState.ASLEEP:
+            return
+        self._sleep()
+        self._state = EngineState.ASLEEP
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Restore what ``sleep`` freed: ``tags`` None = everything, or a subset of
+        ("weights", "kv_cache") to wake weights first (update them) and the cache after."""
+        self._require_not_released("wake_up")
+        wanted = set(WAKE_TAGS if tags is None else tags)
+        unknown = wanted - set(WAKE_TAGS)
+        if unknown:
+            raise ValueError(f"wake_up tags must be a subset of {WAKE_TAGS}, got {sorted(unknown)}")
+        if "kv_cache" in wanted and "weights" not in wanted and self._state is EngineState.ASLEEP:
+            raise RolloutStateError("wake up the weights before (or together with) the KV cache")
+        if self._state is EngineState.AWAKE:
+            return
+        self._wake_up(tuple(t for t in WAKE_TAGS if t in wanted and not self._holds(t)))
+        self._state = EngineState.AWAKE if "kv_cache" in wanted else EngineState.WEIGHTS_ONLY
+
+    def release(self) -> None:
+        """Free everything; the engine cannot be used afterwards."""
+        if self._state is EngineState.RELEASED:
+            return
+        self._release()
+        self._state = EngineState.RELEASED
+
+    @abc.abstractmethod
+    def engine_model(self) -> torch.nn.Module:
+        """The model object the engine runs, for in-place copies by a resharding step: its
+        parameter names and layouts are the engine's own (vLLM fuses ``qkv_proj`` and
+        ``gate_up_proj``) and with tensor parallelism it holds only this rank's shards."""
+
+    def mark_weights_updated(self) -> None:
+        """Call after copying into ``engine_model()`` parameters directly (not through
+        ``update_weights``): drops anything the engine computed with the old weights."""
+
+    # -- engine-specific parts ------------------------------------------------------------------
+    @abc.abstractmethod
+    def _generate(self, prompts: Batch, params: SamplingParams) -> Batch: ...
+
+    @abc.abstractmethod
+    def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int: ...
+
+    def _sleep(self) -> None:
+        """Free memory (default: nothing to free)."""
+
+    def _wake_up(self, tags: tuple[str, ...]) -> None:
+        """Restore the parts named in ``tags`` (default: nothing was freed)."""
+
+    def _release(self) -> None:
+        """Free everything (default: nothing held outside Python objects)."""
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _holds(self, tag: str) -> bool:
+        if tag == "weights":
+            return self._state in (EngineState.AWAKE, EngineState.WEIGHTS_ONLY)
+        return self._state is EngineState.AWAKE
+
+    def _require(self, state: EngineState, action: str) -> None:
+        if self._state is not state:
+            raise RolloutStateError(
+                f"{self.name} engine cannot {action} while {self._state.value}; it must be {state.value}"
+                + (" (call wake_up())" if self._state is not EngineState.RELEASED else "")
+            )
+
+    def _require_not_released(self, action: str) -> None:
+        if self._state is EngineState.RELEASED:
+            raise RolloutStateError(f"{self.name} engine cannot {action}: it was released")

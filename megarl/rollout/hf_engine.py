@@ -1,0 +1,175 @@
+"""Rollout with a HuggingFace transformers model: the engine for machines without vLLM.
+
+Batched generation over left-padded prompts with a KV cache and our own sampling loop, so the
+sampled tokens, their log-probs and the random stream are fully under our control.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megarl.errors import ConfigError
+from megarl.protocol import Batch
+from megarl.rollout.base import EngineOptions, RolloutEngine, SamplingParams, WeightUpdateError
+from megarl.rollout.output import assemble_rollout_batch, check_prompt_tensors, prompt_position_ids
+from megarl.rollout.sampling import sample_next_tokens
+
+logger = logging.getLogger(__name__)
+
+
+class HFRolloutEngine(RolloutEngine):
+    """Generates with a ``transformers`` causal LM held in this process.
+
+    Weights are updated in place from HF-named full tensors (``update_weights``). On GPU ``sleep``
+    moves the weights to host memory; on CPU there is nothing to free (the KV cache lives only
+    during ``generate``), so ``sleep`` only changes the state.
+    """
+
+    name = "hf"
+
+    def __init__(self, model: torch.nn.Module, options: EngineOptions) -> None:
+        super().__init__(options)
+        if options.tensor_parallel_size != 1:
+            raise ConfigError(
+                f"rollout.tensor_model_parallel_size={options.tensor_parallel_size} is not supported by the "
+                "hf engine (it holds the whole model in each process); use 1 or rollout.engine=vllm"
+            )
+        self.model = model.to(dtype=options.torch_dtype).eval()
+        self.model.requires_grad_(False)
+        self.device = next(self.model.parameters()).device
+        self._generator = torch.Generator(device=self.device).manual_seed(options.seed)
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, model_path: str | Path, options: EngineOptions, device: str | None = None) -> HFRolloutEngine:
+        """Load a HF model directory (config.json + safetensors)."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=options.torch_dtype)
+        return cls(model.to(device or _default_device()), options)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Any,
+        options: EngineOptions,
+        state_dict: Mapping[str, torch.Tensor] | None = None,
+        device: str | None = None,
+    ) -> HFRolloutEngine:
+        """Build the model from a HF config; fill it from ``state_dict`` (HF names) when given."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(config, dtype=options.torch_dtype)
+        engine = cls(model.to(device or _default_device()), options)
+        if state_dict is not None:
+            engine.update_weights(state_dict.items())
+        return engine
+
+    @property
+    def sleep_frees_memory(self) -> bool:
+        return self.device.type != "cpu"
+
+    # -- generation -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        from transformers import DynamicCache
+
+        input_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
+        check_prompt_tensors(input_ids, prompt_mask)
+        n, r = params.n, params.max_new_tokens
+        ids = input_ids.long().repeat_interleave(n, dim=0).to(self.device)
+        mask = prompt_mask.long().repeat_interleave(n, dim=0).to(self.device)
+        positions = prompt_position_ids(mask)
+        rows = ids.shape[0]
+
+        stop_ids = torch.tensor(sorted(set(self.options.eos_token_ids) | set(params.stop_token_ids)), device=self.device)
+        generator = self._generator
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+
+        responses = torch.full((rows, r), self.options.pad_token_id, dtype=torch.long, device=self.device)
+        log_probs = torch.zeros((rows, r), dtype=torch.float32, device=self.device)
+        lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
+        finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
+
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions,
+            past_key_values=cache, use_cache=True, logits_to_keep=1,
+        ).logits[:, -1]
+        for step in range(r):
+            tokens, step_log_probs = sample_next_tokens(logits, params, generator, self.options.logprobs_mode)
+            tokens = tokens.masked_fill(finished, self.options.pad_token_id)
+            responses[:, step] = tokens
+            log_probs[:, step] = step_log_probs.masked_fill(finished, 0.0)
+            lengths += (~finished).long()
+            if not params.ignore_eos:
+                finished |= torch.isin(tokens, stop_ids)
+            if step == r - 1 or bool(finished.all()):
+                break
+            # Finished rows keep decoding pad tokens; their outputs are masked out above.
+            mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=self.device)], dim=1)
+            positions = positions[:, -1:] + 1
+            logits = self.model(
+                input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=positions,
+                past_key_values=cache, use_cache=True,
+            ).logits[:, -1]
+        del cache
+        return assemble_rollout_batch(
+            prompts, responses.cpu(), lengths.cpu(), log_probs.cpu(), n, self.options.pad_token_id
+        )
+
+    # -- weights --------------------------------------------------------------------------------
+    def engine_model(self) -> torch.nn.Module:
+        """The transformers model; parameter names are the HF names."""
+        return self.model
+
+    @torch.no_grad()
+    def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        # state_dict() also lists tied weights (lm_head.weight when tied to the embedding); its
+        # tensors share storage with the parameters, so copying into them updates the model.
+        targets = self.model.state_dict()
+        loaded = 0
+        for name, tensor in named_tensors:
+            target = targets.get(name)
+            if target is None:
+                close = difflib.get_close_matches(name, list(targets), n=3)
+                raise WeightUpdateError(
+                    f"hf engine: unknown parameter {name!r}" + (f"; did you mean {close}?" if close else "")
+                    + f" (the model has {len(targets)} HF-named tensors)"
+                )
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise WeightUpdateError(
+                    f"hf engine: parameter {name!r} has shape {tuple(target.shape)}, "
+                    f"the update gives {tuple(tensor.shape)}"
+                )
+            if tensor.is_floating_point() != target.is_floating_point():
+                raise WeightUpdateError(f"hf engine: parameter {name!r} is {target.dtype}, the update gives {tensor.dtype}")
+            target.copy_(tensor)
+            loaded += 1
+        return loaded
+
+    # -- memory ---------------------------------------------------------------------------------
+    def _sleep(self) -> None:
+        if self.sleep_frees_memory:
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def _wake_up(self, tags: tuple[str, ...]) -> None:
+        if "weights" in tags and self.sleep_frees_memory:
+            self.model.to(self.device)
+
+    def _release(self) -> None:
+        del self.model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"

