@@ -1,0 +1,172 @@
+"""Rollout throughput: the HF transformers engine against the vLLM engine, side by side.
+
+A tiny random Qwen2 (4 layers, hidden 256, head_dim 64) generates a fixed number of tokens per
+sequence (EOS ignored), so both engines do the same work. vLLM is measured only where it can be
+imported (the CPU build lives in its own environment, see tools/vllm_env.sh).
+
+    python benchmarks/rollout.py [--out benchmarks/results/rollout.json]
+
+Prints tokens/s per engine and the vLLM / HF ratio; writes the numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "rollout.json"
+
+
+def build_model(vocab_size: int, seed: int) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+        tie_word_embeddings=False, pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def prompt_batch(num_prompts: int, vocab_size: int, seed: int) -> Any:
+    from megarl.data.padding import left_pad
+    from megarl.protocol import Batch
+
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(8, 33, (num_prompts,), generator=generator).tolist()
+    prompts = [torch.randint(1, vocab_size, (length,), generator=generator).tolist() for length in lengths]
+    input_ids, attention_mask, _ = left_pad(prompts, pad_token_id=0)
+    return Batch.from_dict({"input_ids": input_ids, "attention_mask": attention_mask})
+
+
+def measure(engine: Any, prompts: Any, params: Any, repeats: int) -> dict[str, Any]:
+    """Time ``repeats`` generate calls after one warm-up call."""
+    engine.generate(prompts, params)
+    seconds = []
+    tokens = 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = engine.generate(prompts, params)
+        seconds.append(time.perf_counter() - start)
+        tokens = int(out["response_mask"].sum())
+    # Best-of-k: on a shared machine the minimum is the least disturbed measurement.
+    return {
+        "generated_tokens_per_call": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / min(seconds),
+        "tokens_per_s_median": tokens / statistics.median(seconds),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from megarl.rollout import EngineOptions, SamplingParams
+    from megarl.rollout.hf_engine import HFRolloutEngine
+    from megarl.rollout.vllm_engine import vllm_import_error
+
+    model = build_model(args.vocab_size, args.seed)
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    prompts = prompt_batch(args.num_prompts, args.vocab_size, args.seed)
+    params = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0, ignore_eos=True)
+    options = EngineOptions(
+        pad_token_id=0, eos_token_ids=(), dtype=args.dtype, seed=args.seed,
+        max_model_len=512, max_num_seqs=max(256, args.num_prompts * args.n), kv_cache_memory_gb=1.0,
+    )
+    results: dict[str, Any] = {
+        "config": {**vars(args), "out": str(args.out), "sequences": args.num_prompts * args.n},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                    "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()},
+        "engines": {},
+    }
+
+    start = time.perf_counter()
+    hf_engine = HFRolloutEngine(model, options)
+    startup = time.perf_counter() - start
+    hf = measure(hf_engine, prompts, params, args.repeats)
+    start = time.perf_counter()
+    hf_engine.update_weights(state.items())
+    hf.update(startup_s=startup, update_weights_s=time.perf_counter() - start)
+    results["engines"]["hf"] = hf
+    hf_engine.release()
+
+    error = vllm_import_error() if "vllm" in args.engines else "not requested"
+    if error is None:
+        from megarl.rollout.vllm_engine import VLLMRolloutEngine
+
+        with tempfile.TemporaryDirectory() as model_dir:
+            model.save_pretrained(model_dir)
+            start = time.perf_counter()
+            vllm_engine = VLLMRolloutEngine(model_dir, options)
+            startup = time.perf_counter() - start
+            vllm_result = measure(vllm_engine, prompts, params, args.repeats)
+            start = time.perf_counter()
+            vllm_engine.update_weights(state.items())
+            vllm_result.update(startup_s=startup, update_weights_s=time.perf_counter() - start)
+            # A per-call seed makes vLLM sample each sequence with its own generator.
+            seeded = dataclasses.replace(params, seed=args.seed)
+            vllm_seeded = {**measure(vllm_engine, prompts, seeded, args.repeats), "startup_s": startup,
+                           "update_weights_s": vllm_result["update_weights_s"]}
+            vllm_engine.release()
+        results["engines"]["vllm"] = vllm_result
+        results["engines"]["vllm_seeded"] = vllm_seeded
+        results["vllm_over_hf"] = vllm_result["tokens_per_s"] / hf["tokens_per_s"]
+    else:
+        results["vllm_skipped"] = error
+    return results
+
+
+def report(results: dict[str, Any]) -> str:
+    config = results["config"]
+    lines = [
+        f"rollout: {config['sequences']} sequences x {config['max_new_tokens']} new tokens, {config['dtype']}, "
+        f"tiny Qwen2 (4 layers, hidden 256), {results['machine']['threads']} threads",
+        f"{'engine':<12}{'tokens/s':>12}{'startup s':>12}{'update_weights s':>18}",
+    ]
+    for name, numbers in results["engines"].items():
+        lines.append(
+            f"{name:<12}{numbers['tokens_per_s']:>12.0f}{numbers['startup_s']:>12.2f}{numbers['update_weights_s']:>18.4f}"
+        )
+    if "vllm_over_hf" in results:
+        lines.append(f"vllm / hf throughput: {results['vllm_over_hf']:.2f}x")
+    else:
+        lines.append(f"vllm not measured: {results['vllm_skipped']}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results path")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--vocab-size", type=int, default=320)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--engines", default="hf,vllm", help="comma-separated: hf,vllm")
+    parser.add_argument("--seed", type=int, default=0, help="model, prompts and engine seed")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = run(args)
+    print(report(results))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""HF rollout engine: the batch contract, greedy decoding, log-probs, stops, seeding, filters.
+
+References are independent: an uncached argmax loop and uncached full forwards of the tiny model,
+one unpadded sequence at a time, in float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollout_helpers import PAD, PROMPTS, argmax_decode, kept_response, prompt_batch, reference_log_softmax, tiny_model
+
+from megarl.errors import DataError
+from megarl.protocol import Batch
+from megarl.rollout import EngineOptions, SamplingParams
+from megarl.rollout.hf_engine import HFRolloutEngine
+
+pytestmark = pytest.mark.unit
+
+R = 6
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return tiny_model()
+
+
+def make_engine(model: torch.nn.Module, eos: tuple[int, ...] = (), **kwargs) -> HFRolloutEngine:
+    return HFRolloutEngine(model, EngineOptions(pad_token_id=PAD, eos_token_ids=eos, **kwargs))
+
+
+def test_batch_columns_shapes_and_interleaving(model: torch.nn.Module) -> None:
+    n = 2
+    prompts = prompt_batch(PROMPTS, uids=["a", "b", "c"])
+    prompts["data_source"] = ["x", "y", "z"]
+    prompts.meta["global_step"] = 3
+    out = make_engine(model).generate(prompts, SamplingParams(n=n, max_new_tokens=R, seed=1))
+    p = prompts["input_ids"].shape[1]
+    rows = len(PROMPTS) * n
+    assert len(out) == rows
+    expected_shapes = {
+        "prompts": (rows, p), "responses": (rows, R), "response_mask": (rows, R),
+        "input_ids": (rows, p + R), "attention_mask": (rows, p + R), "position_ids": (rows, p + R),
+        "rollout_log_probs": (rows, R),
+    }
+    for key, shape in expected_shapes.items():
+        assert tuple(out[key].shape) == shape, key
+    assert out["rollout_log_probs"].dtype == torch.float32
+    assert out["responses"].dtype == torch.int64 and out["input_ids"].dtype == torch.int64
+    assert list(out["uid"]) == ["a", "a", "b", "b", "c", "c"]
+    assert list(out["data_source"]) == ["x", "x", "y", "y", "z", "z"]
+    assert out.meta["global_step"] == 3
+    for row in range(rows):
+        prompt = row // n
+        assert torch.equal(out["prompts"][row], prompts["input_ids"][prompt])
+        assert torch.equal(out["input_ids"][row], torch.cat([prompts["input_ids"][prompt], out["responses"][row]]))
+        assert torch.equal(
+            out["attention_mask"][row], torch.cat([prompts["attention_mask"][prompt], out["response_mask"][row]])
+        )
+        # positions written out by hand: 0 on padding, 0.. on the prompt, then one per response slot
+        pad = p - len(PROMPTS[prompt])
+        expected_positions = [0] * pad + list(range(len(PROMPTS[prompt]))) + [
+            len(PROMPTS[prompt]) + k for k in range(R)
+        ]
+        assert out["position_ids"][row].tolist() == expected_positions
+        # no EOS configured: every response uses all R slots
+        assert out["response_mask"][row].tolist() == [1] * R
+
+
+def test_greedy_equals_an_uncached_argmax_loop(model: torch.nn.Module) -> None:
+    out = make_engine(model).generate(prompt_batch(PROMPTS), SamplingParams.make_greedy(R))
+    for i, prompt in enumerate(PROMPTS):
+        expected = argmax_decode(model, prompt, R)
+        assert out["responses"][i].tolist() == expected
+        reference = reference_log_softmax(model, prompt, expected)
+        expected_lp = reference[torch.arange(R), torch.tensor(expected)]
+        torch.testing.assert_close(out["rollout_log_probs"][i].double(), expected_lp, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("temperature, mode", [(1.0, "processed"), (0.7, "processed"), (0.7, "raw")])
+def test_sampled_log_probs_match_a_full_forward(model: torch.nn.Module, temperature: float, mode: str) -> None:
+    n = 2
+    engine = make_engine(model, logprobs_mode=mode)
+    out = engine.generate(prompt_batch(PROMPTS), SamplingParams(n=n, temperature=temperature, max_new_tokens=R, seed=3))
+    for row in range(len(out)):
+        prompt = PROMPTS[row // n]
+        response = kept_response(out, row)
+        ids = torch.tensor([prompt + response])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0].double()[len(prompt) - 1 : len(prompt) - 1 + len(response)]
+        scale = temperature if mode == "processed" else 1.0
+        expected = torch.log_softmax(logits / scale, dim=-1)[torch.arange(len(response)), torch.tensor(response)]
+        torch.testing.assert_close(out["rollout_log_probs"][row].double(), expected, atol=1e-5, rtol=0)
+
+
+def test_eos_ends_the_response_and_is_kept(model: torch.nn.Module) -> None:
+    free = make_engine(model).generate(prompt_batch(PROMPTS), SamplingParams.make_greedy(R))
+    row0 = free["responses"][0].tolist()
+    # EOS := the greedy token at the first step where it appears for the first time (at least step 1)
+    step = next(k for k in range(1, R) if row0[k] not in row0[:k])
+    eos = row0[step]
+    out = make_engine(model, eos=(eos,)).generate(prompt_batch(PROMPTS), SamplingParams.make_greedy(R))
+    assert out["responses"][0].tolist() == row0[: step + 1] + [PAD] * (R - step - 1)
+    assert out["response_mask"][0].tolist() == [1] * (step + 1) + [0] * (R - step - 1)
+    assert out["rollout_log_probs"][0, step + 1 :].abs().sum() == 0
+    assert out["attention_mask"][0, -R:].tolist() == out["response_mask"][0].tolist()
+    # rows that never produce EOS are untouched
+    for i in range(1, len(PROMPTS)):
+        if eos not in free["responses"][i].tolist():
+            assert torch.equal(out["responses"][i], free["responses"][i])
+            assert out["response_mask"][i].tolist() == [1] * R
+
+
+def test_stop_token_ids_end_the_response(model: torch.nn.Module) -> None:
+    free = make_engine(model).generate(prompt_batch(PROMPTS), SamplingParams.make_greedy(R))
+    row2 = free["responses"][2].tolist()
+    step = next(k for k in range(R) if row2[k] not in row2[:k])
+    out = make_engine(model).generate(
+        prompt_batch(PROMPTS), SamplingParams.make_greedy(R, stop_token_ids=[row2[step]])
+    )
+    assert out["response_mask"][2].tolist() == [1] * (step + 1) + [0] * (R - step - 1)
+    assert kept_response(out, 2) == row2[: step + 1]
+    ignored = make_engine(model).generate(
+        prompt_batch(PROMPTS), SamplingParams.make_greedy(R, stop_token_ids=[row2[step]], ignore_eos=True)
+    )
+    assert ignored["responses"][2].tolist() == row2
+
+
+def test_a_seed_reproduces_and_the_engine_stream_moves_on(model: torch.nn.Module) -> None:
+    prompts = prompt_batch(PROMPTS)
+    engine = make_engine(model)
+    first = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=R, seed=11))
+    again = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=R, seed=11))
+    other = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=R, seed=12))
+    assert torch.equal(first["responses"], again["responses"])
+    assert torch.equal(first["rollout_log_probs"], again["rollout_log_probs"])
+    assert not torch.equal(first["responses"], other["responses"])
+    unseeded_a = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=R))
+    unseeded_b = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=R))
+    assert not torch.equal(unseeded_a["responses"], unseeded_b["responses"])
+    # two engines built with the same seed produce the same unseeded stream
+    fresh = make_engine(model).generate(prompts, SamplingParams(n=2, max_new_tokens=R))
+    assert torch.equal(fresh["responses"], make_engine(model).generate(prompts, SamplingParams(n=2, max_new_tokens=R))["responses"])
+    # the n samples of a prompt differ from one another
+    assert not torch.equal(first["responses"][0], first["responses"][1])
+
+
+def test_greedy_n_samples_repeat_the_single_greedy_answer(model: torch.nn.Module) -> None:
+    engine = make_engine(model)
+    single = engine.generate(prompt_batch(PROMPTS), SamplingParams.make_greedy(R))
+    tripled = engine.generate(prompt_batch(PROMPTS), SamplingParams.make_greedy(R, n=3))
+    for i in range(len(PROMPTS)):
+        for j in range(3):
+            assert torch.equal(tripled["responses"][i * 3 + j], single["responses"][i])
+
+
+@pytest.mark.parametrize("filters", [dict(top_k=1), dict(top_p=1e-6), dict(top_k=1, top_p=0.5, temperature=3.0)])
+def test_filters_that_keep_one_token_equal_greedy(model: torch.nn.Module, filters: dict) -> None:
+    engine = make_engine(model)
+    greedy = engine.generate(prompt_batch(PROMPTS), SamplingParams.make_greedy(R))
+    narrow = engine.generate(prompt_batch(PROMPTS), SamplingParams(n=2, max_new_tokens=R, seed=5, **filters))
+    assert torch.equal(narrow["responses"], greedy["responses"].repeat_interleave(2, dim=0))
+    # a single kept token has probability 1 under the processed distribution
+    assert narrow["rollout_log_probs"].abs().max() < 1e-6
+
+
+def test_top_k_and_top_p_restrict_the_support(model: torch.nn.Module) -> None:
+    n, k, top_p = 4, 3, 0.3
+    engine = make_engine(model)
+    out_k = engine.generate(prompt_batch(PROMPTS), SamplingParams(n=n, max_new_tokens=R, top_k=k, seed=7))
+    out_p = engine.generate(prompt_batch(PROMPTS), SamplingParams(n=n, max_new_tokens=R, top_p=top_p, seed=7))
+    for row in range(len(out_k)):
+        prompt = PROMPTS[row // n]
+        response = kept_response(out_k, row)
+        reference = reference_log_softmax(model, prompt, response)
+        for t, token in enumerate(response):
+            top = torch.topk(reference[t], k)
+            assert token in top.indices.tolist()
+            renormalised = reference[t, token] - torch.logsumexp(top.values, dim=0)
+            assert out_k["rollout_log_probs"][row, t].item() == pytest.approx(renormalised.item(), abs=1e-5)
+        response = kept_response(out_p, row)
+        reference = reference_log_softmax(model, prompt, response)
+        for t, token in enumerate(response):
+            # nucleus by a plain loop: most likely tokens until their mass reaches top_p
+            probs = reference[t].exp().tolist()
+            nucleus, mass = [], 0.0
+            for candidate in sorted(range(len(probs)), key=lambda v: -probs[v]):
+                if mass >= top_p:
+                    break
+                nucleus.append(candidate)
+                mass += probs[candidate]
+            assert token in nucleus
+            expected = reference[t, token] - torch.logsumexp(reference[t, nucleus], dim=0)
+            assert out_p["rollout_log_probs"][row, t].item() == pytest.approx(expected.item(), abs=1e-5)
+
+
+def test_prompt_position_ids_given_by_the_batch_are_kept(model: torch.nn.Module) -> None:
+    prompts = prompt_batch(PROMPTS[:1])
+    prompts["position_ids"] = torch.arange(10, 10 + len(PROMPTS[0])).unsqueeze(0)
+    out = make_engine(model).generate(prompts, SamplingParams.make_greedy(3))
+    assert out["position_ids"][0].tolist() == [10, 11, 12, 13, 14, 15, 16]
+
+
+def test_right_padded_or_empty_prompts_are_refused(model: torch.nn.Module) -> None:
+    engine = make_engine(model)
+    right = Batch.from_dict({"input_ids": torch.tensor([[5, 6, 0]]), "attention_mask": torch.tensor([[1, 1, 0]])})
+    with pytest.raises(DataError, match=r"rows \[0\] are not left-padded"):
+        engine.generate(right, SamplingParams.make_greedy(2))
+    empty = Batch.from_dict({"input_ids": torch.tensor([[5, 6], [0, 0]]), "attention_mask": torch.tensor([[1, 1], [0, 0]])})
+    with pytest.raises(DataError, match=r"rows \[1\] have no prompt tokens"):
+        engine.generate(empty, SamplingParams.make_greedy(2))
