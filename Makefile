@@ -42,8 +42,12 @@ demo: install
 		--num-operands 2 --min-value 0 --max-value 4 --operators +
 	$(BIN)/megarl train configs/quickstart_cpu.yaml $(DEMO_ARGS)
 
+# The main tiers, then the vllm tier in its own environment (mk/vllm.mk). SKIP_VLLM=1 skips the latter.
 test: install
 	$(BIN)/python -m pytest -m "$(TEST_MARKERS)" $(PYTEST_ARGS)
+ifneq ($(SKIP_VLLM),1)
+	$(MAKE) test-vllm
+endif
 
 test-unit: install
 	$(BIN)/python -m pytest -m "unit" $(PYTEST_ARGS)
@@ -52,4 +56,6 @@ bench: install
 	$(BIN)/megarl bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis
+
+include mk/vllm.mk

@@ -188,6 +188,8 @@ class RolloutConfig:
     enforce_eager: bool = True
     dtype: Optional[str] = None  # null: model.dtype
     calculate_log_probs: bool = True
+    # processed: log_softmax(logits / temperature) after top-k/top-p (verl's default); raw: log_softmax(logits)
+    logprobs_mode: str = "processed"
     val_kwargs: ValidationSamplingConfig = field(default_factory=ValidationSamplingConfig)
     update_weights_bucket_mb: int = 512
 

@@ -23,6 +23,7 @@ _KL_BASE = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 KL_TYPES = set(_KL_BASE) | {f"{name}+" for name in _KL_BASE}  # "+": straight-through (gradient of k2)
 ENUMS: dict[str, set[str]] = {
     "rollout.engine": {"auto", "vllm", "hf"},
+    "rollout.logprobs_mode": {"processed", "raw"},
     "data.truncation": {"error", "left", "right", "middle"},
     "data.apply_chat_template": {"auto", "true", "false", "True", "False"},
     "algorithm.kl_ctrl.type": {"fixed", "adaptive"},

@@ -69,7 +69,7 @@ def sync_shards(plan: ReshardPlan, shards: Mapping[str, torch.Tensor], rollout_e
     targets = _vllm_targets(rollout_engine, plan, dist.get_rank(group))
     with torch.no_grad():
         _, stats = execute_plan(plan, shards, group, out=targets)
-    rollout_engine.llm.reset_prefix_cache()  # cached blocks were computed with the old weights
+    rollout_engine.mark_weights_updated()  # e.g. vLLM's prefix cache was computed with the old weights
     return stats
 
 

@@ -205,6 +205,7 @@ class RolloutRole:
             kv_cache_memory_gb=float(ro.kv_cache_memory_gb),
             gpu_memory_utilization=float(ro.gpu_memory_utilization),
             enforce_eager=bool(ro.enforce_eager),
+            logprobs_mode=str(ro.logprobs_mode),
         )
         self.engine = create_rollout_engine(ro.engine, self.model_dir, options)
         return f"{self.engine.name} ({self.engine.selection_reason})"
