@@ -55,7 +55,6 @@ def write_config(tmp: Path, task: Path, **sections: dict) -> Path:
                   "ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 8},
         "rollout": {"engine": "hf", "n": 4},
         "algorithm": {"adv_estimator": "grpo"},
-        "reward": {"reward_kwargs": {"arithmetic": {"mode": "startswith"}}},
         "trainer": {"total_training_steps": 2, "test_freq": -1, "save_freq": -1, "val_before_train": False,
                     "progress_bar": False, "default_local_dir": str(tmp / "run")},
         "resources": {"device": "cpu", "actor_pool": {"nnodes": 1, "devices_per_node": 2}},
@@ -125,27 +124,50 @@ def test_ppo_with_critic_and_kl_in_reward(tmp_path: Path, task_dir: Path) -> Non
     assert "actor/reward_kl_coef" in metrics[2]
 
 
+MIXED_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # Prompts with an even answer always score 0 (their groups carry no signal and must be
+    # filtered); the others score by the parity of the response length (signal in most groups).
+    if int(ground_truth) % 2 == 0:
+        return {"score": 0.0, "acc": 0.0}
+    value = float(len(solution_str) % 2)
+    return {"score": value, "acc": value}
+"""
+
+
 def test_dapo_dynamic_sampling_fills_the_batch(tmp_path: Path, task_dir: Path) -> None:
-    # A random model almost never answers: most groups are all-zero and get filtered, so the
-    # trainer must generate several batches to find informative groups, or stop at the cap.
+    reward_file = tmp_path / "mixed_reward.py"
+    reward_file.write_text(MIXED_REWARD)
     config = write_config(
         tmp_path, task_dir,
-        algorithm={"filter_groups": {"enable": True, "metric": "acc", "max_num_gen_batches": 3}},
+        algorithm={"filter_groups": {"enable": True, "metric": "acc", "max_num_gen_batches": 20}},
         actor={"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_agg_mode": "token-mean"},
-        reward={"overlong_buffer": {"enable": True, "len": 2, "penalty_factor": 0.5}},
-        data={"train_batch_size": 2},
-        rollout={"n": 8},
+        reward={"custom_reward_function": {"path": str(reward_file)},
+                "overlong_buffer": {"enable": True, "len": 2, "penalty_factor": 0.5}},
+        rollout={"n": 4},
+        trainer={"total_training_steps": 2},
+    )
+    proc = run_train(config)
+    assert proc.returncode == 0
+    metrics = read_metrics(tmp_path / "run")
+    for step in (1, 2):
+        assert metrics[step]["dapo/num_prompts_kept"] >= 4, metrics[step]
+    # About half the groups are filtered, so filling 4 prompts from batches of 4 takes more than one.
+    assert max(metrics[s]["dapo/num_gen_batches"] for s in (1, 2)) >= 2
+
+
+def test_dapo_cap_is_a_clear_error(tmp_path: Path, task_dir: Path) -> None:
+    reward_file = tmp_path / "constant_reward.py"
+    reward_file.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    config = write_config(
+        tmp_path, task_dir,
+        algorithm={"filter_groups": {"enable": True, "metric": "score", "max_num_gen_batches": 2}},
+        reward={"custom_reward_function": {"path": str(reward_file)}},
         trainer={"total_training_steps": 1},
     )
-    proc = run_train(config, "actor.ppo_mini_batch_size=2")
-    out = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        # Refusing past the cap is the specified behaviour; it must say what to change.
-        assert "max_num_gen_batches" in out, out[-3000:]
-        return
-    metrics = read_metrics(tmp_path / "run")[1]
-    assert metrics["dapo/num_gen_batches"] >= 1
-    assert metrics["dapo/num_prompts_kept"] >= 2
+    proc = run_train(config)
+    assert proc.returncode == 1
+    assert "max_num_gen_batches" in proc.stderr and "2 generation batches" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_bad_config_is_refused_before_ray_starts(tmp_path: Path, task_dir: Path) -> None:
