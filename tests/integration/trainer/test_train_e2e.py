@@ -105,7 +105,7 @@ def test_grpo_runs_and_logs_verl_metrics(tmp_path: Path, task_dir: Path) -> None
     assert (tmp_path / "run" / "report" / "summary.md").is_file()
 
 
-def test_ppo_with_critic_and_kl_in_reward(tmp_path: Path, task_dir: Path) -> None:
+def test_ppo_with_critic_in_its_own_pool_and_kl_in_reward(tmp_path: Path, task_dir: Path) -> None:
     config = write_config(
         tmp_path, task_dir,
         algorithm={"adv_estimator": "gae", "use_kl_in_reward": True, "kl_ctrl": {"type": "adaptive", "kl_coef": 0.05},
@@ -114,6 +114,7 @@ def test_ppo_with_critic_and_kl_in_reward(tmp_path: Path, task_dir: Path) -> Non
         rollout={"n": 1},
         actor={"ppo_micro_batch_size_per_gpu": 2},
         trainer={"critic_warmup": 1},
+        resources={"critic_pool": {"nnodes": 1, "devices_per_node": 2}},  # split placement
     )
     proc = run_train(config)
     assert proc.returncode == 0
