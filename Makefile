@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # Tiers that run on a CPU machine without extra environments (vllm has its own: `make test-vllm`).
 TEST_MARKERS ?= not gpu and not vllm
 
-.PHONY: install demo test test-unit test-vllm bench clean help
+.PHONY: install demo test test-unit clean help
 
 help:
 	@echo "make demo   - install, then run the quickstart (tiny GRPO on CPU)"
@@ -52,10 +52,8 @@ endif
 test-unit: install
 	$(BIN)/python -m pytest -m "unit" $(PYTEST_ARGS)
 
-bench: install
-	$(BIN)/megarl bench
-
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(BENCH_VENV) .pytest_cache .hypothesis
 
 include mk/vllm.mk
+include mk/bench.mk

@@ -34,12 +34,12 @@ def benchmarks_dir() -> Path:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``megarl bench`` and ``python benchmarks/run_all.py``."""
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, from {','.join(SECTIONS)}")
-    parser.add_argument("--quick", action="store_true", help="small smoke sizes (minutes instead of an hour)")
+    parser.add_argument("--quick", action="store_true", help="small smoke sizes (a few minutes; for checking that everything runs)")
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="where bench.json and REPORT.md go (default: benchmarks/results)")
     parser.add_argument("--fresh", action="store_true", help="drop sections of earlier runs from bench.json")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per section (default: per-section)")
-    parser.add_argument("--e2e-steps", type=int, default=None, help="steps of the end-to-end comparison")
+    parser.add_argument("--e2e-steps", type=int, default=None, help="steps of the end-to-end comparison (default 120)")
 
 
 def _load_run_all() -> ModuleType:

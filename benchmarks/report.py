@@ -1,0 +1,277 @@
+"""Markdown report of a benchmark run (`bench.json` -> `REPORT.md`).
+
+Pure formatting: `render_report(bench)` takes the dictionary `run_all.py` writes and returns the
+markdown text; it never measures anything. Missing numbers print as "-"; a failed section prints
+its status and the first lines of its error.
+
+    python benchmarks/report.py benchmarks/results/bench.json [--out benchmarks/results/REPORT.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+SECTION_TITLES = {
+    "e2e": "End to end: megarl vs TRL GRPOTrainer (same machine, same task and budget)",
+    "phases": "Phase breakdown of a megarl step",
+    "scaling": "Scaling: workers and model size",
+    "components": "Component benchmarks",
+    "gpu": "GPU",
+}
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    """A number with `digits` significant digits ("-" for None); other values as text."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if value != value:  # NaN
+            return "-"
+        if value != 0 and (abs(value) >= 1e6 or abs(value) < 1e-3):
+            return f"{value:.{digits}g}"
+        return f"{value:.{digits}g}" if abs(value) < 10 ** digits else f"{value:,.0f}"
+    return str(value)
+
+
+def pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def load(values: Sequence[float] | None) -> str:
+    return "-" if not values else " / ".join(f"{v:.1f}" for v in values)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """A markdown table; cells are formatted with `fmt` unless already strings."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(c if isinstance(c, str) else fmt(c) for c in row) + " |")
+    return lines
+
+
+def _e2e(result: dict[str, Any]) -> list[str]:
+    m, t = result["megarl"], result["trl"]
+    ms, ts, r = m["summary"], t["summary"], result["ratios_megarl_over_trl"]
+    rows = [
+        ["step time (s, mean of steps 2..N)", ms["step_s_mean"], ts["step_s_mean"], r["step_time"]],
+        ["generated tokens/s", ms["generated_tokens_per_s"], ts["generated_tokens_per_s"], r["generated_tokens_per_s"]],
+        ["training tokens/s (prompt + response)", ms["training_tokens_per_s"], ts["training_tokens_per_s"],
+         r["training_tokens_per_s"]],
+        ["peak memory, workload (MiB)", m["memory"]["workload_mib"], t["memory"]["workload_mib"], r["peak_memory_workload"]],
+        ["peak memory, whole tree (MiB)", m["memory"]["tree_mib"], t["memory"]["tree_mib"], None],
+        ["reward, step 1", ms["reward_first"], ts["reward_first"], None],
+        [f"reward, mean of last {ms['reward_window']} steps", ms["reward_last_window_mean"], ts["reward_last_window_mean"],
+         r["reward_last_window"]],
+        ["wall time of the run incl. start-up (s)", m["wall_s"], t["wall_s"], None],
+        ["load average (1/5/15 min) before the run", load(m.get("load_average_before")),
+         load(t.get("load_average_before")), ""],
+    ]
+    header = ["", "megarl", f"TRL ({result.get('trl', {}).get('torch_threads', '?')} threads)", "megarl / TRL"]
+    # Extra TRL runs (e.g. 1 thread) as further column pairs, same rows.
+    for name, variant in result.get("trl_variants", {}).items():
+        if "summary" not in variant:
+            continue
+        vs, vr = variant["summary"], result["ratios_megarl_over_trl_variants"][name]
+        extra = [(vs["step_s_mean"], vr["step_time"]), (vs["generated_tokens_per_s"], vr["generated_tokens_per_s"]),
+                 (vs["training_tokens_per_s"], vr["training_tokens_per_s"]),
+                 (variant["memory"]["workload_mib"], vr["peak_memory_workload"]),
+                 (variant["memory"]["tree_mib"], None), (vs["reward_first"], None),
+                 (vs["reward_last_window_mean"], vr["reward_last_window"]), (variant["wall_s"], None),
+                 (load(variant.get("load_average_before")), "")]
+        header += [f"TRL ({name})", f"megarl / TRL ({name})"]
+        for row, (value, rat) in zip(rows, extra):
+            row += [value, rat]
+    lines = table(header, rows)
+    curves = {"megarl": _scores(m), "TRL": _scores(t)}
+    steps = max(len(c) for c in curves.values())
+    if steps >= 8:
+        block = steps // 8
+        lines += ["", f"Mean reward per block of {block} steps (same prompts in the same order on both sides):", ""]
+        starts = list(range(0, steps, block))
+        lines += table(["steps", *[f"{s + 1}-{min(s + block, steps)}" for s in starts]],
+                       [[name, *[_block_mean(c, s, block) for s in starts]] for name, c in curves.items()])
+    setup = result.get("setup", {})
+    if setup:
+        lines += ["", "Setup:", ""] + [f"- {k}: {v}" for k, v in setup.items()]
+    return lines
+
+
+def _scores(run: dict[str, Any]) -> list[float]:
+    return [r["score_mean"] for r in run.get("records", []) if r.get("score_mean") is not None]
+
+
+def _block_mean(values: list[float], start: int, size: int) -> float | None:
+    chunk = values[start:start + size]
+    return sum(chunk) / len(chunk) if chunk else None
+
+
+def _phases(result: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    for name, run in result.get("runs", {}).items():
+        shares, seconds = run["phase_shares"], run["phase_seconds_mean"]
+        order = sorted(shares, key=lambda p: -shares[p])
+        rows = [[f"**{p}**" if p == run["biggest_phase"] else p, seconds.get(p), pct(shares[p])] for p in order]
+        lines += [f"**{name}** (mean step {fmt(run['step_s_mean'])} s over {run['timed_steps']} steps; "
+                  f"load before {load(run.get('load_average_before'))})", ""]
+        lines += table(["phase", "mean s", "share of step"], rows) + [""]
+    for name, err in result.get("errors", {}).items():
+        lines += [f"{name}: failed - {_first_lines(err)}", ""]
+    return lines
+
+
+def _scaling(result: dict[str, Any]) -> list[str]:
+    rows = [[r["name"], r["workers"], r["layers"], r["parameters"], r["step_s_mean"], r["step_time_over_base"],
+             r["generated_tokens_per_s"], r["training_tokens_per_s"], r["peak_memory_workload_mib"],
+             load(r.get("load_average_before"))] for r in result.get("runs", [])]
+    lines = table(["run", "workers", "layers", "parameters", "step s", "x base", "gen tok/s", "train tok/s",
+                   "peak MiB", "load before"], rows)
+    runs = result.get("runs", [])
+    phases = [p for p in dict.fromkeys(p for r in runs for p in r.get("phase_seconds_mean", {}))]
+    if phases:
+        lines += ["", "Mean seconds per phase:", ""]
+        lines += table(["run", *phases], [[r["name"], *[r["phase_seconds_mean"].get(p) for p in phases]] for r in runs])
+    for name, err in result.get("errors", {}).items():
+        lines += ["", f"{name}: failed - {_first_lines(err)}"]
+    return lines
+
+
+def _algorithms(r: dict[str, Any]) -> str:
+    return "; ".join(f"{x['estimator']}: {fmt(x['vectorised_tokens_per_s'])} tok/s, {fmt(x['speedup'])}x the plain loop"
+                     for x in r["results"])
+
+
+def _engine(r: dict[str, Any]) -> str:
+    lp, tr = r["log_prob_tokens_per_s"], r["train_step_tokens_per_s"]
+    return (f"{fmt(r['params'])} params; log-prob {fmt(lp['engine'])} tok/s (engine/HF {fmt(lp['engine'] / lp['hf'])}); "
+            f"train step {fmt(tr['engine'])} tok/s (engine/HF {fmt(tr['engine'] / tr['hf'])})")
+
+
+def _reshard(r: dict[str, Any]) -> str:
+    """The largest model measured: sync seconds per layout, bytes moved over the minimum, time over a plain copy."""
+    largest = max(x["params"] for x in r["results"])
+    rows = [x for x in r["results"] if x["params"] == largest]
+    return f"{rows[0]['size']} params: " + "; ".join(
+        f"{x['layout']} {fmt(x['sync_seconds'])} s (moved/min {fmt(x['moved_over_minimum'])}, "
+        f"x{fmt(x['sync_over_floor'])} a copy)" for x in rows)
+
+
+def _rollout(r: dict[str, Any]) -> str:
+    parts = [f"{name} {fmt(e['tokens_per_s'])} tok/s" for name, e in r["engines"].items()]
+    if "vllm_over_hf" in r:
+        parts.append(f"vLLM/HF {fmt(r['vllm_over_hf'])}")
+    elif "vllm_skipped" in r:
+        parts.append(f"vLLM not measured ({str(r['vllm_skipped'])[:80]})")
+    return "; ".join(parts)
+
+
+def _convert(r: dict[str, Any]) -> str:
+    s, a = r["results"]["streaming"], r["results"]["load_all"]
+    return (f"{fmt(r['model_mib'])} MiB model, HF -> Megatron: streaming {fmt(s['seconds'])} s, "
+            f"+{fmt(s['peak_over_base_mib'])} MiB peak; load-all {fmt(a['seconds'])} s, +{fmt(a['peak_over_base_mib'])} MiB")
+
+
+def _generic(r: dict[str, Any]) -> str:
+    numbers = [(k, v) for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return "; ".join(f"{k} {fmt(v)}" for k, v in numbers[:8]) or "(see JSON)"
+
+
+COMPONENT_HEADLINES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "algorithms": _algorithms, "engine": _engine, "reshard": _reshard, "rollout": _rollout, "convert": _convert,
+}
+
+
+def component_headline(name: str, result: dict[str, Any]) -> str:
+    """One line of the most telling numbers of a component's JSON (generic when its layout is unknown)."""
+    try:
+        return COMPONENT_HEADLINES.get(name, _generic)(result)
+    except (KeyError, TypeError, ZeroDivisionError):
+        return _generic(result)
+
+
+def _components(result: dict[str, Any]) -> list[str]:
+    rows = []
+    for name, entry in result.get("components", {}).items():
+        detail = component_headline(name, entry["result"]) if entry["status"] == "ok" else _first_lines(entry.get("error", ""))
+        rows.append([name, entry["status"], entry.get("seconds"), load(entry.get("load_average_before")), detail])
+    return table(["component", "status", "seconds", "load before", "numbers"], rows)
+
+
+def _gpu(result: dict[str, Any]) -> list[str]:
+    if "skipped" in result:
+        return [f"Skipped: {result['skipped']}."]
+    rows = []
+    train = result.get("train_step", {})
+    rows.append(["train-step MFU (0.5B shape, bf16)", pct(train.get("mfu_train_step")) if train.get("status") == "ok"
+                 else train.get("status", "-")])
+    roll = result.get("rollout", {})
+    rows.append(["rollout vLLM / HF tokens/s", component_headline("rollout", roll["result"]) if roll.get("status") == "ok"
+                 else roll.get("status", "-")])
+    sync = result.get("sync", {})
+    rows.append(["weight sync", component_headline("reshard", sync["result"]) if sync.get("status") == "ok"
+                 else sync.get("status", "-")])
+    return [f"Device: {result.get('device')}", ""] + table(["measure", "value"], rows)
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "e2e": _e2e, "phases": _phases, "scaling": _scaling, "components": _components, "gpu": _gpu,
+}
+
+
+def _first_lines(text: str, n: int = 3) -> str:
+    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
+    return " / ".join(lines[-n:]).replace("|", "\\|")[:400] or "(no message)"
+
+
+def render_report(bench: dict[str, Any]) -> str:
+    """The markdown report of one `bench.json` dictionary."""
+    machine = bench.get("machine", {})
+    out = [
+        "# megarl benchmark report",
+        "",
+        f"Generated {bench.get('generated_utc', '-')} on {machine.get('cpu_count', '-')} CPUs "
+        f"({machine.get('platform', '-')}), torch {machine.get('torch', '-')}, GPU: {machine.get('cuda') or 'none'}. "
+        f"{'Quick (smoke) sizes. ' if bench.get('quick') else ''}"
+        "Load average (1/5/15 min) is shown next to each number: on a shared machine, compare numbers taken "
+        "under similar load only.",
+        "",
+        "| section | status | seconds | load before | load after | measured (UTC) |",
+        "|---|---|---|---|---|---|",
+    ]
+    sections = bench.get("sections", {})
+    for name, entry in sections.items():
+        out.append(f"| {name} | {entry['status']} | {fmt(entry.get('seconds'))} | {load(entry.get('load_average_before'))} "
+                   f"| {load(entry.get('load_average_after'))} | {entry.get('finished_utc', '-')} |")
+    for name, entry in sections.items():
+        out += ["", f"## {SECTION_TITLES.get(name, name)}", ""]
+        if entry["status"] != "ok":
+            out += [f"Status **{entry['status']}**: {_first_lines(entry.get('error', ''), 6)}", ""]
+        if "result" not in entry:
+            continue
+        try:
+            out += RENDERERS.get(name, lambda r: ["```", json.dumps(r, indent=2)[:3000], "```"])(entry["result"])
+        except (KeyError, TypeError) as err:  # a result of an older layout must not break the report
+            out.append(f"(could not format this section: {type(err).__name__}: {err}; see bench.json)")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("bench_json", type=Path)
+    p.add_argument("--out", type=Path, default=None, help="default: REPORT.md next to the JSON")
+    args = p.parse_args(argv)
+    out = args.out or args.bench_json.with_name("REPORT.md")
+    out.write_text(render_report(json.loads(args.bench_json.read_text())))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,139 @@
+"""`megarl bench` / run_all.py: sections run in their own processes, failures are recorded, the JSON
+and the markdown report have the documented structure. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+
+def _fabricated_bench() -> dict:
+    """A bench.json as run_all writes it, with made-up numbers for every section layout."""
+    load = [1.5, 2.0, 2.5]
+    summary = {"step_s_mean": 2.0, "generated_tokens_per_s": 100.0, "training_tokens_per_s": 300.0,
+               "reward_first": 0.1, "reward_last_window_mean": 0.4, "reward_window": 5}
+    e2e = {
+        "setup": {"steps": 40, "precision": "fp32"},
+        "megarl": {"summary": summary, "memory": {"workload_mib": 3000.0, "tree_mib": 3500.0}, "wall_s": 120.0,
+                   "load_average_before": load},
+        "trl": {"summary": {**summary, "step_s_mean": 0.5, "generated_tokens_per_s": 400.0,
+                            "training_tokens_per_s": 1200.0, "reward_last_window_mean": 0.5},
+                "memory": {"workload_mib": 1000.0, "tree_mib": 1000.0}, "wall_s": 30.0, "load_average_before": load},
+        "ratios_megarl_over_trl": {"step_time": 4.0, "generated_tokens_per_s": 0.25, "training_tokens_per_s": 0.25,
+                                   "peak_memory_workload": 3.0, "reward_last_window": 0.8},
+    }
+    e2e["megarl"]["records"] = [{"step": i + 1, "score_mean": i / 100} for i in range(16)]
+    e2e["trl"]["records"] = [{"step": i + 1, "score_mean": 0.5} for i in range(16)]
+    e2e["trl"]["torch_threads"] = 2
+    e2e["trl_variants"] = {"threads=1": {**e2e["trl"], "torch_threads": 1, "summary": {**e2e["trl"]["summary"],
+                                                                                        "step_s_mean": 1.0}}}
+    e2e["ratios_megarl_over_trl_variants"] = {"threads=1": {**e2e["ratios_megarl_over_trl"], "step_time": 2.0}}
+    phases = {"runs": {"grpo": {"step_s_mean": 2.0, "timed_steps": 9, "biggest_phase": "gen",
+                                "phase_seconds_mean": {"gen": 1.0, "update_actor": 0.6, "other": 0.4},
+                                "phase_shares": {"gen": 0.5, "update_actor": 0.3, "other": 0.2},
+                                "load_average_before": load}},
+              "errors": {"ppo": "megarl train exit code 1\nValueError: critic"}}
+    scaling = {"runs": [{"name": "workers=2 (base)", "workers": 2, "layers": 4, "parameters": 2_370_000,
+                         "step_s_mean": 2.0, "step_time_over_base": 1.0, "generated_tokens_per_s": 100.0,
+                         "training_tokens_per_s": 300.0, "peak_memory_workload_mib": 3000.0,
+                         "load_average_before": load}], "errors": {}}
+    components = {"components": {
+        "algorithms": {"status": "ok", "seconds": 3.0, "load_average_before": load, "result": {"results": [
+            {"estimator": "grpo", "vectorised_tokens_per_s": 5e7, "speedup": 17.0}]}},
+        "convert": {"status": "missing", "error": "benchmarks/convert.py does not exist"},
+    }}
+
+    def ok(result: dict) -> dict:
+        return {"status": "ok", "seconds": 10.0, "load_average_before": load, "load_average_after": load,
+                "finished_utc": "2026-01-01T00:00:00Z", "result": result}
+
+    return {"schema_version": 1, "generated_utc": "2026-01-01T00:00:00Z", "quick": False,
+            "machine": {"cpu_count": 2, "platform": "Linux", "torch": "2.13.0", "cuda": None},
+            "sections": {"e2e": ok(e2e), "phases": ok(phases), "scaling": ok(scaling), "components": ok(components),
+                         "gpu": ok({"skipped": "no CUDA device on this machine"})}}
+
+
+def _tables(markdown: str) -> list[list[list[str]]]:
+    """Every markdown table as rows of cells (separator rows dropped)."""
+    tables, current = [], []
+    for line in markdown.splitlines() + [""]:
+        if line.startswith("|"):
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+            if not all(set(c) <= {"-"} for c in cells):
+                current.append(cells)
+        elif current:
+            tables.append(current)
+            current = []
+    return tables
+
+
+def test_report_of_a_fabricated_result_has_every_section_and_even_tables():
+    from report import render_report
+
+    md = render_report(_fabricated_bench())
+    for heading in ("End to end", "Phase breakdown", "Scaling", "Component benchmarks", "GPU"):
+        assert re.search(rf"^## {heading}", md, re.M), heading
+    tables = _tables(md)
+    assert tables, md
+    for t in tables:  # every row as wide as its header
+        assert {len(row) for row in t} == {len(t[0])}, t
+    e2e = next(t for t in tables if t[0][:4] == ["", "megarl", "TRL (2 threads)", "megarl / TRL"])
+    assert e2e[0][4:] == ["TRL (threads=1)", "megarl / TRL (threads=1)"]
+    step_row = next(r for r in e2e if r[0].startswith("step time"))
+    assert step_row[1:] == ["2", "0.5", "4", "1", "2"]
+    memory_row = next(r for r in e2e if r[0].startswith("peak memory, workload"))
+    assert memory_row[1:] == ["3,000", "1,000", "3", "1,000", "3"]
+    curve = next(t for t in tables if t[0][0] == "steps")
+    assert curve[0][1:3] == ["1-2", "3-4"] and len(curve[0]) == 9  # 16 steps in 8 blocks
+    assert curve[1][:3] == ["megarl", "0.005", "0.025"] and curve[2][1] == "0.5"
+    phases = next(t for t in tables if t[0] == ["phase", "mean s", "share of step"])
+    assert phases[1] == ["**gen**", "1", "50.0%"]  # biggest phase first, marked
+    components = next(t for t in tables if t[0][0] == "component")
+    assert [r[:2] for r in components[1:]] == [["algorithms", "ok"], ["convert", "missing"]]
+    assert "17x the plain loop" in components[1][4]
+    assert "ppo: failed" in md and "Skipped: no CUDA device" in md
+
+
+def test_failed_section_is_recorded_and_the_others_still_run(tmp_path):
+    from run_all import run_all
+
+    bench = run_all(
+        ["e2e", "components"], tmp_path, quick=True,
+        section_args={"e2e": ["--bench-python", str(tmp_path / "no-such-python")],
+                      "components": ["--components", "algorithms"]},
+    )
+    written = json.loads((tmp_path / "bench.json").read_text())
+    assert written["sections"].keys() == bench["sections"].keys() == {"e2e", "components"}
+    e2e = written["sections"]["e2e"]
+    assert e2e["status"] == "failed"
+    assert "make_bench_env.sh" in e2e["error"]
+    comp = written["sections"]["components"]
+    assert comp["status"] == "ok", comp.get("error")
+    algorithms = comp["result"]["components"]["algorithms"]
+    assert algorithms["status"] == "ok", algorithms.get("error")
+    assert {r["estimator"] for r in algorithms["result"]["results"]} == {"grpo", "rloo", "gae"}
+    for entry in written["sections"].values():
+        assert entry["quick"] is True
+        assert len(entry["load_average_before"]) == 3 and entry["seconds"] >= 0
+    report = (tmp_path / "REPORT.md").read_text()
+    assert "| e2e | failed |" in report and "| components | ok |" in report
+
+    # A later run of one section keeps the other's entry (incremental measurements) ...
+    failing_e2e = {"e2e": ["--bench-python", str(tmp_path / "no-such-python")]}
+    run_all(["e2e"], tmp_path, quick=True, section_args=failing_e2e)
+    again = json.loads((tmp_path / "bench.json").read_text())["sections"]
+    assert list(again) == ["e2e", "components"] and again["components"] == comp
+    # ... unless asked to start over.
+    run_all(["e2e"], tmp_path, quick=True, fresh=True, section_args=failing_e2e)
+    assert set(json.loads((tmp_path / "bench.json").read_text())["sections"]) == {"e2e"}
+
+
+def test_cli_rejects_unknown_sections(capsys):
+    from megarl.cli import main
+
+    assert main(["bench", "--sections", "e2e,nonsense"]) == 2
+    assert "nonsense" in capsys.readouterr().err

@@ -1,0 +1,103 @@
+"""Step summaries of the benchmarks: warm-up excluded, phase shares, tokens/s and ratios, checked
+against numbers worked out by hand; metrics are read from a file written by megarl's own tracker."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+
+def _metrics(step_s: float, gen_s: float, update_s: float, reward_s: float, total: float, resp_len: float,
+             score: float) -> dict[str, float]:
+    return {"timing_s/step": step_s, "timing_s/gen": gen_s, "timing_s/update_actor": update_s,
+            "timing_s/reward": reward_s, "perf/total_num_tokens": total, "response_length/mean": resp_len,
+            "critic/score/mean": score}
+
+
+def test_summary_from_a_metrics_file_written_by_the_tracker(tmp_path):
+    from megarl_run import read_metrics, step_record, summarise_steps
+
+    from megarl.tracking.jsonl import JsonlWriter
+
+    writer = JsonlWriter(tmp_path)
+    # Written out of order on purpose: the reader sorts by step.
+    writer.write(2, _metrics(2.0, 1.0, 0.5, 0.1, 16, 3.0, 0.5))
+    writer.write(1, _metrics(10.0, 5.0, 3.0, 1.0, 20, 2.0, 0.0))
+    writer.write(3, _metrics(4.0, 2.0, 1.5, 0.1, 24, 1.0, 1.0))
+    writer.close()
+
+    records = [step_record(row, sequences=4) for row in read_metrics(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[1]["response_tokens"] == 12.0  # 3 tokens on average x 4 sequences
+
+    s = summarise_steps(records)
+    # Steps 2 and 3 only (step 1 is warm-up): 6 s in all.
+    assert s["timed_steps"] == 2
+    assert s["step_s_mean"] == pytest.approx(3.0)
+    assert s["generated_tokens_per_s"] == pytest.approx((12 + 4) / 6)
+    assert s["training_tokens_per_s"] == pytest.approx((16 + 24) / 6)
+    assert s["gen_phase_tokens_per_s"] == pytest.approx(16 / 3)
+    assert s["phase_shares"]["gen"] == pytest.approx(3 / 6)
+    assert s["phase_shares"]["update_actor"] == pytest.approx(2 / 6)
+    assert s["phase_shares"]["reward"] == pytest.approx(0.2 / 6)
+    assert s["phase_shares"]["other"] == pytest.approx(0.8 / 6)
+    assert math.fsum(s["phase_shares"].values()) == pytest.approx(1.0)
+    assert s["phase_seconds_mean"]["gen"] == pytest.approx(1.5)
+    assert "old_log_prob" not in s["phase_shares"]  # a phase the run never timed is not invented
+    assert s["biggest_phase"] == "gen"
+    assert s["reward_first"] == 0.0
+    assert s["reward_last_window_mean"] == pytest.approx(0.5)  # fewer steps than the window: all of them
+
+
+def test_trl_summary_and_ratios():
+    from e2e import compare, summarise_trl
+
+    records = [
+        {"step": 1, "step_s": 9.0, "gen_and_score_s": 8.0, "prompt_tokens": 32, "response_tokens": 64, "score_mean": 0.1},
+        {"step": 2, "step_s": 0.5, "gen_and_score_s": 0.2, "prompt_tokens": 32, "response_tokens": 48, "score_mean": 0.2},
+        {"step": 3, "step_s": 1.5, "gen_and_score_s": 0.3, "prompt_tokens": 32, "response_tokens": 16, "score_mean": 0.6},
+    ]
+    t = summarise_trl(records, reward_window=2)
+    assert t["step_s_mean"] == pytest.approx(1.0)
+    assert t["generated_tokens_per_s"] == pytest.approx(64 / 2.0)
+    assert t["training_tokens_per_s"] == pytest.approx((64 + 64) / 2.0)
+    assert t["gen_and_score_share"] == pytest.approx(0.5 / 2.0)
+    assert t["reward_last_window_mean"] == pytest.approx(0.4)
+
+    megarl = {"summary": {"step_s_mean": 4.0, "generated_tokens_per_s": 8.0, "training_tokens_per_s": 16.0,
+                          "reward_last_window_mean": 0.2},
+              "memory": {"workload_mib": 3000.0}}
+    trl = {"summary": t, "memory": {"workload_mib": 1000.0}}
+    r = compare(megarl, trl)
+    assert r["step_time"] == pytest.approx(4.0)
+    assert r["generated_tokens_per_s"] == pytest.approx(8.0 / 32.0)
+    assert r["training_tokens_per_s"] == pytest.approx(16.0 / 64.0)
+    assert r["peak_memory_workload"] == pytest.approx(3.0)
+    assert r["reward_last_window"] == pytest.approx(0.5)
+
+
+def test_parameter_count_matches_the_model(tmp_path):
+    import torch
+    from scaling import parameter_count
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path)
+    assert parameter_count(tmp_path) == sum(p.numel() for p in model.parameters())
+    assert parameter_count(tmp_path / "missing") is None
+
+
+def test_mfu_counts_six_flops_per_parameter_and_token():
+    from gpu import mfu, peak_flops
+
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    # 0.5B parameters at 10k tokens/s: 6 x 5e8 x 1e4 = 3e13 FLOP/s, about 3% of an H100.
+    assert mfu(500_000_000, 10_000.0, 989e12) == pytest.approx(3e13 / 989e12)
+    assert peak_flops("Unknown Accelerator") is None
+    assert mfu(1, 1.0, None) is None
