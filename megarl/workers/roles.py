@@ -102,6 +102,18 @@ class _EngineRole:
     def load_checkpoint(self, path: str) -> None:
         self.engine.load_checkpoint(path)
 
+    def _train(self, batch: Batch, loss_fn: Any, **kwargs: Any) -> dict[str, float]:
+        """PPO epochs over mini-batches of this rank's shard; metrics averaged over optimizer steps."""
+        from megarl.trainer.setup import resolve_response_length
+
+        sec = self.cfg[self.section]
+        mini = sec.ppo_mini_batch_size * self.cfg.rollout.n // self.engine.ranks.dp_size
+        history = self.engine.train_step(
+            batch, loss_fn, mini_batch_size=mini, epochs=sec.ppo_epochs, shuffle=sec.shuffle,
+            max_response_len=resolve_response_length(self.cfg), **kwargs,
+        )
+        return {k if "/" in k else f"{self.section}/{k}": _mean(v) for k, v in history.items()}
+
 
 class ActorRole(_EngineRole):
     """The policy being trained."""
@@ -112,20 +124,10 @@ class ActorRole(_EngineRole):
         return Batch.from_dict({"old_log_probs": out["log_probs"], "entropys": out["entropys"]})
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
-        """PPO epochs over mini-batches of this rank's shard; metrics averaged over optimizer steps."""
         from megarl.workers.losses import make_actor_loss
 
-        actor = self.cfg.actor
-        dp = self.engine.ranks.dp_size
-        mini = actor.ppo_mini_batch_size * self.cfg.rollout.n // dp
-        history = self.engine.train_step(
-            batch, make_actor_loss(actor), mini_batch_size=mini, epochs=actor.ppo_epochs, shuffle=actor.shuffle,
-            temperature=float(self.cfg.rollout.temperature), calculate_entropy=True,
-            max_response_len=int(self.cfg.rollout.response_length or self.cfg.data.max_response_length),
-        )
-        metrics = {k if "/" in k else f"actor/{k}": _mean(v) for k, v in history.items()}
-        metrics["actor/lr"] = metrics.pop("actor/lr", float("nan"))
-        return metrics
+        return self._train(batch, make_actor_loss(self.cfg.actor),
+                           temperature=float(self.cfg.rollout.temperature), calculate_entropy=True)
 
     def named_weights(self) -> Any:
         return self.engine.get_named_weights()
@@ -159,15 +161,7 @@ class CriticRole(_EngineRole):
     def update_critic(self, batch: Batch) -> dict[str, float]:
         from megarl.workers.losses import make_critic_loss
 
-        critic = self.cfg.critic
-        dp = self.engine.ranks.dp_size
-        mini = critic.ppo_mini_batch_size * self.cfg.rollout.n // dp
-        history = self.engine.train_step(
-            batch, make_critic_loss(critic), mini_batch_size=mini, epochs=critic.ppo_epochs, shuffle=critic.shuffle,
-            max_response_len=int(self.cfg.rollout.response_length or self.cfg.data.max_response_length),
-        )
-        metrics = {k if "/" in k else f"critic/{k}": _mean(v) for k, v in history.items()}
-        return metrics
+        return self._train(batch, make_critic_loss(self.cfg.critic))
 
 
 class RolloutRole:
