@@ -60,6 +60,13 @@ PROXIED_MODULES: tuple[str, ...] = (
     "transformer.attention",
     "transformer.transformer_layer",
     "optimizer.grad_scaler",
+    # Mixture-of-experts layers (router, token dispatcher, experts, shared experts).
+    "transformer.moe.moe_layer",
+    "transformer.moe.moe_utils",
+    "transformer.moe.router",
+    "transformer.moe.token_dispatcher",
+    "transformer.moe.experts",
+    "transformer.moe.shared_experts",
 )
 
 # (module, qualified function) that compare `tensor.type()` with CUDA type names or call
@@ -121,11 +128,64 @@ class _CpuCudaShim(types.SimpleNamespace):
     def manual_seed(self, seed: int) -> None:
         self.generator.manual_seed(int(seed))
 
+    # Streams and events: the MoE token dispatcher overlaps device-to-host copies on a side
+    # stream; CPU kernels run in program order, so one no-op stream stands for all of them.
+    @staticmethod
+    def Stream(*args: Any, **kwargs: Any) -> "_CpuStream":  # noqa: N802 (torch's name)
+        return _CPU_STREAM
+
+    @staticmethod
+    def current_stream(device: Any = None) -> "_CpuStream":
+        return _CPU_STREAM
+
+    @staticmethod
+    def stream(stream: Any) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def Event(*args: Any, **kwargs: Any) -> "_CpuEvent":  # noqa: N802 (torch's name)
+        return _CpuEvent()
+
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(
             f"megarl CPU compatibility layer: Megatron-Core called torch.cuda.{name}, which the "
             f"layer does not cover (written for megatron-core {MEGATRON_CORE_VERSION})"
         )
+
+
+class _CpuEvent:
+    """A CUDA event on the CPU: everything before it has already happened."""
+
+    def record(self, stream: Any = None) -> None:
+        """Nothing to mark: CPU work is complete when the call returns."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def wait(self, stream: Any = None) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    """A CUDA stream on the CPU: work is already ordered, so waits and records are no-ops."""
+
+    def wait_stream(self, other: Any) -> None:
+        """Program order already holds."""
+
+    def wait_event(self, event: Any) -> None:
+        """Program order already holds."""
+
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+
+_CPU_STREAM = _CpuStream()
 
 
 class _CpuTorchProxy(types.ModuleType):
@@ -234,10 +294,40 @@ def apply_cpu_compat(force: bool = False) -> bool:
         module = importlib.import_module(f"megatron.core.{rel}")
         module.torch = proxy  # type: ignore[attr-defined]
     _patch_rng_helpers(_shim)
+    define_missing_te_symbols()
+    _patch_moe_host_copies()
     for rel, qualname in TENSOR_METHOD_FUNCTIONS:
         _wrap_type_checking_function(rel, qualname)
     _applied = True
     return True
+
+
+def define_missing_te_symbols() -> None:
+    """Without TransformerEngine, megatron-core 0.16.1's MoE router refers to `te_general_gemm`,
+    a name its moe_utils only defines when TE imports (NameError in RouterGatingLinearFunction).
+    Define it as None there so the router takes its torch.mm path. Needed with or without CUDA."""
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+
+
+def _patch_moe_host_copies() -> None:
+    """The alltoall token dispatcher turns its split sizes into numpy arrays while copying them
+    from the GPU (`maybe_move_tensor_to_cpu(..., as_numpy=True)`); a tensor already on the CPU is
+    returned unchanged, and `all_to_all_single` refuses tensor split sizes. Convert it here too."""
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    @functools.wraps(original)
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    for rel in ("transformer.moe.moe_utils", "transformer.moe.token_dispatcher"):
+        module = importlib.import_module(f"megatron.core.{rel}")
+        if getattr(module, "maybe_move_tensor_to_cpu", None) is original:
+            module.maybe_move_tensor_to_cpu = to_host  # type: ignore[attr-defined]
 
 
 def is_applied() -> bool:

@@ -28,6 +28,9 @@ SCANNED_FILES: tuple[str, ...] = (
     "optimizer/grad_scaler.py", "dist_checkpointing/serialization.py",
     "dist_checkpointing/strategies/torch.py", "dist_checkpointing/strategies/filesystem_async.py",
     "dist_checkpointing/strategies/state_dict_saver.py",
+    "transformer/moe/moe_layer.py", "transformer/moe/moe_utils.py", "transformer/moe/router.py",
+    "transformer/moe/token_dispatcher.py", "transformer/moe/experts.py",
+    "transformer/moe/shared_experts.py",
 )
 
 _SITE = re.compile(r"torch\.cuda\.|[\"']cuda[\"']|\.cuda\(|cuda\.\w+Tensor")
@@ -41,6 +44,9 @@ _ERROR_TEXT = "text of an error message"
 _DOC = "docstring or comment"
 
 EXPLICIT_SITES: dict[tuple[str, str], str] = {
+    ("transformer/moe/token_dispatcher.py",
+     'self.permute_idx_device = torch.device("cuda") if self.config.moe_permute_fusion else "cpu"'):
+        "moe_permute_fusion is a TransformerEngine kernel; megarl's specs turn it off without TE",
     ("tensor_parallel/random.py", 'device: Union[int, str, torch.device] = "cuda", clone: bool = False, graph_safe: bool = False'):
         "default argument of _get_cuda_rng_state, which cpu_compat replaces",
     ("tensor_parallel/random.py", "This function is adapted from torch.cuda.random.get_rng_state()\"\"\""): _DOC,

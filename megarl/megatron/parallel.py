@@ -125,6 +125,8 @@ class ParallelRanks:
     dp_size: int
     cp_rank: int
     cp_size: int
+    ep_rank: int = 0
+    ep_size: int = 1
 
 
 def current_ranks() -> ParallelRanks:
@@ -139,4 +141,6 @@ def current_ranks() -> ParallelRanks:
         dp_size=ps.get_data_parallel_world_size(),
         cp_rank=ps.get_context_parallel_rank(),
         cp_size=ps.get_context_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
     )

@@ -105,6 +105,13 @@ class ModelSpec:
         act = fam.get("activation", "silu")
         if cfg.get("hidden_act", act) != act:
             raise ConfigError(f"{where}: hidden_act={cfg.get('hidden_act')!r}, expected {act!r}")
+        for key, rule in (fam.get("requires") or {}).items():
+            found = cfg.get(key, rule.get("default"))
+            if found not in rule["allowed"]:
+                raise ConfigError(
+                    f"{where}: HF config {key}={found!r} is not supported; valid: {rule['allowed']}"
+                    + (f" ({rule['why']})" if rule.get("why") else "")
+                )
         values: dict[str, Any] = {}
         for field_name, rule in fam["config_map"].items():
             values[field_name] = _resolve(rule, cfg, where, field_name)
@@ -146,6 +153,11 @@ class ModelSpec:
     def num_layers(self) -> int:
         return int(self.config_values["num_layers"])
 
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (0 for a dense model)."""
+        return int(self.config_values.get("num_moe_experts") or 0)
+
     def padded_vocab_size(self, tp_size: int) -> int:
         """Vocab rounded up so each TP rank holds an equal slice (Megatron's rule)."""
         multiple = self.make_vocab_size_divisible_by * tp_size
@@ -163,9 +175,17 @@ class ModelSpec:
     def active_weight_entries(self) -> list[WeightEntry]:
         return [e for e in self.weight_map if e.when is None or self.features.get(e.when, False)]
 
-    def check_layout(self, tp: int, pp: int) -> None:
-        """Raise if the model cannot be split `tp` x `pp` ways."""
+    def check_layout(self, tp: int, pp: int, ep: int = 1) -> None:
+        """Raise if the model cannot be split `tp` x `pp` ways (and its experts `ep` ways)."""
         v = self.config_values
+        if self.num_experts:
+            if self.num_experts % ep:
+                raise ConfigError(f"{self.family}: ep={ep} must divide the number of experts ({self.num_experts})")
+            if int(v["moe_ffn_hidden_size"]) % tp:
+                raise ConfigError(
+                    f"{self.family}: tp={tp} must divide moe_intermediate_size={v['moe_ffn_hidden_size']}")
+        elif ep != 1:
+            raise ConfigError(f"{self.family}: ep={ep} needs a mixture-of-experts model; this one is dense (use ep=1)")
         if v["num_attention_heads"] % tp or v["num_query_groups"] % tp:
             raise ConfigError(
                 f"{self.family}: tp={tp} must divide num_attention_heads={v['num_attention_heads']} "
@@ -178,16 +198,19 @@ class ModelSpec:
 
     # ---------------------------------------------------------------- Megatron objects
     def transformer_config(self, tp: int = 1, pp: int = 1, cp: int = 1, params_dtype: Any = None,
-                           **overrides: Any) -> Any:
+                           ep: int | None = None, **overrides: Any) -> Any:
         """A Megatron `TransformerConfig` for this model at the given layout.
 
-        Fusions and CUDA-only features are switched off without CUDA.
+        Fusions and CUDA-only features are switched off without CUDA. `ep` (expert parallel size)
+        defaults to that of Megatron's initialised process groups, else 1.
         """
         import torch
         import torch.nn.functional as F
         from megatron.core.transformer import TransformerConfig
 
-        self.check_layout(tp, pp)
+        if ep is None:
+            ep = _initialised_ep_size()
+        self.check_layout(tp, pp, ep)
         on_gpu = torch.cuda.is_available()
         params_dtype = params_dtype or torch.float32
         kwargs: dict[str, Any] = dict(self.config_values)
@@ -218,6 +241,19 @@ class ModelSpec:
             variable_seq_lengths=True,
             moe_token_dispatcher_type="alltoall",
         )
+        if self.num_experts:
+            from megarl.megatron.cpu_compat import define_missing_te_symbols
+
+            define_missing_te_symbols()
+            kwargs.update(
+                expert_model_parallel_size=ep,
+                # Dropless token-choice routing as in HF; no load-balancing loss in RL updates.
+                moe_grouped_gemm=False,
+                moe_router_load_balancing_type="none",
+                moe_aux_loss_coeff=0.0,
+                moe_router_dtype="fp32",
+                moe_permute_fusion=False,
+            )
         kwargs.update(overrides)
         return TransformerConfig(**kwargs)
 
@@ -227,13 +263,26 @@ class ModelSpec:
 
         if use_te is None:
             use_te = te_available()
+        experts = self.num_experts or None
         if use_te:
             return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-                qk_layernorm=self.features["qk_layernorm"]
+                num_experts=experts, moe_grouped_gemm=False, qk_layernorm=self.features["qk_layernorm"]
             )
         return gpt_layer_specs.get_gpt_layer_local_spec(
-            qk_layernorm=self.features["qk_layernorm"], normalization=self.normalization
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=self.features["qk_layernorm"],
+            normalization=self.normalization,
         )
+
+
+def _initialised_ep_size() -> int:
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            return int(ps.get_expert_model_parallel_world_size())
+    except Exception:  # megatron not importable or groups half-built: no expert parallelism known
+        return 1
+    return 1
 
 
 def te_available() -> bool:
@@ -252,6 +301,9 @@ def _resolve(rule: Any, cfg: Mapping[str, Any], where: str, field_name: str) -> 
     if isinstance(rule, dict):
         if "value" in rule:
             return rule["value"]
+        if "negate" in rule:  # a boolean that Megatron states the other way round
+            found = cfg.get(rule["negate"])
+            return not bool(found if found is not None else rule.get("default", False))
         key = rule["optional"]
         return cfg.get(key) if cfg.get(key) is not None else rule.get("default")
     keys = rule if isinstance(rule, list) else [rule]

@@ -7,6 +7,10 @@ Fusion kinds:
 - "gate_up": [gate; up] rows; TP rank r holds [gate_r; up_r].
 TP split: `tp_axis` 0 (column-parallel, rows), 1 (row-parallel, columns) or None (replicated).
 Vocab-padded tensors get zero rows up to the padded vocab size before the split.
+
+Mixture-of-experts entries carry `{expert}` in both names: one Megatron parameter per local expert
+(`local_experts.{expert}`, index within this expert-parallel rank) made from the HF tensors of the
+global expert `ep_rank * experts_per_rank + expert` (HF checkpoints store experts one by one).
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ class WeightEntry:
     def per_layer(self) -> bool:
         return "{layer}" in self.megatron
 
+    @property
+    def per_expert(self) -> bool:
+        return "{expert}" in self.megatron
+
 
 def parse_weight_map(raw: Iterable[Mapping[str, Any]], where: str) -> list[WeightEntry]:
     entries = []
@@ -56,6 +64,12 @@ def parse_weight_map(raw: Iterable[Mapping[str, Any]], where: str) -> list[Weigh
         axis = item.get("tp_axis")
         if axis not in (0, 1, None):
             raise ConfigError(f"{where}: weight_map[{i}] tp_axis={axis!r}, valid: 0, 1, null")
+        expert_sides = ["{expert}" in item["megatron"], all("{expert}" in h for h in item["hf"])]
+        if any(expert_sides) and not all(expert_sides):
+            raise ConfigError(f"{where}: weight_map[{i}] uses {{expert}} on one side only; a per-expert "
+                              "entry needs it in the megatron name and in every hf name")
+        if expert_sides[0] and "{layer}" not in item["megatron"]:
+            raise ConfigError(f"{where}: weight_map[{i}] is per expert but not per layer ({{layer}} missing)")
         entries.append(
             WeightEntry(
                 megatron=item["megatron"],
@@ -147,9 +161,19 @@ def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
     return range(pp_rank * per, (pp_rank + 1) * per)
 
 
+def expert_range(num_experts: int, ep_rank: int, ep_size: int) -> range:
+    """Global indices of the experts held by expert-parallel rank `ep_rank` (even split)."""
+    if ep_size < 1 or num_experts % ep_size:
+        raise ConfigError(f"ep={ep_size} must divide the number of experts ({num_experts})")
+    per = num_experts // ep_size
+    return range(ep_rank * per, (ep_rank + 1) * per)
+
+
 def expand(entry: WeightEntry, pp_rank: int, pp_size: int, num_layers: int,
-           te_names: bool = False) -> list[tuple[str, list[str]]]:
-    """[(megatron name on this stage, HF names)] for one entry; layer indices are stage-local.
+           te_names: bool = False, num_experts: int = 0, ep_rank: int = 0,
+           ep_size: int = 1) -> list[tuple[str, list[str]]]:
+    """[(megatron name on this stage, HF names)] for one entry; layer indices are stage-local,
+    expert indices local to expert-parallel rank `ep_rank` of `ep_size`.
     `te_names`: use the name of a TransformerEngine-spec model where it differs."""
     if entry.stage == "first" and pp_rank != 0:
         return []
@@ -160,8 +184,11 @@ def expand(entry: WeightEntry, pp_rank: int, pp_size: int, num_layers: int,
         return [(template, list(entry.hf))]
     out = []
     layers = stage_layers(num_layers, pp_rank, pp_size)
+    experts = expert_range(num_experts, ep_rank, ep_size) if entry.per_expert else range(1)
     for local, layer in enumerate(layers):
-        out.append((template.format(layer=local), [h.format(layer=layer) for h in entry.hf]))
+        for local_e, expert in enumerate(experts):
+            out.append((template.format(layer=local, expert=local_e),
+                        [h.format(layer=layer, expert=expert) for h in entry.hf]))
     return out
 
 
@@ -174,12 +201,14 @@ def _tied_output_entries(spec: "ModelSpec", pp_rank: int, pp_size: int) -> list[
     return [(out, out.megatron, list(emb.hf))]
 
 
-def stage_entries(spec: "ModelSpec", pp_rank: int, pp_size: int,
-                  te_names: bool = False) -> list[tuple[WeightEntry, str, list[str]]]:
-    """Every (entry, megatron name, HF names) held by pipeline stage `pp_rank`."""
+def stage_entries(spec: "ModelSpec", pp_rank: int, pp_size: int, te_names: bool = False,
+                  ep_rank: int = 0, ep_size: int = 1) -> list[tuple[WeightEntry, str, list[str]]]:
+    """Every (entry, megatron name, HF names) held by pipeline stage `pp_rank` (and, for expert
+    weights, expert-parallel rank `ep_rank` of `ep_size`)."""
     items = []
     for entry in spec.active_weight_entries():
-        for name, hf in expand(entry, pp_rank, pp_size, spec.num_layers, te_names):
+        for name, hf in expand(entry, pp_rank, pp_size, spec.num_layers, te_names, spec.num_experts,
+                               ep_rank, ep_size):
             items.append((entry, name, hf))
     return items + _tied_output_entries(spec, pp_rank, pp_size)
 
@@ -188,14 +217,15 @@ def stage_entries(spec: "ModelSpec", pp_rank: int, pp_size: int,
 def hf_to_megatron_state_dict(
     hf_sd: Mapping[str, torch.Tensor], spec: "ModelSpec", tp_rank: int, tp_size: int,
     pp_rank: int, pp_size: int, skip: Iterable[str] = (), te_names: bool = False,
+    ep_rank: int = 0, ep_size: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """HF tensors -> this (tp_rank, pp_rank)'s Megatron state dict (local-spec names, or
+    """HF tensors -> this (tp_rank, pp_rank, ep_rank)'s Megatron state dict (local-spec names, or
     TransformerEngine-spec names with `te_names`). Megatron names in `skip` are left out."""
-    spec.check_layout(tp_size, pp_size)
+    spec.check_layout(tp_size, pp_size, ep_size)
     out: dict[str, torch.Tensor] = {}
     padded = spec.padded_vocab_size(tp_size)
     skipped = set(skip)
-    for entry, name, hf_names in stage_entries(spec, pp_rank, pp_size, te_names):
+    for entry, name, hf_names in stage_entries(spec, pp_rank, pp_size, te_names, ep_rank, ep_size):
         if name in skipped:
             continue
         missing = [h for h in hf_names if h not in hf_sd]
@@ -211,7 +241,8 @@ def hf_to_megatron_state_dict(
 def megatron_to_hf_state_dict(
     shards: list[list[Mapping[str, torch.Tensor]]], spec: "ModelSpec", te_names: bool = False
 ) -> dict[str, torch.Tensor]:
-    """All ranks' Megatron state dicts, `shards[pp_rank][tp_rank]`, -> one HF state dict."""
+    """All ranks' Megatron state dicts, `shards[pp_rank][tp_rank]`, -> one HF state dict.
+    Expert weights: every shard must hold all experts (expert parallel size 1)."""
     pp_size, tp_size = len(shards), len(shards[0])
     out: dict[str, torch.Tensor] = {}
     for pp_rank in range(pp_size):

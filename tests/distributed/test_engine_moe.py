@@ -1,0 +1,170 @@
+"""Mixture-of-experts models in the engine (Megatron-Core local spec on CPU: alltoall token
+dispatcher, sequential experts): log-probs equal HF transformers with the same weights (Qwen3-MoE
+with renormalised top-k, Qwen2-MoE with unnormalised top-k and a gated shared expert), at TP=2
+and with the experts split over two expert-parallel ranks; one optimizer step at EP=2 gives the
+weights of a float64 hand-written AdamW step on the HF model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _launch import run_distributed
+from engine_helpers import VOCAB, hf_logprobs, make_batch, pg_loss_fn, reference_train_step, save_hf_model
+
+pytestmark = pytest.mark.distributed
+
+# A large eps keeps the Adam update proportional to the gradient, so gradient errors show.
+LR, EPS, CLIP = 1e-2, 1e-2, 1.0
+
+
+def make_moe_model(kind: str, seed: int = 0) -> torch.nn.Module:
+    """A random tiny HF MoE causal LM: 4 experts of width 32, top-2, hidden 64, 4 heads (GQA 2)."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  tie_word_embeddings=False)
+    if kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**common, head_dim=16, norm_topk_prob=True)
+        cls = transformers.Qwen3MoeForCausalLM
+    elif kind == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(**common, shared_expert_intermediate_size=48, norm_topk_prob=False)
+        cls = transformers.Qwen2MoeForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = cls(config).float().eval()
+    # The plain per-expert loop: the grouped-GEMM kernel has no float64 (the reference runs in it).
+    model.set_experts_implementation("eager")
+    with torch.no_grad():  # non-trivial norms, biases and a router that prefers different experts
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn_like(p))
+    return model
+
+
+def _engine(hf_dir: str, cfg: dict) -> Any:
+    from megarl.megatron.engine import MegatronEngine
+    from megarl.megatron.parallel import ParallelLayout
+    from megarl.models.spec import ModelSpec
+
+    return MegatronEngine(ModelSpec.from_hf_config(hf_dir), ParallelLayout(), cfg)
+
+
+def _hf_state(engine: Any) -> dict[str, torch.Tensor]:
+    """Every rank's weights -> one HF state dict (TP=1 here; experts gathered over EP ranks)."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.models.weight_map import stage_entries, unfuse
+
+    assert ps.get_tensor_model_parallel_world_size() == 1 and ps.get_pipeline_model_parallel_world_size() == 1
+    local = dict(engine.get_named_weights())
+    mine = {}
+    for entry, name, hf_names in stage_entries(engine.spec, 0, 1, False, engine.ranks.ep_rank, engine.ranks.ep_size):
+        full = local[name].float().cpu()
+        if entry.vocab_padded:
+            full = full[: engine.spec.vocab_size]
+        mine.update(zip(hf_names, (t.clone() for t in unfuse(entry, full, engine.spec))))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out: dict[str, torch.Tensor] = {}
+    for sd in everyone:
+        out.update(sd)
+    return out
+
+
+def _log_probs(rank: int, world: int, port: int, dirs: dict, layout: dict, batch: dict) -> dict:
+    from megarl.megatron.parallel import ParallelLayout, init_distributed
+
+    init_distributed(rank, world, "127.0.0.1", port, ParallelLayout(**layout))
+    dp = world // layout.get("tp", 1)
+    rows = torch.arange(len(batch["responses"])).chunk(dp)
+    from megatron.core import parallel_state as ps
+
+    mine = rows[ps.get_data_parallel_rank()]
+    out = {}
+    for kind, hf_dir in dirs.items():
+        for packed in (False, True):
+            engine = _engine(hf_dir, {"micro_batch_size": 2, "use_sequence_packing": packed})
+            engine.load_hf_weights(hf_dir)
+            res = engine.compute_log_prob({k: v[mine] for k, v in batch.items()}, temperature=1.3,
+                                          calculate_entropy=True)
+            out[(kind, packed)] = (mine, res)
+    return out
+
+
+@pytest.mark.parametrize("layout,world", [({}, 1), ({"tp": 2}, 2), ({"ep": 2}, 2)],
+                         ids=["single", "tp2", "ep2_dp2"])
+def test_moe_log_probs_equal_hf(layout: dict, world: int) -> None:
+    models = {kind: make_moe_model(kind, seed=i) for i, kind in enumerate(("qwen3_moe", "qwen2_moe"))}
+    dirs = {kind: save_hf_model(m) for kind, m in models.items()}
+    batch = make_batch(seed=11, batch=6)
+    got = run_distributed(_log_probs, world, dirs, layout, batch)
+    for kind, model in models.items():
+        ref_lp, ref_ent = hf_logprobs(model, batch, temperature=1.3)
+        for packed in (False, True):
+            seen = torch.zeros(len(ref_lp), dtype=torch.bool)
+            for per_rank in got:
+                rows, res = per_rank[(kind, packed)]
+                mask = batch["response_mask"][rows].bool()
+                lp_err = (res["log_probs"].double() - ref_lp[rows])[mask].abs().max().item()
+                ent_err = (res["entropys"].double() - ref_ent[rows])[mask].abs().max().item()
+                assert lp_err < 1e-5 and ent_err < 1e-5, f"{kind} {layout} packed={packed}: {lp_err}, {ent_err}"
+                seen[rows] = True
+            assert bool(seen.all())
+
+
+def _one_step(rank: int, world: int, port: int, hf_dir: str, layout: dict, batch: dict) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from megarl.megatron.parallel import ParallelLayout, init_distributed
+
+    init_distributed(rank, world, "127.0.0.1", port, ParallelLayout(**layout))
+    engine = _engine(hf_dir, {"micro_batch_size": 2, "lr": LR, "eps": EPS, "clip_grad": CLIP,
+                              "weight_decay": 0.0})
+    engine.load_hf_weights(hf_dir)
+    rows = torch.arange(len(batch["responses"])).chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
+    metrics = engine.train_step({k: v[rows] for k, v in batch.items()}, pg_loss_fn,
+                                mini_batch_size=len(rows), calculate_entropy=True)
+    return {"state": _hf_state(engine), "grad_norm": metrics["grad_norm"][0]}
+
+
+def test_one_step_with_experts_split_over_two_ranks_equals_float64_adamw() -> None:
+    model = make_moe_model("qwen3_moe", seed=7)
+    hf_dir = save_hf_model(model)
+    batch = make_batch(seed=12, batch=6)
+    want, want_norm = reference_train_step(model, batch, LR, EPS, CLIP)
+    # HF keeps experts fused in memory; its checkpoint (what the engine reads) has them one by one.
+    from safetensors.torch import load_file
+
+    ref_dir = save_hf_model(_with_state(model, want))
+    want_files = load_file(f"{ref_dir}/model.safetensors")
+    start = load_file(f"{hf_dir}/model.safetensors")
+    got = run_distributed(_one_step, 2, hf_dir, {"ep": 2}, batch)
+    for per_rank in got:
+        assert abs(per_rank["grad_norm"] - want_norm) < 1e-4 * want_norm
+        state = per_rank["state"]
+        assert set(state) == set(want_files)
+        moved = 0
+        for name, w in want_files.items():
+            err = (state[name] - w).abs().max().item()
+            assert err < 2e-5, f"{name}: {err}"
+            moved += int((w - start[name]).abs().max() > 1e-4)
+        assert moved > len(want_files) // 2, "the step should change most tensors"
+
+
+def _with_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    import copy
+
+    out = copy.deepcopy(model)
+    out.load_state_dict(state)
+    return out
