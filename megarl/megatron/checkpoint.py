@@ -29,7 +29,7 @@ import torch.distributed as dist
 from megarl.errors import CheckpointError
 from megarl.megatron.model import unwrap
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: one optimizer entry per distributed optimizer (dense, experts)
 _OPT_METADATA = {
     "distrib_optim_sharding_type": "fully_reshardable",
     # Avoids a CUDA-only gather path of the fully-reshardable format.
@@ -37,23 +37,24 @@ _OPT_METADATA = {
 }
 
 
-def _dist_optimizer(optimizer: Any) -> Any:
-    """The one Megatron optimizer (a ChainedOptimizer of one is unwrapped)."""
+def _dist_optimizers(optimizer: Any) -> list[Any]:
+    """The Megatron distributed optimizers inside `optimizer`: one for a dense model, two for a
+    mixture-of-experts model (dense parameters, then expert parameters with their own DP group)."""
     chained = getattr(optimizer, "chained_optimizers", None)
-    if chained is None:
-        return optimizer
-    if len(chained) != 1:
-        raise CheckpointError("checkpointing a chained (dense + expert) optimizer is not supported yet")
-    return chained[0]
+    return [optimizer] if chained is None else list(chained)
 
 
-def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    return _dist_optimizer(optimizer).optimizer
+def _inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    return [opt.optimizer for opt in _dist_optimizers(optimizer)]
+
+
+def _adam_states(optimizer: Any) -> list[dict[str, Any]]:
+    return [state for inner in _inner_optimizers(optimizer) for state in inner.state.values()]
 
 
 def adam_step(optimizer: Any) -> int:
     """Adam's step count (equal for all parameters; 0 before the first update)."""
-    steps = {float(s["step"]) for s in _inner_optimizer(optimizer).state.values() if "step" in s}
+    steps = {float(s["step"]) for s in _adam_states(optimizer) if "step" in s}
     if len(steps) > 1:
         raise CheckpointError(f"Adam parameters disagree on the step count: {sorted(steps)}")
     return int(steps.pop()) if steps else 0
@@ -61,27 +62,31 @@ def adam_step(optimizer: Any) -> int:
 
 def _init_adam_state(optimizer: Any) -> None:
     """Give every main parameter its own zero Adam state (what torch creates at the first step)."""
-    inner = _inner_optimizer(optimizer)
-    for group in inner.param_groups:
-        for p in group["params"]:
-            if not inner.state.get(p):
-                inner.state[p] = {
-                    "step": torch.tensor(0.0),
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-                }
+    for inner in _inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state.get(p):
+                    inner.state[p] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    }
 
 
 def _set_adam_step(optimizer: Any, step: int) -> None:
-    for state in _inner_optimizer(optimizer).state.values():
+    for state in _adam_states(optimizer):
         state["step"] = torch.tensor(float(step))
 
 
 def _sharded_state(engine: Any, is_loading: bool) -> dict[str, Any]:
     model_sd = unwrap(engine.ddp).sharded_state_dict()  # standard keys: decoder.layers..., no wrapper prefix
+    # One entry per distributed optimizer; their sharded keys name disjoint parameters.
     return {
         "model": model_sd,
-        "optimizer": _dist_optimizer(engine.optimizer).sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPT_METADATA),
+        "optimizer": {
+            f"part{i}": opt.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPT_METADATA)
+            for i, opt in enumerate(_dist_optimizers(engine.optimizer))
+        },
     }
 
 
@@ -129,12 +134,14 @@ def load(engine: Any, path: str | os.PathLike[str]) -> None:
 
         load_converted_weights(engine, path)
         return
+    info = common.get("megarl")
+    if not info or info.get("format_version") != FORMAT_VERSION:
+        found = info.get("format_version") if info else None
+        raise CheckpointError(f"{path}: not a megarl engine checkpoint of format {FORMAT_VERSION} "
+                              f"(found format {found})")
     _init_adam_state(engine.optimizer)
     sharded = _sharded_state(engine, is_loading=True)
     loaded = dist_checkpointing.load(sharded, str(path))
-    info = loaded.get("megarl")
-    if not info or info.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: not a megarl engine checkpoint (format {FORMAT_VERSION})")
     if info["family"] != engine.spec.family or info["role"] != engine.role:
         raise CheckpointError(
             f"{path}: saved for {info['family']}/{info['role']}, engine is {engine.spec.family}/{engine.role}"
@@ -144,15 +151,14 @@ def load(engine: Any, path: str | os.PathLike[str]) -> None:
     if missing:
         raise CheckpointError(f"{path}: checkpoint lacks model tensors {missing[:5]} (it has {sorted(loaded['model'])[:5]})")
 
-    opt_sd = dict(loaded["optimizer"])
-    param_state = opt_sd.pop("param_state")
-    opt_sd.pop("param_state_sharding_type", None)
-    dist_opt = _dist_optimizer(engine.optimizer)
-    dist_opt.load_state_dict(opt_sd)  # param groups (lr, wd, ...) only
-    inner = _inner_optimizer(engine.optimizer)
-    for state in inner.state.values():
-        state.pop("step", None)
-    dist_opt.load_parameter_state_from_fully_reshardable(param_state)
+    for i, dist_opt in enumerate(_dist_optimizers(engine.optimizer)):
+        opt_sd = dict(loaded["optimizer"][f"part{i}"])
+        param_state = opt_sd.pop("param_state")
+        opt_sd.pop("param_state_sharding_type", None)
+        dist_opt.load_state_dict(opt_sd)  # param groups (lr, wd, ...) only
+        for state in dist_opt.optimizer.state.values():
+            state.pop("step", None)
+        dist_opt.load_parameter_state_from_fully_reshardable(param_state)
     _set_adam_step(engine.optimizer, int(info["adam_step"]))
     engine.scheduler.load_state_dict(info["scheduler"])
     # Model params were overwritten by the checkpoint; the fp32 main params came from it too

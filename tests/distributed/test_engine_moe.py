@@ -168,3 +168,56 @@ def _with_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch
     out = copy.deepcopy(model)
     out.load_state_dict(state)
     return out
+
+
+def _save_ep2_resume_dp2(rank: int, world: int, port: int, hf_dir: str, batches: list, ckpt_dir: str) -> dict:
+    """Two steps with experts split over two ranks, save; a fresh engine with all experts on each
+    rank (ep=1, dp=2) loads it; both take the third step."""
+    from megarl.megatron.checkpoint import adam_step
+    from megarl.megatron.parallel import ParallelLayout, init_distributed
+
+    def engine_at(layout: dict) -> Any:
+        init_distributed(rank, world, "127.0.0.1", port, ParallelLayout(**layout))
+        engine = _engine(hf_dir, {"micro_batch_size": 2, "lr": LR, "eps": EPS, "clip_grad": CLIP,
+                                  "weight_decay": 0.0})
+        engine.load_hf_weights(hf_dir)
+        return engine
+
+    def step(engine: Any, batch: dict) -> None:
+        r = engine.ranks
+        shard = {k: v.chunk(r.dp_size)[r.dp_rank] for k, v in batch.items()}
+        engine.train_step(shard, pg_loss_fn, mini_batch_size=len(shard["responses"]), calculate_entropy=True)
+
+    engine = engine_at({"ep": 2})
+    step(engine, batches[0])
+    step(engine, batches[1])
+    engine.save_checkpoint(ckpt_dir)
+    saved = _hf_state(engine)
+    step(engine, batches[2])
+    want, want_step = _hf_state(engine), adam_step(engine.optimizer)
+
+    resumed = engine_at({})
+    resumed.load_checkpoint(ckpt_dir)
+    loaded = _hf_state(resumed)
+    step(resumed, batches[2])
+    return {"saved": saved, "loaded": loaded, "want": want, "got": _hf_state(resumed),
+            "steps": (want_step, adam_step(resumed.optimizer)),
+            "optimizers": [len(getattr(e.optimizer, "chained_optimizers", [e.optimizer])) for e in (engine, resumed)]}
+
+
+def test_checkpoint_saved_at_ep2_resumes_at_ep1_exactly() -> None:
+    import os
+    import tempfile
+
+    hf_dir = save_hf_model(make_moe_model("qwen2_moe", seed=3))
+    batches = [make_batch(seed=20 + i, batch=4) for i in range(3)]
+    ckpt_dir = os.path.join(tempfile.mkdtemp(prefix="megarl_moe_ckpt_"), "step_2")
+    res = run_distributed(_save_ep2_resume_dp2, 2, hf_dir, batches, ckpt_dir)[0]
+    # At ep=2 the expert parameters have their own distributed optimizer (expert DP group of 1);
+    # at ep=1 they share the dense one: the checkpoint moves between the two arrangements.
+    assert res["optimizers"] == [2, 1], res["optimizers"]
+    assert res["steps"] == (3, 3)
+    for key, value in res["saved"].items():
+        assert torch.equal(res["loaded"][key], value), f"loaded {key} differs from saved"
+        err = (res["got"][key] - res["want"][key]).abs().max().item()
+        assert err <= 1e-6, f"resumed step: {key} differs by {err}"
