@@ -71,3 +71,57 @@ def test_bad_layout_and_activation_are_refused() -> None:
         ModelSpec.from_hf_config(_cfg("Llama", hidden_act="gelu"))
     with pytest.raises(ConfigError, match="rope_type"):
         ModelSpec.from_hf_config({**_cfg("Llama").to_dict(), "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def _moe_cfg(name: str, **kw: object) -> dict:
+    base = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24)
+    base.update(kw)
+    return getattr(transformers, f"{name}Config")(**base).to_dict()
+
+
+@pytest.mark.parametrize("norm_topk,pre_softmax", [(True, False), (False, True)])
+def test_qwen3_moe_maps_experts_and_routing(norm_topk: bool, pre_softmax: bool) -> None:
+    spec = ModelSpec.from_hf_config(_moe_cfg("Qwen3Moe", head_dim=8, norm_topk_prob=norm_topk))
+    v = spec.config_values
+    assert spec.family == "qwen3_moe" and spec.num_experts == 8 and spec.features["qk_layernorm"]
+    assert (v["moe_router_topk"], v["moe_ffn_hidden_size"]) == (2, 24)
+    # HF: softmax, top-k, renormalise (norm_topk_prob) == Megatron: top-k then softmax.
+    assert v["moe_router_pre_softmax"] is pre_softmax
+    tc = spec.transformer_config(tp=2, ep=4)
+    assert tc.num_moe_experts == 8 and tc.expert_model_parallel_size == 4
+    assert tc.moe_aux_loss_coeff == 0.0 and not tc.moe_grouped_gemm and tc.moe_token_dispatcher_type == "alltoall"
+
+
+def test_qwen2_moe_has_a_gated_shared_expert_and_qkv_bias() -> None:
+    spec = ModelSpec.from_hf_config(_moe_cfg("Qwen2Moe", shared_expert_intermediate_size=40))
+    v = spec.config_values
+    assert spec.family == "qwen2_moe" and spec.features["qkv_bias"]
+    assert v["moe_shared_expert_intermediate_size"] == 40 and v["moe_shared_expert_gate"] is True
+    assert v["moe_router_pre_softmax"] is True  # Qwen2-MoE does not renormalise the top-k weights
+    names = [e.megatron for e in spec.active_weight_entries()]
+    assert "decoder.layers.{layer}.mlp.shared_experts.gate_weight" in names
+
+
+def test_moe_layouts_and_unmapped_settings_are_refused() -> None:
+    spec = ModelSpec.from_hf_config(_moe_cfg("Qwen3Moe", head_dim=8))
+    with pytest.raises(ConfigError, match="ep=3"):
+        spec.check_layout(1, 1, 3)  # 8 experts
+    with pytest.raises(ConfigError, match="moe_intermediate_size=24"):
+        spec.check_layout(16, 1)
+    spec.check_layout(2, 2, 8)
+    with pytest.raises(ConfigError, match="decoder_sparse_step=2.*every decoder layer"):
+        ModelSpec.from_hf_config(_moe_cfg("Qwen3Moe", decoder_sparse_step=2))
+    with pytest.raises(ConfigError, match=r"mlp_only_layers=\[1\]"):
+        ModelSpec.from_hf_config(_moe_cfg("Qwen2Moe", mlp_only_layers=[1]))
+    dense = ModelSpec.from_hf_config(_cfg("Llama"))
+    with pytest.raises(ConfigError, match="dense"):
+        dense.check_layout(1, 1, 2)
+
+
+def test_moe_families_are_listed_as_supported() -> None:
+    assert {"qwen2_moe", "qwen3_moe"} <= set(supported_model_types())
+    with pytest.raises(ConfigError) as err:
+        ModelSpec.from_hf_config({"model_type": "deepseek_v3"})
+    assert "qwen3_moe" in str(err.value)

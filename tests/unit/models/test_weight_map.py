@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers
 
+from megarl.errors import ConfigError
 from megarl.models.spec import ModelSpec
 from megarl.models.weight_map import fuse, hf_to_megatron_state_dict, megatron_to_hf_state_dict, tp_shard, unfuse
 
@@ -75,3 +76,34 @@ def test_round_trip_through_megatron_shards(tp: int, pp: int, tie: bool) -> None
     for k, v in expected.items():
         assert torch.equal(back[k], v), k
     del spec_config
+
+
+def test_experts_expand_to_local_indices_per_expert_parallel_rank() -> None:
+    import transformers
+
+    from megarl.models.spec import ModelSpec
+    from megarl.models.weight_map import stage_entries
+
+    cfg = transformers.Qwen3MoeConfig(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
+                                      num_key_value_heads=2, head_dim=8, num_experts=6, num_experts_per_tok=2,
+                                      moe_intermediate_size=24)
+    spec = ModelSpec.from_hf_config(cfg.to_dict())
+    fc2 = "decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc2.weight"
+    # pp rank 1 of 2 holds layers 2 and 3 (local 0, 1); ep rank 2 of 3 holds experts 4 and 5 (local 0, 1).
+    got = {name: hf for _, name, hf in stage_entries(spec, 1, 2, ep_rank=2, ep_size=3) if "linear_fc2" in name
+           and "experts" in name}
+    want = {fc2.format(local_layer, local_e): [f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"]
+            for local_layer, layer in ((0, 2), (1, 3)) for local_e, e in ((0, 4), (1, 5))}
+    assert got == want
+    every = [hf for r in range(3) for _, name, hf in stage_entries(spec, 0, 1, ep_rank=r, ep_size=3) if "experts" in name]
+    assert len(every) == len({tuple(h) for h in every}) == 4 * 6 * 2  # each HF expert tensor set exactly once
+    with pytest.raises(ConfigError, match="ep=4"):
+        stage_entries(spec, 0, 1, ep_rank=0, ep_size=4)
+
+
+def test_per_expert_entry_needs_the_placeholder_on_both_sides() -> None:
+    from megarl.models.weight_map import parse_weight_map
+
+    with pytest.raises(ConfigError, match="one side only"):
+        parse_weight_map([{"megatron": "decoder.layers.{layer}.mlp.experts.local_experts.{expert}.w",
+                           "hf": ["model.layers.{layer}.mlp.experts.0.w"]}], "test.yaml")
