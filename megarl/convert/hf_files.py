@@ -180,7 +180,9 @@ def expected_hf_shapes(hf_config: Mapping[str, Any], architecture: str | None = 
     config = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "transformers_version"})
     with torch.device("meta"):
         model = model_cls(config)
-    shapes = {n: tuple(p.shape) for n, p in model.state_dict().items()}
+    from megarl.models.weight_map import split_fused_experts
+
+    shapes = split_fused_experts({n: tuple(p.shape) for n, p in model.state_dict().items()})
     if getattr(config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
     return shapes

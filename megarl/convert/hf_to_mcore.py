@@ -75,7 +75,9 @@ def _chunk_data(t: CheckpointTensor, layer: int, start: int, length: int, hf: HF
     if t.entry.tp_axis is not None:
         data = data.narrow(t.entry.tp_axis, start, length)
     # A view: the checkpoint writer copies a narrowed view itself before writing it.
-    return data.unsqueeze(0) if t.stacked else data
+    for _ in t.lead_shape:
+        data = data.unsqueeze(0)
+    return data
 
 
 def _chunks_of(t: CheckpointTensor, hf: HFCheckpoint, spec: ModelSpec, tp: int, dtype: torch.dtype | None,
@@ -92,7 +94,8 @@ def _chunks_of(t: CheckpointTensor, hf: HFCheckpoint, spec: ModelSpec, tp: int, 
             offsets, sizes = [0] * len(t.part_shape), list(t.part_shape)
             if axis is not None:
                 offsets[axis], sizes[axis] = piece * length, length
-            lead, lead_size = ([layer], [1]) if t.stacked else ([], [])
+            lead = list(t.lead_index(layer))
+            lead_size = [1] * len(lead)
             make = functools.partial(_chunk_data, t, layer, piece * length, length, hf, spec, out_dtype, cache)
             chunks.append(Chunk(t.key, t.global_shape, tuple(lead + offsets), tuple(lead_size + sizes), out_dtype, make))
     return chunks
@@ -110,9 +113,9 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp
     start = time.perf_counter()
     config = read_config(hf_dir)
     spec = ModelSpec.from_hf_config(config)  # an unknown architecture fails here
-    if ep != 1:
+    if ep != 1 and not spec.num_experts:
         raise ConfigError(f"--ep {ep}: the {spec.family} family has no experts (expert parallelism needs an MoE family)")
-    spec.check_layout(tp, pp)
+    spec.check_layout(tp, pp, ep)
     out_dtype = parse_dtype(dtype)
     architecture = (config.get("architectures") or [None])[0]
     role = role_of_architecture(architecture)
@@ -131,7 +134,7 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp
     bar = Progress("hf-to-mcore", total, len(chunks), enabled=progress, unit="chunks")
     common: dict[str, Any] = {"megarl": {
         "format": CONVERTED_FORMAT, "model_only": True, "family": spec.family, "role": role,
-        "layout": {"tp": tp, "pp": pp}, "vocab_size": spec.vocab_size, "hf_config": config,
+        "layout": {"tp": tp, "pp": pp, "ep": ep}, "vocab_size": spec.vocab_size, "hf_config": config,
     }}
     try:
         with staged_output_dir(out_dir, overwrite) as stage:

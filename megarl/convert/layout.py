@@ -28,13 +28,29 @@ class CheckpointTensor:
 
     key: str
     entry: WeightEntry
-    hf_names: tuple[tuple[str, ...], ...]  # one tuple per decoder layer (or a single one)
-    part_shape: tuple[int, ...]  # one layer's unsplit Megatron tensor (vocab padded)
+    hf_names: tuple[tuple[str, ...], ...]  # one tuple per decoder layer (x expert), or a single one
+    part_shape: tuple[int, ...]  # one layer's (one expert's) unsplit Megatron tensor (vocab padded)
     stacked: bool  # decoder layers stacked on axis 0
+    experts: int = 0  # > 0: experts stacked on axis 1 (hf_names are layer-major)
+
+    @property
+    def lead_shape(self) -> tuple[int, ...]:
+        """The stacking axes in front of `part_shape`: (), (layers,) or (layers, experts)."""
+        if not self.stacked:
+            return ()
+        if self.experts:
+            return (len(self.hf_names) // self.experts, self.experts)
+        return (len(self.hf_names),)
+
+    def lead_index(self, i: int) -> tuple[int, ...]:
+        """Position of `hf_names[i]` on the stacking axes."""
+        if not self.stacked:
+            return ()
+        return divmod(i, self.experts) if self.experts else (i,)
 
     @property
     def global_shape(self) -> tuple[int, ...]:
-        return (len(self.hf_names), *self.part_shape) if self.stacked else self.part_shape
+        return (*self.lead_shape, *self.part_shape)
 
     @property
     def numel(self) -> int:
@@ -45,8 +61,10 @@ class CheckpointTensor:
 
 
 def checkpoint_key(entry: WeightEntry) -> str:
-    """The checkpoint key of a weight-map entry (layer index removed, TE names for norms)."""
-    return (entry.te_name or entry.megatron).replace("{layer}.", "")
+    """The checkpoint key of a weight-map entry (layer index removed, TE names for norms; experts
+    under `experts.experts.`, Megatron's key for its sequential experts)."""
+    name = entry.ckpt_name or entry.te_name or entry.megatron
+    return name.replace("{layer}.", "").replace("local_experts.{expert}.", "experts.")
 
 
 def role_of_architecture(architecture: str | None) -> str:
@@ -77,12 +95,13 @@ def plan_checkpoint(spec: ModelSpec, role: str, hf_shapes: Mapping[str, tuple[in
     role_spec = spec.for_role(role)
     plan = []
     for entry in role_spec.active_weight_entries():
-        rows = [tuple(hf) for _, hf in expand(entry, 0, 1, role_spec.num_layers)]
+        rows = [tuple(hf) for _, hf in expand(entry, 0, 1, role_spec.num_layers, num_experts=role_spec.num_experts)]
         if all(n in optional_hf and n not in hf_shapes for row in rows for n in row):
             continue
         parts = [torch.empty(hf_shapes[n], device="meta") for n in rows[0]]
         shape = list(fuse(entry, parts, role_spec).shape)
         if entry.vocab_padded:
             shape[0] = role_spec.padded_vocab_size(tp)
-        plan.append(CheckpointTensor(checkpoint_key(entry), entry, tuple(rows), tuple(shape), entry.per_layer))
+        experts = role_spec.num_experts if entry.per_expert else 0
+        plan.append(CheckpointTensor(checkpoint_key(entry), entry, tuple(rows), tuple(shape), entry.per_layer, experts))
     return plan

@@ -98,7 +98,7 @@ def _check_shapes(reader: CheckpointReader, plan: list[CheckpointTensor], vocab_
     for t in plan:
         got = tuple(reader.tensor_meta(t.key).size)
         want = t.global_shape
-        vocab_dim = 1 if t.stacked else 0
+        vocab_dim = len(t.lead_shape)
         same = len(got) == len(want) and all(
             g == w or (t.entry.vocab_padded and d == vocab_dim and g >= vocab_size)
             for d, (g, w) in enumerate(zip(got, want))
@@ -157,7 +157,9 @@ def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: st
             for t in plan:
                 for layer, names in enumerate(t.hf_names):
                     if t.stacked:
-                        part = reader.read(t.key, (layer,) + (0,) * len(t.part_shape), (1,) + t.part_shape)[0]
+                        lead = t.lead_index(layer)
+                        part = reader.read(t.key, lead + (0,) * len(t.part_shape), (1,) * len(lead) + t.part_shape)
+                        part = part.reshape(t.part_shape)
                     else:
                         part = reader.read(t.key)
                     if t.entry.vocab_padded:

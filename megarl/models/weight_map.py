@@ -42,6 +42,7 @@ class WeightEntry:
     stage: str = "layer"  # first | last | layer (decoder layers, split over PP)
     when: str | None = None
     te_name: str | None = None
+    ckpt_name: str | None = None  # the distributed-checkpoint key, where Megatron maps the name
 
     @property
     def per_layer(self) -> bool:
@@ -80,6 +81,7 @@ def parse_weight_map(raw: Iterable[Mapping[str, Any]], where: str) -> list[Weigh
                 stage=stage,
                 when=item.get("when"),
                 te_name=item.get("te_name"),
+                ckpt_name=item.get("ckpt_name"),
             )
         )
     return entries
@@ -167,6 +169,26 @@ def expert_range(num_experts: int, ep_rank: int, ep_size: int) -> range:
         raise ConfigError(f"ep={ep_size} must divide the number of experts ({num_experts})")
     per = num_experts // ep_size
     return range(ep_rank * per, (ep_rank + 1) * per)
+
+
+def split_fused_experts(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """transformers >= 5 keeps a MoE layer's experts fused in memory (`mlp.experts.gate_up_proj`
+    (E, 2I, H), `mlp.experts.down_proj` (E, H, I)) and writes them one by one in checkpoints
+    (`mlp.experts.{e}.gate_proj.weight`, ...). Shapes by checkpoint name."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        stem, _, leaf = name.rpartition(".")
+        if stem.endswith(".experts") and leaf == "gate_up_proj" and len(shape) == 3:
+            experts, rows, cols = shape
+            for e in range(experts):
+                out[f"{stem}.{e}.gate_proj.weight"] = (rows // 2, cols)
+                out[f"{stem}.{e}.up_proj.weight"] = (rows // 2, cols)
+        elif stem.endswith(".experts") and leaf == "down_proj" and len(shape) == 3:
+            for e in range(shape[0]):
+                out[f"{stem}.{e}.down_proj.weight"] = tuple(shape[1:])
+        else:
+            out[name] = tuple(shape)
+    return out
 
 
 def expand(entry: WeightEntry, pp_rank: int, pp_size: int, num_layers: int,

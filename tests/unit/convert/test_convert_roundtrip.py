@@ -21,7 +21,7 @@ from megarl.convert.mcore_to_hf import convert_mcore_to_hf
 
 @pytest.mark.parametrize("kind,tp,pp", [
     ("llama", 1, 1), ("llama", 2, 2), ("llama_tied", 2, 1), ("qwen2", 2, 1), ("qwen2_tied", 1, 2),
-    ("qwen3", 2, 2), ("mistral", 1, 1),
+    ("qwen3", 2, 2), ("mistral", 1, 1), ("qwen3_moe", 2, 2), ("qwen2_moe", 1, 1),
 ])
 def test_round_trip_is_bit_exact_and_loads_in_transformers(kind: str, tp: int, pp: int, tmp_path: Path) -> None:
     import transformers

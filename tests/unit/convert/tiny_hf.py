@@ -15,6 +15,11 @@ KINDS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2_tied": ("Qwen2", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3", dict(tie_word_embeddings=False, head_dim=16)),  # QK-norm
     "mistral": ("Mistral", dict(tie_word_embeddings=False, sliding_window=None)),
+    # Mixture of experts: 4 experts of width 32 (stored one by one in the checkpoint).
+    "qwen3_moe": ("Qwen3Moe", dict(tie_word_embeddings=False, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=32, norm_topk_prob=True)),
+    "qwen2_moe": ("Qwen2Moe", dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=32, shared_expert_intermediate_size=48)),
 }
 
 
