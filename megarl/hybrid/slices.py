@@ -76,7 +76,9 @@ def hf_tensor_shapes(spec: "ModelSpec") -> dict[str, tuple[int, ...]]:
     config = AutoConfig.for_model(model_type, **cfg)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    from megarl.models.weight_map import split_fused_experts
+
+    return split_fused_experts({name: tuple(t.shape) for name, t in model.state_dict().items()})
 
 
 def entry_axis(entry: WeightEntry) -> int:
@@ -157,6 +159,10 @@ def engine_params(spec: "ModelSpec", engine: str, tp_rank: int, tp_size: int,
         raise ConfigError(f"rollout engine layout {engine!r} unknown; valid: {ENGINES}")
     if engine == "hf" and tp_size != 1:
         raise ConfigError(f"engine layout 'hf' holds full tensors and needs rollout tp=1, got tp={tp_size}")
+    if engine == "vllm" and spec.num_experts:
+        raise ConfigError(
+            f"{spec.family}: resharding mixture-of-experts weights into vLLM's fused expert parameters is "
+            "not implemented; use rollout tensor_model_parallel_size=1 (HF-named tensors)")
     out = []
     for entry, _, hf_names in stage_entries(spec, 0, 1):  # the whole model, global layer indices
         axis = entry_axis(entry)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,8 @@ class HFRolloutEngine(RolloutEngine):
         for name, tensor in named_tensors:
             target = targets.get(name)
             if target is None:
+                target = _fused_expert_slice(targets, name)
+            if target is None:
                 close = difflib.get_close_matches(name, list(targets), n=3)
                 raise WeightUpdateError(
                     f"hf engine: unknown parameter {name!r}" + (f"; did you mean {close}?" if close else "")
@@ -169,6 +172,25 @@ class HFRolloutEngine(RolloutEngine):
         del self.model
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+_EXPERT_NAME = re.compile(r"^(?P<stem>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _fused_expert_slice(targets: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The view of transformers' fused expert parameters that a per-expert checkpoint name stands
+    for: `experts.gate_up_proj[e]` holds [gate; up] rows, `experts.down_proj[e]` the down weight."""
+    match = _EXPERT_NAME.match(name)
+    if match is None:
+        return None
+    stem, expert, proj = match["stem"], int(match["expert"]), match["proj"]
+    fused = targets.get(f"{stem}.down_proj" if proj == "down_proj" else f"{stem}.gate_up_proj")
+    if fused is None or fused.dim() != 3 or expert >= fused.shape[0]:
+        return None
+    if proj == "down_proj":
+        return fused[expert]
+    gate, up = fused[expert].chunk(2, dim=0)
+    return gate if proj == "gate_proj" else up
 
 
 def _default_device() -> str:

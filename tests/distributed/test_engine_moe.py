@@ -252,3 +252,41 @@ def test_converted_moe_checkpoint_loads_at_ep2_and_tp2() -> None:
         for layout, got in zip(("ep2", "tp2"), per_layout):
             err = (got.double() - want)[mask].abs().max().item()
             assert err < 2e-5, f"rank {rank} {layout}: log-probs differ from transformers by {err}"
+
+
+def _sync_moe(rank: int, world: int, port: int, hf_dir: str, batch: dict) -> dict:
+    from transformers import AutoConfig
+
+    from megarl.hybrid.sync import WeightSync
+    from megarl.megatron.parallel import ParallelLayout, init_distributed
+    from megarl.rollout.base import EngineOptions
+    from megarl.rollout.hf_engine import HFRolloutEngine
+
+    # PP=2: Megatron trains MoE with TP > 1 only under sequence parallelism (not on gloo).
+    init_distributed(rank, world, "127.0.0.1", port, ParallelLayout(pp=2))
+    engine = _engine(hf_dir, {"micro_batch_size": 2, "lr": LR, "eps": EPS, "clip_grad": CLIP, "weight_decay": 0.0})
+    engine.load_hf_weights(hf_dir)
+    torch.manual_seed(1000 + rank)  # a different random model: only the sync can make it right
+    rollout = HFRolloutEngine.from_config(AutoConfig.from_pretrained(hf_dir), EngineOptions(pad_token_id=0, eos_token_ids=(1,)))
+    rollout.model.set_experts_implementation("eager")
+    sync = WeightSync(engine, rollout, rollout_tp=1)
+    stats = sync.sync()
+    synced = hf_logprobs(rollout.model, batch, dtype=torch.float32)[0]
+    engine.train_step(batch, pg_loss_fn, mini_batch_size=len(batch["responses"]), calculate_entropy=True)
+    sync.sync()
+    return {"synced": synced, "stepped": hf_logprobs(rollout.model, batch, dtype=torch.float32)[0],
+            "train": engine.compute_log_prob(batch)["log_probs"], "stats": stats.as_dict()}
+
+
+def test_weight_sync_fills_transformers_fused_experts() -> None:
+    """PP=2 training shards of a MoE model -> HF rollout engine (experts fused in memory)."""
+    model = make_moe_model("qwen3_moe", seed=4)
+    hf_dir = save_hf_model(model)
+    batch = make_batch(seed=14, batch=4)
+    want, _ = hf_logprobs(model, batch)
+    mask = batch["response_mask"].bool()
+    for res in run_distributed(_sync_moe, 2, hf_dir, batch):
+        assert (res["synced"].double() - want)[mask].abs().max() < 2e-5
+        assert (res["stepped"] - res["synced"])[mask].abs().max() > 1e-3, "the step must change the rollout model"
+        assert (res["stepped"] - res["train"])[mask].abs().max() < 2e-5
+        assert res["stats"]["bytes_received"] == res["stats"]["minimum_bytes"] > 0
