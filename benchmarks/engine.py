@@ -9,6 +9,7 @@ valid (unpadded) tokens. Runs in this process as a world of 1 (gloo without CUDA
 
     python benchmarks/engine.py                      # ~1-2 min on 2 CPU cores
     python benchmarks/engine.py --hidden 512 --layers 8 --batch 64
+    python benchmarks/engine.py --family qwen3_moe --out benchmarks/results/engine_moe.json
 
 Prints a table and writes JSON to --out (default benchmarks/results/engine.json).
 """
@@ -83,6 +84,10 @@ def pg_loss(outputs: dict[str, torch.Tensor], mb: dict[str, torch.Tensor], n: An
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--family", choices=["qwen2", "qwen3_moe"], default="qwen2",
+                        help="dense Qwen2, or Qwen3-MoE (--experts of width hidden/2, top --topk)")
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--topk", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
@@ -108,12 +113,19 @@ def main() -> None:
     from megarl.models.spec import ModelSpec
 
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(
+    common = dict(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
         max_position_embeddings=args.prompt_len + args.response_len, tie_word_embeddings=False)
+    if args.family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**common, num_experts=args.experts, num_experts_per_tok=args.topk,
+                                             moe_intermediate_size=args.hidden // 2, norm_topk_prob=True)
+        model_cls = transformers.Qwen3MoeForCausalLM
+    else:
+        config = transformers.Qwen2Config(**common)
+        model_cls = transformers.Qwen2ForCausalLM
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    hf = transformers.Qwen2ForCausalLM(config).to(dtype)
+    hf = model_cls(config).to(dtype)
     hf_dir = tempfile.mkdtemp(prefix="megarl_bench_")
     hf.save_pretrained(hf_dir)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -180,7 +192,7 @@ def main() -> None:
     destroy_distributed()
 
     lp, tr = results["log_prob_tokens_per_s"], results["train_step_tokens_per_s"]
-    print(f"model: Qwen2 {params / 1e6:.2f}M params, {args.dtype}, batch {args.batch} x "
+    print(f"model: {args.family} {params / 1e6:.2f}M params, {args.dtype}, batch {args.batch} x "
           f"{args.prompt_len}+{args.response_len} ({tokens} valid tokens), {args.threads} threads, {device}")
     print(f"{'':24s}{'engine':>12s}{'packed':>12s}{'HF':>12s}{'engine/HF':>12s}{'packed/HF':>12s}")
     for name, row in (("log-prob tokens/s", lp), ("train-step tokens/s", tr)):
