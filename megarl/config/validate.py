@@ -202,6 +202,23 @@ def _check_batches(r: _Rules, role: str, sec: Any, train_bs: int, n: int, dp: in
             )
 
 
+def _check_token_budget(r: _Rules, role: str, sec: Any, par: Any, seq_len: int) -> None:
+    """With dynamic micro-batching the budget `ppo_max_token_len_per_gpu` is per rank: under context
+    parallelism a sequence is padded to a multiple of 2*CP and each CP rank computes 1/CP of it."""
+    if not sec.get("use_dynamic_bsz", False):
+        return
+    cp = max(int(par.context_parallel_size), 1)
+    align = 2 * cp if cp > 1 else 1
+    per_rank = -(-seq_len // align) * align // cp
+    budget = sec.ppo_max_token_len_per_gpu
+    if budget < per_rank:
+        share = f" at context_parallel_size = {cp}, {per_rank} positions per rank" if cp > 1 else ""
+        r.err(
+            f"{role}.ppo_max_token_len_per_gpu = {budget}: smaller than the longest sequence "
+            f"(max_prompt_length + response length = {seq_len} tokens{share}); set it to at least {per_rank}"
+        )
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Raise ConfigError listing every rule ``cfg`` breaks."""
     r = _Rules(cfg)
@@ -270,6 +287,9 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError("invalid config:\n  " + "\n  ".join(r.errors))
     dp = _check_layout(r, "actor", actor.megatron, world, "resources.actor_pool", hf)
     _check_batches(r, "actor", actor, data.train_batch_size, n, dp)
+    seq_len = data.max_prompt_length + (rollout.response_length or data.max_response_length)
+    if dp:
+        _check_token_budget(r, "actor", actor, actor.megatron, seq_len)
 
     if critic_enabled(cfg):
         pool_key = "resources.critic_pool" if cfg.resources.critic_pool is not None else "resources.actor_pool"
@@ -279,6 +299,8 @@ def validate_config(cfg: DictConfig) -> None:
             r.err("critic.megatron differs from actor.megatron, but the critic shares the actor's processes "
                   "(resources.critic_pool is null); set critic.megatron to null (the actor's layout) or give the critic its own pool")
         _check_batches(r, "critic", cfg.critic, data.train_batch_size, n, critic_dp)
+        if critic_dp:
+            _check_token_budget(r, "critic", cfg.critic, role_parallel(cfg, "critic"), seq_len)
     if ref_enabled(cfg):
         ref_world = pool_size(cfg.resources.ref_pool) if cfg.resources.ref_pool is not None else world
         pool_key = "resources.ref_pool" if cfg.resources.ref_pool is not None else "resources.actor_pool"

@@ -1,7 +1,7 @@
 """MegatronEngine: the model, optimizer and schedule that actor, critic, ref and reward workers wrap.
 
 Every rank of the layout runs the same calls (SPMD). A batch given to a rank is that rank's DP
-shard; all TP/PP ranks of one DP replica must receive the same rows. Results are returned on every
+shard; all TP/PP/CP ranks of one DP replica must receive the same rows. Results are returned on every
 rank (the last pipeline stage computes them and broadcasts them to the other stages).
 
 Gradient convention (shared with `megarl.algorithms.aggregation`): `loss_fn` returns the
@@ -9,6 +9,14 @@ micro-batch's *share* of the mini-batch loss, normalised by the mini-batch's glo
 multiplied by `dp_size`; micro-batch gradients are summed; DDP averages over DP. The engine undoes
 Megatron's division of each micro-batch loss by the number of micro-batches, so the gradient is
 exactly that of the whole mini-batch loss however the mini-batch is split.
+
+Context parallelism (cp > 1, `megarl.megatron.context_parallel`): each micro-batch's sequence axis is
+padded to a multiple of 2*cp and split over the CP ranks (chunks r and 2*cp-1-r). Per-position
+outputs are gathered back to full sequences before `loss_fn`, which therefore sees the same (b, R)
+tensors on every CP rank and keeps the convention above (`dp_size` is the pure DP size). Megatron
+multiplies each loss by cp and DDP averages over DP x CP ranks; the output gather's backward keeps
+each rank's own slice, so the gradient equals that at cp=1. With `use_dynamic_bsz` the token
+budget `max_token_len_per_micro_batch` is per rank: a micro-batch holds up to cp times as many tokens.
 """
 
 from __future__ import annotations
@@ -21,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from megarl.algorithms.aggregation import LossNormalisers, mini_batch_normalisers
-from megarl.errors import CheckpointError, ConfigError, DataError
+from megarl.errors import CheckpointError, DataError
 from megarl.megatron import checkpoint as ckpt
 from megarl.megatron import offload as off
+from megarl.megatron.context_parallel import SequenceShard, cp_alignment, padded_length
 from megarl.megatron.logprobs import vocab_parallel_logprobs_entropy
 from megarl.megatron.model import build_model_chunk, load_megatron_state, unwrap, wrap_for_training
 from megarl.megatron.optim import EngineConfig, build_optimizer, build_scheduler
@@ -32,6 +41,7 @@ from megarl.megatron.packing import (
     compact_rows,
     gather_response,
     pack_rows,
+    packed_seq_ids,
     plan_micro_batches,
     unpack,
 )
@@ -72,16 +82,11 @@ class MegatronEngine:
         self.layout = layout
         self.ranks = current_ranks()
         self.role = self.cfg.role
-        if self.ranks.cp_size > 1:
-            raise ConfigError(
-                f"context parallel (cp={self.ranks.cp_size}) is not supported by the engine yet: its "
-                "groups exist, but sequences are not split over them; use cp=1"
-            )
         self.use_te = te_available() if use_te is None else use_te
         torch.manual_seed(self.cfg.seed)
         model_parallel_cuda_manual_seed(self.cfg.seed)
         self.model = build_model_chunk(spec, self.role, self.cfg.torch_dtype, self.ranks.tp_size,
-                                       self.ranks.pp_size, self.use_te)
+                                       self.ranks.pp_size, self.use_te, cp=self.ranks.cp_size)
         self.ddp = wrap_for_training(self.model, self.cfg.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.cfg, [self.ddp])
         self.scheduler = build_scheduler(self.cfg, self.optimizer)
@@ -92,6 +97,7 @@ class MegatronEngine:
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.cp_group = ps.get_context_parallel_group()
         self.is_last_stage = ps.is_pipeline_last_stage()
         self.last_stage_rank = ps.get_pipeline_model_parallel_last_rank()
         self.padded_vocab = spec.padded_vocab_size(self.ranks.tp_size)
@@ -103,7 +109,8 @@ class MegatronEngine:
     def load_hf_weights(self, hf_dir: str) -> None:
         """Load this rank's shard from HF safetensors via the spec's weight map."""
         spec = self._role_spec()
-        names = {h for _, _, hf in stage_entries(spec, self.ranks.pp_rank, self.ranks.pp_size, self.use_te) for h in hf}
+        names = {h for _, _, hf in stage_entries(spec, self.ranks.pp_rank, self.ranks.pp_size, self.use_te,
+                                  self.ranks.ep_rank, self.ranks.ep_size) for h in hf}
         optional = {n for n in names if n in OPTIONAL_HF_WEIGHTS}
         hf_sd = read_hf_tensors(hf_dir, names - optional)
         try:
@@ -117,13 +124,15 @@ class MegatronEngine:
         spec = self._role_spec()
         present = dict(hf_sd)
         optional = tuple(
-            name for e, name, hf in stage_entries(spec, self.ranks.pp_rank, self.ranks.pp_size, self.use_te)
+            name for e, name, hf in stage_entries(spec, self.ranks.pp_rank, self.ranks.pp_size, self.use_te,
+                                  self.ranks.ep_rank, self.ranks.ep_size)
             if any(h in OPTIONAL_HF_WEIGHTS and h not in present for h in hf)
         )
         skip_entries = set(optional)
         state = hf_to_megatron_state_dict(
             present, spec, self.ranks.tp_rank, self.ranks.tp_size, self.ranks.pp_rank,
             self.ranks.pp_size, skip=skip_entries, te_names=self.use_te,
+            ep_rank=self.ranks.ep_rank, ep_size=self.ranks.ep_size,
         )
         load_megatron_state(self.ddp, state, self.role, optional=optional)
         self.optimizer.reload_model_params()
@@ -150,8 +159,9 @@ class MegatronEngine:
             )
         packing = self.cfg.use_sequence_packing
         if self.cfg.use_dynamic_bsz:
+            # The token budget is per rank: at cp > 1 a micro-batch holds up to cp times as many.
             plans = plan_micro_batches(rows.total_lens, max_tokens=self.cfg.max_token_len_per_micro_batch,
-                                       packed=packing)
+                                       packed=packing, cp=self.ranks.cp_size, pad_each=self.use_te)
         else:
             plans = plan_micro_batches(rows.total_lens, micro_batch_size=self.cfg.micro_batch_size)
         micro = []
@@ -159,31 +169,64 @@ class MegatronEngine:
             width = int(rows.total_lens[idx].max())
             sub = CompactRows(rows.tokens[idx, :width], rows.prompt_lens[idx], rows.total_lens[idx],
                               response_len).to(self.device)
-            mb = {
-                "index": idx,
-                "rows": sub,
-                "tokens": sub.tokens,
-                "positions": torch.arange(width, device=self.device).unsqueeze(0).expand(len(idx), width),
-                "data": {k: v[idx].to(self.device) for k, v in data.items()},
-            }
-            if packing:
-                mb.update(self._packed_inputs(sub))
+            mb = {"index": idx, "rows": sub, "data": {k: v[idx].to(self.device) for k, v in data.items()}}
+            mb.update(self._packed_inputs(sub) if packing else self._padded_inputs(sub))
             micro.append(mb)
         return micro
 
+    def _padded_inputs(self, rows: CompactRows) -> dict[str, Any]:
+        """Model inputs of a padded micro-batch (b, T); at cp > 1 this CP rank's share of it.
+        "targets" (the next token of each position) are taken before the split."""
+        tokens = rows.tokens
+        b, width = tokens.shape
+        cp = self.ranks.cp_size
+        if cp == 1:
+            positions = torch.arange(width, device=self.device).unsqueeze(0).expand(b, width)
+            return {"tokens": tokens, "positions": positions, "targets": torch.roll(tokens, -1, dims=1)}
+        full = torch.nn.functional.pad(tokens, (0, padded_length(width, cp) - width))
+        shard = SequenceShard.contiguous(full.shape[1], cp, self.ranks.cp_rank, self.device)
+        return {"tokens": shard.local(full), "positions": shard.index.unsqueeze(0).expand(b, -1),
+                "targets": shard.local(torch.roll(full, -1, dims=1)), "cp_shard": shard}
+
     def _packed_inputs(self, rows: CompactRows) -> dict[str, Any]:
-        packed = pack_rows(rows, with_mask=not self.use_te)
-        seq_ids = torch.repeat_interleave(torch.arange(len(packed.lengths), device=self.device), packed.lengths)
-        positions = torch.arange(packed.tokens.shape[1], device=self.device) - packed.offsets[seq_ids]
-        out: dict[str, Any] = {"packed": packed, "tokens": packed.tokens, "positions": positions.unsqueeze(0),
+        """Model inputs of a micro-batch packed into one row (1, S).
+
+        Local spec: a block-diagonal causal mask; at cp > 1 the packed row is padded to a multiple
+        of 2*cp and split as a whole, and the mask has this rank's query rows against all gathered
+        key columns (gathered order, see `ContextParallelAttention`). TransformerEngine: THD with
+        cu_seqlens; at cp > 1 each row is padded to a multiple of 2*cp and split on its own, the
+        layout TE's THD context parallelism and Megatron's THD RoPE expect (GPU only, not run on CPU).
+        """
+        cp, rank = self.ranks.cp_size, self.ranks.cp_rank
+        te_cp = self.use_te and cp > 1
+        packed = pack_rows(rows, with_mask=not self.use_te and cp == 1, align=cp_alignment(cp) if te_cp else 1)
+        tokens = packed.tokens
+        width = padded_length(tokens.shape[1], cp) if not te_cp else tokens.shape[1]
+        tokens = torch.nn.functional.pad(tokens, (0, width - tokens.shape[1]))
+        seq_ids = packed_seq_ids(packed, width)
+        positions = (torch.arange(width, device=self.device) - packed.offsets[seq_ids.clamp(min=0)]).unsqueeze(0)
+        positions = torch.where(seq_ids >= 0, positions, torch.zeros_like(positions))
+        targets = torch.roll(tokens, -1, dims=1)
+        out: dict[str, Any] = {"packed": packed, "tokens": tokens, "positions": positions, "targets": targets,
                                "attention_mask": packed.attention_mask}
+        if cp > 1:
+            if te_cp:
+                shard = SequenceShard.per_sequence(packed.padded_lengths, cp, rank)
+            else:
+                shard = SequenceShard.contiguous(width, cp, rank, self.device)
+                q, k = shard.index, shard.gathered
+                visible = (seq_ids[q].unsqueeze(1) == seq_ids[k].unsqueeze(0)) & (k.unsqueeze(0) <= q.unsqueeze(1))
+                out["attention_mask"] = (~visible).unsqueeze(0).unsqueeze(0)
+            out.update(tokens=shard.local(tokens), positions=shard.local(positions), targets=shard.local(targets),
+                       cp_shard=shard)
         if self.use_te:
             from megatron.core.packed_seq_params import PackedSeqParams
 
-            longest = int(packed.lengths.max())
+            cu = packed.cu_seqlens
+            longest = int(packed.padded_lengths.max())
             out["packed_seq_params"] = PackedSeqParams(
-                qkv_format="thd", cu_seqlens_q=packed.cu_seqlens, cu_seqlens_kv=packed.cu_seqlens,
-                max_seqlen_q=longest, max_seqlen_kv=longest)
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
+                cu_seqlens_q_padded=cu if te_cp else None, cu_seqlens_kv_padded=cu if te_cp else None)
         return out
 
     def _run(self, micro: list[dict[str, Any]], loss_func: Callable[..., Any], forward_only: bool) -> list[Any]:
@@ -200,7 +243,8 @@ class MegatronEngine:
             data_iterator=iter(micro),
             model=[self.ddp],
             num_microbatches=len(micro),
-            seq_length=max(int(m["tokens"].shape[1]) for m in micro),
+            # Global length: Megatron divides it by the CP size for the pipeline's tensor shapes.
+            seq_length=max(int(m["tokens"].shape[1]) for m in micro) * self.ranks.cp_size,
             micro_batch_size=max(int(m["tokens"].shape[0]) for m in micro),
             forward_only=forward_only,
             collect_non_loss_data=forward_only,
@@ -208,20 +252,26 @@ class MegatronEngine:
 
     def _head_outputs(self, mb: dict[str, Any], output: torch.Tensor, temperature: float,
                       with_entropy: bool) -> dict[str, torch.Tensor]:
-        """Model output (b, s, V_local) or (b, s, 1) -> response-aligned (b, R) tensors."""
+        """Model output (b, s, V_local) or (b, s, 1) -> response-aligned (b, R) tensors.
+        At cp > 1, s is this CP rank's share: per-position results are gathered over the CP group
+        into global order first (differentiably; see `context_parallel.SequenceShard.gather`)."""
         rows: CompactRows = mb["rows"]
+        shard: SequenceShard | None = mb.get("cp_shard")
 
-        def per_row(x: torch.Tensor) -> torch.Tensor:  # (1, S) packed -> (b, T) per row
-            return unpack(x, mb["packed"], rows.tokens.shape[1]) if "packed" in mb else x
+        def per_row(x: torch.Tensor) -> torch.Tensor:  # this rank's (b, s) -> (b, T) per row
+            if shard is not None:
+                x = shard.gather(x, self.cp_group)
+            if "packed" in mb:
+                return unpack(x, mb["packed"], rows.tokens.shape[1])
+            return x[:, :rows.tokens.shape[1]]
 
         if self.role != "policy":
             values = per_row(output[..., 0].float())
             return {"values": gather_response(values, rows), "per_position": values}
         # The next token is the target; at a packed row's end it belongs to the next row, a
         # position gather_response never reads.
-        targets = torch.roll(mb["tokens"], shifts=-1, dims=1)
         lp, ent = vocab_parallel_logprobs_entropy(
-            output, targets, self.vocab_start, self.spec.vocab_size, temperature, self.tp_group, with_entropy
+            output, mb["targets"], self.vocab_start, self.spec.vocab_size, temperature, self.tp_group, with_entropy
         )
         out = {"log_probs": gather_response(per_row(lp), rows)}
         if ent is not None:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from megarl.errors import CheckpointError, ConfigError
-from megarl.models.spec import ModelSpec
+from megarl.models.spec import ModelSpec, te_available
 
 ROLES = ("policy", "value", "reward")
 
@@ -28,19 +28,34 @@ class ScalarHead(nn.Module):
 
 
 def build_model_chunk(spec: ModelSpec, role: str, params_dtype: torch.dtype, tp: int, pp: int,
-                      use_te: bool | None = None) -> nn.Module:
-    """The GPTModel (or value/reward model) for this rank's pipeline stage, unwrapped."""
+                      use_te: bool | None = None, cp: int = 1) -> nn.Module:
+    """The GPTModel (or value/reward model) for this rank's pipeline stage, unwrapped.
+
+    At cp > 1 the sequence axis is split over the context-parallel group (see `context_parallel`):
+    TransformerEngine's attention handles CP itself; on the local spec (CPU, or GPU without TE) the
+    core attention is replaced by `ContextParallelAttention`, which Megatron's DotProductAttention
+    (it asserts cp == 1) cannot do.
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     if role not in ROLES:
         raise ConfigError(f"engine role={role!r}, valid: {ROLES}")
     scalar = role != "policy"
-    config = spec.transformer_config(tp=tp, pp=pp, params_dtype=params_dtype)
+    if use_te is None:
+        use_te = te_available()
+    config = spec.transformer_config(tp=tp, pp=pp, cp=cp, params_dtype=params_dtype)
+    layer_spec = spec.layer_spec(use_te)
+    if cp > 1 and not use_te:
+        from megarl.megatron.context_parallel import with_context_parallel_attention
+
+        layer_spec = with_context_parallel_attention(layer_spec)
+    # With TE, TEDotProductAttention runs CP on the same split (chunks r and 2*cp-1-r, THD per
+    # sequence when packed) with config.cp_comm_type; that path needs CUDA and is not run on CPU.
     post = ps.is_pipeline_last_stage()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=spec.layer_spec(use_te),
+        transformer_layer_spec=layer_spec,
         vocab_size=spec.padded_vocab_size(tp),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),

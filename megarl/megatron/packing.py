@@ -5,6 +5,9 @@ valid tokens (attention_mask == 1) start at position 0; a micro-batch is then tr
 row. Trailing padding cannot influence earlier tokens under a causal mask, so no attention mask is
 needed, and positions equal HF's `cumsum(mask) - 1`. The log-prob of response token t of row i
 comes from compact position L_i + t - 1 (L_i = valid prompt tokens of row i).
+
+Under context parallelism (`megarl.megatron.context_parallel`) the token budget of dynamic
+micro-batching counts the positions one CP rank computes, after padding to a multiple of 2*cp.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.errors import ConfigError, DataError
+from megarl.megatron.context_parallel import padded_length
 
 
 @dataclass
@@ -76,39 +80,56 @@ def plan_micro_batches(
     micro_batch_size: int | None = None,
     max_tokens: int | None = None,
     packed: bool = False,
+    cp: int = 1,
+    pad_each: bool = False,
 ) -> list[torch.Tensor]:
     """Row indices of each micro-batch.
 
     Fixed: consecutive chunks of `micro_batch_size`. Dynamic (`max_tokens` set): rows sorted by
-    length, a micro-batch closes when its computed tokens would exceed `max_tokens`: rows x longest
-    row when padded, the sum of the lengths when `packed`.
+    length, a micro-batch closes when the tokens one rank computes would exceed `max_tokens`: rows x
+    longest row when padded, the sum of the lengths when `packed`.
+
+    Context parallelism (`cp` > 1): the budget is per rank, like verl's `*_max_token_len_per_gpu`.
+    A micro-batch's sequence axis is padded to a multiple of 2*cp (each sequence on its own when
+    `pad_each`, TransformerEngine's THD packing) and split `cp` ways, so a micro-batch holds up to
+    about `cp` times the budget in total and each rank computes at most `max_tokens` positions.
     """
     n = int(lengths.numel())
     if max_tokens is None:
         if not micro_batch_size or micro_batch_size < 1:
             raise ConfigError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         return [torch.arange(i, min(i + micro_batch_size, n)) for i in range(0, n, micro_batch_size)]
+
+    def per_rank(count: int, longest: int, total: int, padded_sum: int) -> int:
+        if packed:
+            tokens = padded_sum if pad_each else padded_length(total, cp)
+        else:
+            tokens = count * padded_length(longest, cp)
+        return tokens // cp  # exact: padded to a multiple of 2*cp when cp > 1
+
     longest = int(lengths.max()) if n else 0
-    if longest > max_tokens:
+    longest_cost = per_rank(1, longest, longest, padded_length(longest, cp))
+    if longest_cost > max_tokens:
+        share = f", {longest_cost} per rank at context parallel size {cp}" if cp > 1 else ""
         raise ConfigError(
             f"max_token_len_per_micro_batch={max_tokens} is smaller than the longest sequence "
-            f"({longest} tokens); raise it to at least {longest}"
+            f"({longest} tokens{share}); raise it to at least {longest_cost}"
         )
     order = torch.sort(lengths, descending=True, stable=True).indices.tolist()
     plans: list[list[int]] = []
     current: list[int] = []
-    current_max = 0
-    current_sum = 0
+    current_max = current_sum = current_padded = 0
     for idx in order:
         length = int(lengths[idx])
         new_max = max(current_max, length)
-        cost = current_sum + length if packed else (len(current) + 1) * new_max
+        cost = per_rank(len(current) + 1, new_max, current_sum + length, current_padded + padded_length(length, cp))
         if current and cost > max_tokens:
             plans.append(current)
-            current, new_max, current_sum = [], length, 0
+            current, new_max, current_sum, current_padded = [], length, 0, 0
         current.append(idx)
         current_max = new_max
         current_sum += length
+        current_padded += padded_length(length, cp)
     if current:
         plans.append(current)
     return [torch.tensor(sorted(p), dtype=torch.long) for p in plans]
@@ -118,9 +139,11 @@ def plan_micro_batches(
 class PackedRows:
     """The rows of one micro-batch concatenated into a single row of S tokens.
 
-    tokens: (1, S). offsets: (b,) start of each row. seq_ids: (S,) which row a position belongs to.
+    tokens: (1, S). offsets: (b,) start of each row. lengths: (b,) valid tokens of each row.
+    padded_lengths: (b,) room each row takes (its length rounded up to `align`; zeros fill the rest).
     attention_mask: (1, 1, S, S) bool, True = masked (causal within each row, nothing across rows);
     None on the TransformerEngine path, which takes `cu_seqlens` (THD format) instead.
+    cu_seqlens: (b+1,) int32 boundaries of the padded rows.
     """
 
     tokens: torch.Tensor
@@ -128,22 +151,40 @@ class PackedRows:
     lengths: torch.Tensor
     attention_mask: torch.Tensor | None
     cu_seqlens: torch.Tensor
+    padded_lengths: torch.Tensor | None = None
 
 
-def pack_rows(rows: CompactRows, with_mask: bool = True) -> PackedRows:
-    """Concatenate each row's valid tokens (no padding at all)."""
+def pack_rows(rows: CompactRows, with_mask: bool = True, align: int = 1) -> PackedRows:
+    """Concatenate each row's valid tokens. With `align` > 1 each row is followed by zeros up to a
+    multiple of `align` (TransformerEngine's THD context parallelism splits every sequence into
+    2*cp chunks); with 1 there is no padding at all."""
     lengths = rows.total_lens
-    offsets = torch.cumsum(lengths, 0) - lengths
-    keep = torch.arange(rows.tokens.shape[1], device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
-    tokens = rows.tokens[keep].unsqueeze(0)
-    seq_ids = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+    device = lengths.device
+    padded = ((lengths + align - 1) // align) * align
+    offsets = torch.cumsum(padded, 0) - padded
+    total = int(padded.sum())
+    seq_ids = torch.repeat_interleave(torch.arange(len(lengths), device=device), padded)
+    within = torch.arange(total, device=device) - offsets[seq_ids]
+    valid = within < lengths[seq_ids]
+    source = rows.tokens[seq_ids, within.clamp(max=rows.tokens.shape[1] - 1)]
+    tokens = torch.where(valid, source, torch.zeros_like(source)).unsqueeze(0)
     mask = None
     if with_mask:
-        pos = torch.arange(tokens.shape[1], device=lengths.device)
+        pos = torch.arange(total, device=device)
         visible = (seq_ids.unsqueeze(1) == seq_ids.unsqueeze(0)) & (pos.unsqueeze(1) >= pos.unsqueeze(0))
         mask = (~visible).unsqueeze(0).unsqueeze(0)
-    cu = torch.cat([torch.zeros(1, dtype=torch.int32, device=lengths.device), torch.cumsum(lengths, 0).int()])
-    return PackedRows(tokens, offsets, lengths, mask, cu)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32, device=device), torch.cumsum(padded, 0).int()])
+    return PackedRows(tokens, offsets, lengths, mask, cu, padded)
+
+
+def packed_seq_ids(packed: PackedRows, width: int) -> torch.Tensor:
+    """(width,) which row each position of the packed row (padded to `width`) belongs to; -1 for
+    positions past the last row."""
+    device = packed.lengths.device
+    padded = packed.padded_lengths if packed.padded_lengths is not None else packed.lengths
+    ids = torch.repeat_interleave(torch.arange(len(padded), device=device), padded)
+    tail = torch.full((width - ids.numel(),), -1, dtype=ids.dtype, device=device)
+    return torch.cat([ids, tail])
 
 
 def unpack(per_position: torch.Tensor, packed: PackedRows, width: int) -> torch.Tensor:
