@@ -48,6 +48,8 @@ PROXIED_MODULES: tuple[str, ...] = (
     "optimizer.clip_grads",
     "optimizer.distrib_optimizer",
     "transformer.utils",
+    # Context parallel RoPE: get_pos_emb_on_this_cp_rank builds its index with pin_memory=True.
+    "models.common.embeddings.rope_utils",
     "dist_checkpointing.strategies.filesystem_async",
     "dist_checkpointing.strategies.state_dict_saver",
     # Not reached by the CPU configuration today (GPU initialisation, sequence parallel, fp16 loss
@@ -77,6 +79,7 @@ TENSOR_METHOD_FUNCTIONS: tuple[tuple[str, str], ...] = (
     ("optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups"),
     ("optimizer.distrib_optimizer", "DistributedOptimizer.__init__"),
     ("optimizer.clip_grads", "clip_grad_by_total_norm_fp32"),
+    ("models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank"),  # .cuda(non_blocking=True)
 )
 
 _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange", "empty_like", "zeros_like")
@@ -355,7 +358,8 @@ def _wrap_type_checking_function(rel: str, qualname: str) -> None:
         wrapped = _with_cuda_type_names(fn)
         setattr(module, parts[0], wrapped)
         # Callers that imported the function by name hold their own reference: rebind it there.
-        for caller_rel in ("optimizer.optimizer", "optimizer.distrib_optimizer", "optimizer"):
+        for caller_rel in ("optimizer.optimizer", "optimizer.distrib_optimizer", "optimizer",
+                           "models.common.embeddings.rotary_pos_embedding"):
             caller = importlib.import_module(f"megatron.core.{caller_rel}")
             if getattr(caller, parts[0], None) is fn:
                 setattr(caller, parts[0], wrapped)

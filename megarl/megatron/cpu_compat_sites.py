@@ -60,8 +60,7 @@ EXPLICIT_SITES: dict[tuple[str, str], str] = {
         "import-time decorator for autocast; no autocast on CPU",
     ("tensor_parallel/layers.py", 'custom_bwd = partial(torch.amp.custom_bwd, device_type="cuda")'):
         "import-time decorator for autocast; no autocast on CPU",
-    ("models/common/embeddings/rope_utils.py", ").cuda(non_blocking=True)"):
-        "multimodal RoPE (mrope) only; megarl uses plain RoPE",
+    ("models/common/embeddings/rope_utils.py", ").cuda(non_blocking=True)"): _TENSOR_METHODS,
     ("models/common/language_module/language_module.py", "weight.data = weight.data.cuda()"): _TENSOR_METHODS,
     ("transformer/module.py", "_FLOAT_TYPES = (torch.FloatTensor, torch.cuda.FloatTensor)"):
         "import-time tuple of legacy type objects, which exist on CPU builds",
