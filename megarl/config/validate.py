@@ -176,6 +176,25 @@ def _check_layout(r: _Rules, role: str, par: Any, world: int, pool_key: str, hf:
     return dp
 
 
+def _check_moe(r: _Rules, cfg: DictConfig) -> None:
+    """What a mixture-of-experts model cannot do in `megarl train` yet (see README, Models)."""
+    trained = [("actor", cfg.actor.megatron)]
+    if critic_enabled(cfg):
+        trained.append(("critic", role_parallel(cfg, "critic")))
+    for role, par in trained:
+        if par.tensor_model_parallel_size > 1:
+            r.err(f"{role}.megatron.tensor_model_parallel_size = {par.tensor_model_parallel_size}: training a "
+                  "mixture-of-experts model with TP > 1 needs sequence parallelism, which megarl does not wire "
+                  "yet; use 1 and split the experts with expert_model_parallel_size (or use PP)")
+    if cfg.actor.megatron.expert_model_parallel_size > 1:
+        r.err(f"actor.megatron.expert_model_parallel_size = {cfg.actor.megatron.expert_model_parallel_size}: the "
+              "weight sync into the rollout engine does not reshard expert-parallel shards yet; use 1 for the "
+              "actor (the reference and critic may use EP)")
+    if cfg.rollout.tensor_model_parallel_size > 1:
+        r.err(f"rollout.tensor_model_parallel_size = {cfg.rollout.tensor_model_parallel_size}: mixture-of-experts "
+              "weights are not resharded into vLLM's fused expert parameters yet; use 1")
+
+
 def _check_batches(r: _Rules, role: str, sec: Any, train_bs: int, n: int, dp: int) -> None:
     mini = sec.ppo_mini_batch_size
     if mini < 1:
@@ -301,6 +320,8 @@ def validate_config(cfg: DictConfig) -> None:
         _check_batches(r, "critic", cfg.critic, data.train_batch_size, n, critic_dp)
         if critic_dp:
             _check_token_budget(r, "critic", cfg.critic, role_parallel(cfg, "critic"), seq_len)
+    if hf and (hf.get("num_local_experts") or hf.get("num_experts")):
+        _check_moe(r, cfg)
     if ref_enabled(cfg):
         ref_world = pool_size(cfg.resources.ref_pool) if cfg.resources.ref_pool is not None else world
         pool_key = "resources.ref_pool" if cfg.resources.ref_pool is not None else "resources.actor_pool"

@@ -180,6 +180,19 @@ def test_ep_needs_experts(valid_file: Path) -> None:
     assert "the model has no experts" in msg
 
 
+def test_moe_limits_of_the_trainer_are_refused_before_workers(tmp_path: Path) -> None:
+    moe = dict(VALID, model={"hf_config": {**TINY_MODEL, "model_type": "qwen3_moe", "num_experts": 4,
+                                           "num_experts_per_tok": 2, "moe_intermediate_size": 32}})
+    path = write(tmp_path, "moe.yaml", moe)
+    msg = errors_of(path, "rollout.tensor_model_parallel_size=2")  # actor TP=2 in VALID
+    assert "actor.megatron.tensor_model_parallel_size = 2: training a mixture-of-experts model" in msg
+    assert "rollout.tensor_model_parallel_size = 2: mixture-of-experts" in msg
+    msg = errors_of(path, "actor.megatron.tensor_model_parallel_size=1", "actor.megatron.expert_model_parallel_size=2")
+    assert "actor.megatron.expert_model_parallel_size = 2: the weight sync" in msg
+    cfg = load_config(path, ["actor.megatron.tensor_model_parallel_size=1"])  # TP = EP = 1: accepted
+    assert cfg.actor.megatron.tensor_model_parallel_size == 1
+
+
 def test_rollout_tp_must_divide_world(valid_file: Path) -> None:
     msg = errors_of(valid_file, "rollout.tensor_model_parallel_size=3")
     assert "rollout.tensor_model_parallel_size = 3: must divide the 2 devices" in msg
