@@ -6,6 +6,7 @@ process it started is gone.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -28,7 +29,9 @@ def main() -> None:
             while True:
                 time.sleep(0.1)
         finally:
-            print("CLEANING UP", flush=True)
+            # Straight to the file descriptor: no Python-level stdout buffer or lock between the
+            # interrupted main thread and the pipe the test reads.
+            os.write(sys.stdout.fileno(), b"CLEANING UP\n")
 
 
 if __name__ == "__main__":
