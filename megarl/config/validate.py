@@ -226,9 +226,10 @@ def _check_token_budget(r: _Rules, role: str, sec: Any, par: Any, seq_len: int) 
     parallelism a sequence is padded to a multiple of 2*CP and each CP rank computes 1/CP of it."""
     if not sec.get("use_dynamic_bsz", False):
         return
+    from megarl.megatron.context_parallel import padded_length  # torch: only with dynamic batching
+
     cp = max(int(par.context_parallel_size), 1)
-    align = 2 * cp if cp > 1 else 1
-    per_rank = -(-seq_len // align) * align // cp
+    per_rank = padded_length(seq_len, cp) // cp
     budget = sec.ppo_max_token_len_per_gpu
     if budget < per_rank:
         share = f" at context_parallel_size = {cp}, {per_rank} positions per rank" if cp > 1 else ""

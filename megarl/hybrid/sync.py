@@ -87,7 +87,7 @@ class WeightSync:
     def __init__(self, train_engine: Any, rollout_engine: Any, rollout_tp: int = 1,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, group: dist.ProcessGroup | None = None) -> None:
         r = train_engine.ranks
-        if getattr(r, "ep_size", 1) > 1:
+        if r.ep_size > 1:
             raise ConfigError(
                 f"weight sync: expert parallel training (ep={r.ep_size}) is not resharded into the rollout "
                 "engine yet; train the MoE model with expert_model_parallel_size=1")

@@ -84,16 +84,6 @@ def packed_gathered_positions(padded_lengths: torch.Tensor, cp: int) -> torch.Te
 
 
 # ---------------------------------------------------------------------- collectives
-def _all_gather_dim0(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> None:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, x, group=group)
-
-
-def _reduce_scatter_dim0(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> None:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, x, group=group)
-
-
 class _GatherKeysValues(torch.autograd.Function):
     """All-gather along dim 0 over the CP group. Backward: reduce-scatter, i.e. each rank receives the
     sum over all ranks' queries of the gradient for its own keys/values."""
@@ -104,7 +94,7 @@ class _GatherKeysValues(torch.autograd.Function):
         world = dist.get_world_size(group)
         x = x.contiguous()
         out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-        _all_gather_dim0(out, x, group)
+        dist.all_gather_into_tensor(out, x, group=group)
         return out
 
     @staticmethod
@@ -112,7 +102,7 @@ class _GatherKeysValues(torch.autograd.Function):
         world = dist.get_world_size(ctx.group)
         grad = grad.contiguous()
         out = grad.new_empty((grad.shape[0] // world, *grad.shape[1:]))
-        _reduce_scatter_dim0(out, grad, ctx.group)
+        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
         return out, None
 
 
@@ -133,7 +123,7 @@ class _GatherOutputs(torch.autograd.Function):
         s = x.shape[1]
         moved = x.movedim(1, 0).contiguous()  # (s_local, b, ...)
         buf = moved.new_empty((world * s, *moved.shape[1:]))
-        _all_gather_dim0(buf, moved, group)
+        dist.all_gather_into_tensor(buf, moved, group=group)
         return buf.index_select(0, inverse).movedim(0, 1).contiguous()  # global order, (b, width, ...)
 
     @staticmethod

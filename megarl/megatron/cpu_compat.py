@@ -297,7 +297,6 @@ def apply_cpu_compat(force: bool = False) -> bool:
         module = importlib.import_module(f"megatron.core.{rel}")
         module.torch = proxy  # type: ignore[attr-defined]
     _patch_rng_helpers(_shim)
-    define_missing_te_symbols()
     _patch_moe_host_copies()
     for rel, qualname in TENSOR_METHOD_FUNCTIONS:
         _wrap_type_checking_function(rel, qualname)
@@ -308,7 +307,8 @@ def apply_cpu_compat(force: bool = False) -> bool:
 def define_missing_te_symbols() -> None:
     """Without TransformerEngine, megatron-core 0.16.1's MoE router refers to `te_general_gemm`,
     a name its moe_utils only defines when TE imports (NameError in RouterGatingLinearFunction).
-    Define it as None there so the router takes its torch.mm path. Needed with or without CUDA."""
+    Define it as None there so the router takes its torch.mm path. Needed with or without CUDA, so
+    it is called where a MoE config is built (`ModelSpec.transformer_config`), not by the CPU layer."""
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # type: ignore[attr-defined]

@@ -86,7 +86,8 @@ class MegatronEngine:
         torch.manual_seed(self.cfg.seed)
         model_parallel_cuda_manual_seed(self.cfg.seed)
         self.model = build_model_chunk(spec, self.role, self.cfg.torch_dtype, self.ranks.tp_size,
-                                       self.ranks.pp_size, self.use_te, cp=self.ranks.cp_size)
+                                       self.ranks.pp_size, self.use_te, cp=self.ranks.cp_size,
+                                       ep=self.ranks.ep_size)
         self.ddp = wrap_for_training(self.model, self.cfg.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.cfg, [self.ddp])
         self.scheduler = build_scheduler(self.cfg, self.optimizer)

@@ -28,7 +28,7 @@ class ScalarHead(nn.Module):
 
 
 def build_model_chunk(spec: ModelSpec, role: str, params_dtype: torch.dtype, tp: int, pp: int,
-                      use_te: bool | None = None, cp: int = 1) -> nn.Module:
+                      use_te: bool | None = None, cp: int = 1, ep: int = 1) -> nn.Module:
     """The GPTModel (or value/reward model) for this rank's pipeline stage, unwrapped.
 
     At cp > 1 the sequence axis is split over the context-parallel group (see `context_parallel`):
@@ -44,7 +44,7 @@ def build_model_chunk(spec: ModelSpec, role: str, params_dtype: torch.dtype, tp:
     scalar = role != "policy"
     if use_te is None:
         use_te = te_available()
-    config = spec.transformer_config(tp=tp, pp=pp, cp=cp, params_dtype=params_dtype)
+    config = spec.transformer_config(tp=tp, pp=pp, cp=cp, ep=ep, params_dtype=params_dtype)
     layer_spec = spec.layer_spec(use_te)
     if cp > 1 and not use_te:
         from megarl.megatron.context_parallel import with_context_parallel_attention

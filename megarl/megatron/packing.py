@@ -143,7 +143,8 @@ class PackedRows:
     padded_lengths: (b,) room each row takes (its length rounded up to `align`; zeros fill the rest).
     attention_mask: (1, 1, S, S) bool, True = masked (causal within each row, nothing across rows);
     None on the TransformerEngine path, which takes `cu_seqlens` (THD format) instead.
-    cu_seqlens: (b+1,) int32 boundaries of the padded rows.
+    cu_seqlens: (b+1,) int32 boundaries of the padded rows. seq_ids: (S,) which row each position
+    belongs to (its padding included).
     """
 
     tokens: torch.Tensor
@@ -151,7 +152,8 @@ class PackedRows:
     lengths: torch.Tensor
     attention_mask: torch.Tensor | None
     cu_seqlens: torch.Tensor
-    padded_lengths: torch.Tensor | None = None
+    padded_lengths: torch.Tensor
+    seq_ids: torch.Tensor
 
 
 def pack_rows(rows: CompactRows, with_mask: bool = True, align: int = 1) -> PackedRows:
@@ -174,16 +176,14 @@ def pack_rows(rows: CompactRows, with_mask: bool = True, align: int = 1) -> Pack
         visible = (seq_ids.unsqueeze(1) == seq_ids.unsqueeze(0)) & (pos.unsqueeze(1) >= pos.unsqueeze(0))
         mask = (~visible).unsqueeze(0).unsqueeze(0)
     cu = torch.cat([torch.zeros(1, dtype=torch.int32, device=device), torch.cumsum(padded, 0).int()])
-    return PackedRows(tokens, offsets, lengths, mask, cu, padded)
+    return PackedRows(tokens, offsets, lengths, mask, cu, padded, seq_ids)
 
 
 def packed_seq_ids(packed: PackedRows, width: int) -> torch.Tensor:
     """(width,) which row each position of the packed row (padded to `width`) belongs to; -1 for
     positions past the last row."""
-    device = packed.lengths.device
-    padded = packed.padded_lengths if packed.padded_lengths is not None else packed.lengths
-    ids = torch.repeat_interleave(torch.arange(len(padded), device=device), padded)
-    tail = torch.full((width - ids.numel(),), -1, dtype=ids.dtype, device=device)
+    ids = packed.seq_ids
+    tail = torch.full((width - ids.numel(),), -1, dtype=ids.dtype, device=ids.device)
     return torch.cat([ids, tail])
 
 

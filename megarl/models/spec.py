@@ -198,18 +198,15 @@ class ModelSpec:
 
     # ---------------------------------------------------------------- Megatron objects
     def transformer_config(self, tp: int = 1, pp: int = 1, cp: int = 1, params_dtype: Any = None,
-                           ep: int | None = None, **overrides: Any) -> Any:
+                           ep: int = 1, **overrides: Any) -> Any:
         """A Megatron `TransformerConfig` for this model at the given layout.
 
-        Fusions and CUDA-only features are switched off without CUDA. `ep` (expert parallel size)
-        defaults to that of Megatron's initialised process groups, else 1.
+        Fusions and CUDA-only features are switched off without CUDA. `ep`: expert parallel size.
         """
         import torch
         import torch.nn.functional as F
         from megatron.core.transformer import TransformerConfig
 
-        if ep is None:
-            ep = _initialised_ep_size()
         self.check_layout(tp, pp, ep)
         on_gpu = torch.cuda.is_available()
         params_dtype = params_dtype or torch.float32
@@ -272,17 +269,6 @@ class ModelSpec:
             num_experts=experts, moe_grouped_gemm=False, qk_layernorm=self.features["qk_layernorm"],
             normalization=self.normalization,
         )
-
-
-def _initialised_ep_size() -> int:
-    try:
-        from megatron.core import parallel_state as ps
-
-        if ps.model_parallel_is_initialized():
-            return int(ps.get_expert_model_parallel_world_size())
-    except Exception:  # megatron not importable or groups half-built: no expert parallelism known
-        return 1
-    return 1
 
 
 def te_available() -> bool:
