@@ -18,6 +18,7 @@ import torch
 from megarl.convert.dcp_io import Chunk, write_checkpoint
 from megarl.convert.hf_files import HFCheckpoint, copy_non_weight_files, expected_hf_shapes, read_config
 from megarl.convert.layout import CheckpointTensor, plan_checkpoint, role_of_architecture
+from megarl.dtypes import torch_dtype
 from megarl.convert.output_dir import staged_output_dir
 from megarl.convert.progress import Progress
 from megarl.errors import ConfigError
@@ -26,8 +27,6 @@ from megarl.models.weight_map import fuse, pad_vocab
 
 CONVERTED_FORMAT = "megarl-converted-v1"
 HF_FILES_DIR = "hf"  # config and tokenizer files of the source model, kept inside the checkpoint
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -41,9 +40,7 @@ class ConversionResult:
 def parse_dtype(name: str | None) -> torch.dtype | None:
     if name is None:
         return None
-    if name not in DTYPES:
-        raise ConfigError(f"--dtype {name!r}: valid values are {sorted(DTYPES)}")
-    return DTYPES[name]
+    return torch_dtype(name, "--dtype")
 
 
 class _FusedCache:

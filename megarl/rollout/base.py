@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from megarl.dtypes import long_name, torch_dtype
 from megarl.errors import ConfigError, MegarlError
 from megarl.protocol import Batch
 
@@ -91,17 +92,6 @@ class SamplingParams:
     def top_k_enabled(self) -> bool:
         return self.top_k > 0
 
-    @classmethod
-    def from_rollout_config(cls, rollout: Any, max_new_tokens: int, validation: bool = False) -> SamplingParams:
-        """Training sampling from ``rollout.{n,temperature,top_p,top_k}``; with ``validation`` the
-        ``rollout.val_kwargs`` ones, greedy unless ``val_kwargs.do_sample``."""
-        source = rollout.val_kwargs if validation else rollout
-        greedy = validation and not source.do_sample
-        return cls(
-            n=source.n, temperature=source.temperature, top_p=source.top_p, top_k=source.top_k,
-            max_new_tokens=max_new_tokens, greedy=greedy,
-        )
-
 
 @dataclass
 class EngineOptions:
@@ -139,54 +129,15 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
-        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        self.dtype = long_name(self.dtype, "rollout dtype")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"rollout logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(
-                f"rollout dtype must be one of {sorted(DTYPES) + sorted(DTYPE_ALIASES)}, got {self.dtype!r}"
-            )
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"rollout tensor_model_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @classmethod
-    def from_rollout_config(
-        cls,
-        rollout: Any,
-        *,
-        pad_token_id: int,
-        eos_token_ids: Sequence[int],
-        seed: int,
-        max_model_len: int,
-        model_dtype: str,
-    ) -> EngineOptions:
-        """Options from the experiment's ``rollout`` section (``rollout.dtype`` null: the model's)."""
-        return cls(
-            pad_token_id=pad_token_id,
-            eos_token_ids=tuple(eos_token_ids),
-            dtype=rollout.dtype or model_dtype,
-            seed=seed,
-            tensor_parallel_size=rollout.tensor_model_parallel_size,
-            logprobs_mode=getattr(rollout, "logprobs_mode", "processed"),
-            max_model_len=max_model_len,
-            max_num_seqs=rollout.max_num_seqs,
-            kv_cache_memory_gb=rollout.kv_cache_memory_gb,
-            gpu_memory_utilization=rollout.gpu_memory_utilization,
-            enforce_eager=rollout.enforce_eager,
-            enable_sleep_mode=rollout.free_cache_engine,
-        )
-
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+        return torch_dtype(self.dtype)
 
 
 class EngineState(enum.Enum):

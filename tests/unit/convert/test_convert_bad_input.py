@@ -95,7 +95,7 @@ def test_missing_config_and_bad_layouts(tmp_path: Path) -> None:
         convert_hf_to_mcore(hf, tmp_path / "out", pp=4, progress=False)
     with pytest.raises(ConfigError, match="--ep 2: the llama family has no experts"):
         convert_hf_to_mcore(hf, tmp_path / "out", ep=2, progress=False)
-    with pytest.raises(ConfigError, match="--dtype 'int8'"):
+    with pytest.raises(ConfigError, match="--dtype = 'int8': must be one of"):
         convert_hf_to_mcore(hf, tmp_path / "out", dtype="int8", progress=False)
     (hf / "config.json").unlink()
     with pytest.raises(ConfigError, match="no config.json"):

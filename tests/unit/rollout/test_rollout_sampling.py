@@ -84,20 +84,3 @@ def test_bad_engine_options_are_refused() -> None:
         EngineOptions(pad_token_id=0, eos_token_ids=(1,), logprobs_mode="tempered")
     with pytest.raises(ConfigError, match="dtype"):
         EngineOptions(pad_token_id=0, eos_token_ids=(1,), dtype="fp8")
-
-
-def test_options_and_params_from_the_experiment_config() -> None:
-    from megarl.config.schema import RolloutConfig
-
-    rollout = RolloutConfig(n=8, temperature=0.9, top_p=0.95, top_k=20, tensor_model_parallel_size=2, max_num_seqs=32)
-    options = EngineOptions.from_rollout_config(
-        rollout, pad_token_id=7, eos_token_ids=[3, 4], seed=5, max_model_len=96, model_dtype="bf16"
-    )
-    assert (options.pad_token_id, options.eos_token_ids, options.seed) == (7, (3, 4), 5)
-    assert (options.dtype, options.torch_dtype) == ("bfloat16", torch.bfloat16)
-    assert (options.tensor_parallel_size, options.max_model_len, options.max_num_seqs) == (2, 96, 32)
-    assert options.enable_sleep_mode is rollout.free_cache_engine
-    train = SamplingParams.from_rollout_config(rollout, max_new_tokens=16)
-    assert (train.n, train.temperature, train.top_p, train.top_k, train.greedy) == (8, 0.9, 0.95, 20, False)
-    validation = SamplingParams.from_rollout_config(rollout, max_new_tokens=16, validation=True)
-    assert (validation.n, validation.greedy, validation.max_new_tokens) == (1, True, 16)
