@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.algorithms import get_advantage_estimator
+from megarl.algorithms import AdvantageInputs, AdvantageSettings, get_advantage_estimator
 
 # ----------------------------------------------------------------------------------------------
 # Plain-loop references (Python floats, one sample and one token at a time)
@@ -94,6 +94,14 @@ def make_batch(responses: int, length: int, group_size: int, seed: int, values: 
     return batch
 
 
+def estimate(name: str, batch: dict[str, torch.Tensor],
+             settings: AdvantageSettings = AdvantageSettings()) -> torch.Tensor:
+    """The advantages of the named estimator on ``batch`` (rewards, mask, group_index, values if any)."""
+    inputs = AdvantageInputs(batch["rewards"], batch["mask"], group_index=batch["group_index"],
+                             values=batch.get("values"))
+    return get_advantage_estimator(name)(inputs, settings)[0]
+
+
 def best_time(fn: Callable[[], object], repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -124,16 +132,15 @@ def main() -> None:
 
     cases = {
         "grpo": (
-            lambda b: get_advantage_estimator("grpo")(b["rewards"], b["mask"], group_index=b["group_index"])[0],
+            lambda b: estimate("grpo", b),
             lambda: loop_grpo(sub_lists["rewards"], sub_lists["mask"], sub_groups),
         ),
         "rloo": (
-            lambda b: get_advantage_estimator("rloo")(b["rewards"], b["mask"], group_index=b["group_index"])[0],
+            lambda b: estimate("rloo", b),
             lambda: loop_rloo(sub_lists["rewards"], sub_lists["mask"], sub_groups),
         ),
         "gae": (
-            lambda b: get_advantage_estimator("gae")(b["rewards"], b["mask"], values=b["values"], gamma=1.0,
-                                                     lam=0.95)[0],
+            lambda b: estimate("gae", b, AdvantageSettings(gamma=1.0, lam=0.95)),
             lambda: loop_gae(sub_lists["rewards"], sub_lists["values"], sub_lists["mask"], gamma=1.0, lam=0.95),
         ),
     }

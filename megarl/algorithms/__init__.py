@@ -3,9 +3,10 @@
 Registries let users add their own pieces by name (the names are the config values):
 
 * ``ADVANTAGE_ESTIMATORS`` (``algorithm.adv_estimator``): gae, grpo, rloo, reinforce_plus_plus,
-  reinforce_plus_plus_baseline, remax, grpo_passk — ``register_advantage_estimator(name)``.
+  reinforce_plus_plus_baseline, remax, grpo_passk — ``register_advantage_estimator(name)``; each is
+  called as ``estimator(AdvantageInputs, AdvantageSettings)``.
 * ``POLICY_LOSSES`` (``actor.policy_loss.loss_mode``): vanilla, gspo, cispo, reinforce/gpg —
-  ``register_policy_loss(name)``.
+  ``register_policy_loss(name)``; each is called as ``loss(PolicyLossInputs, PolicyLossSettings)``.
 * ``KL_ESTIMATORS`` (``actor.kl_loss_type``, ``algorithm.kl_penalty``): k1/kl, abs, k2/mse,
   k3/low_var_kl, each with a straight-through ``+`` variant — ``register_kl_estimator(name)``.
 
@@ -15,6 +16,8 @@ Loss aggregation and its micro-batch / data-parallel convention: see ``aggregati
 from megarl.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageEstimator,
+    AdvantageInputs,
+    AdvantageSettings,
     get_advantage_estimator,
     register_advantage_estimator,
 )
@@ -43,10 +46,17 @@ from megarl.algorithms.kl import (
     make_kl_controller,
     register_kl_estimator,
 )
-from megarl.algorithms.policy_loss import POLICY_LOSSES, PolicyLoss, get_policy_loss, register_policy_loss
+from megarl.algorithms.policy_loss import (
+    POLICY_LOSSES,
+    PolicyLoss,
+    PolicyLossInputs,
+    PolicyLossSettings,
+    get_policy_loss,
+    register_policy_loss,
+)
 from megarl.algorithms.registry import Registry
 from megarl.algorithms.utils import group_index_from_uids, masked_mean, masked_whiten
-from megarl.algorithms.value_loss import compute_value_loss
+from megarl.algorithms.value_loss import ValueLossInputs, ValueLossSettings, compute_value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -55,12 +65,18 @@ __all__ = [
     "POLICY_LOSSES",
     "AdaptiveKLController",
     "AdvantageEstimator",
+    "AdvantageInputs",
+    "AdvantageSettings",
     "DynamicSamplingError",
     "DynamicSamplingState",
     "FixedKLController",
     "LossNormalisers",
     "PolicyLoss",
+    "PolicyLossInputs",
+    "PolicyLossSettings",
     "Registry",
+    "ValueLossInputs",
+    "ValueLossSettings",
     "agg_loss",
     "aggregate",
     "apply_kl_penalty",

@@ -1,24 +1,18 @@
 """Advantage estimators: GAE, GRPO (and Dr.GRPO), RLOO, REINFORCE++ (+baseline), ReMax, GRPO pass@k.
 
-Every estimator has the same keyword signature, so the trainer can call any of them by name::
+Every estimator takes the batch's tensors as one ``AdvantageInputs`` and the algorithm's constants as
+one ``AdvantageSettings``, so the trainer can call any of them by name::
 
-    advantages, returns = get_advantage_estimator(name)(
-        token_level_rewards,        # (B, R) float: per-token rewards (outcome rewards sit on the last token)
-        response_mask,              # (B, R) 0/1: 1 on generated tokens; 0 on padding and on
-                                    #        observation tokens of multi-turn rollouts
-        group_index=None,           # (B,) int: equal id <=> responses to the same prompt
-        values=None,                # (B, R) float: critic values (GAE)
-        baseline_rewards=None,      # (B,) float: reward of the greedy response (ReMax)
-        gamma=1.0, lam=1.0,         # discount and GAE lambda
-        norm_adv_by_std=True,       # GRPO / pass@k: divide by the group std (False: Dr.GRPO)
-        epsilon=1e-6,               # added to the group std
-        passk_k=None,               # pass@k: k (None: the group size, as in verl)
-        uids=None,                  # (B,) prompt uids, only used to name samples in errors
-    )
+    inputs = AdvantageInputs(token_level_rewards, response_mask, group_index=..., values=..., uids=...)
+    settings = AdvantageSettings(gamma=1.0, lam=1.0, norm_adv_by_std=True, pass_k=None)
+    advantages, returns = get_advantage_estimator(name)(inputs, settings)
 
 Both outputs are (B, R), in the dtype of ``token_level_rewards``, and 0 wherever the mask is 0.
-A user estimator registered with ``register_advantage_estimator(name)`` must accept the same
-keywords. Loops run over time steps (GAE, REINFORCE++), never over samples.
+The optional fields are filled with what the batch has; an estimator takes the ones it needs with
+``inputs.require(field, estimator)``, which raises a DataError naming the estimator, the field and
+how to provide it when the field is None. A user estimator registered with
+``register_advantage_estimator(name)`` takes the same two arguments. Loops run over time steps
+(GAE, REINFORCE++), never over samples.
 
 Conventions (verl's): sequence score = sum of the token rewards; group std is unbiased; a group of
 one response has mean 0 and std 1 (GRPO) or baseline 0 (RLOO, REINFORCE++-baseline); whitening
@@ -28,6 +22,7 @@ uses the unbiased variance and ``rsqrt(var + 1e-8)`` over all valid tokens of th
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Optional, Protocol
 
 import numpy as np
@@ -44,22 +39,58 @@ from megarl.algorithms.utils import (
 )
 from megarl.errors import DataError
 
+Uids = Optional[Sequence[object] | np.ndarray]
+
+# How to provide each optional input, quoted when an estimator needs it and it is None.
+_HOW_TO_PROVIDE = {
+    "group_index": "it compares the responses to the same prompt; pass group_index (B,) int64, "
+                   "e.g. group_index_from_uids(batch['uid'])",
+    "values": "enable the critic (critic.enable: true or null) so that the batch carries its (B, R) values",
+    "baseline_rewards": "pass the (B,) rewards of the greedy responses (the trainer computes them "
+                        "when algorithm.adv_estimator = 'remax')",
+}
+
+
+@dataclass(frozen=True, eq=False)
+class AdvantageInputs:
+    """The batch's tensors an advantage estimator reads. ``B`` responses of ``R`` tokens each."""
+
+    token_level_rewards: torch.Tensor  # (B, R) float: per-token rewards (outcome rewards on the last token)
+    response_mask: torch.Tensor  # (B, R) 0/1: 1 on generated tokens; 0 on padding and on observation
+    #                              tokens of multi-turn rollouts
+    group_index: Optional[torch.Tensor] = None  # (B,) int: equal id <=> responses to the same prompt
+    values: Optional[torch.Tensor] = None  # (B, R) float: critic values (GAE)
+    baseline_rewards: Optional[torch.Tensor] = None  # (B,) float: reward of the greedy response (ReMax)
+    uids: Uids = None  # (B,) prompt uids, only used to name samples in errors
+
+    def require(self, field: str, estimator: str) -> torch.Tensor:
+        """The optional tensor ``field`` that ``estimator`` cannot work without.
+
+        Raises DataError naming the estimator, the field and how to provide it, when it is None.
+        """
+        value = getattr(self, field)
+        if value is None:
+            raise DataError(f"advantage estimator {estimator!r} needs {field}: {_HOW_TO_PROVIDE[field]}")
+        return value
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    """The algorithm's constants (from ``algorithm.*`` of the experiment config)."""
+
+    gamma: float = 1.0  # discount (GAE, REINFORCE++)
+    lam: float = 1.0  # GAE lambda
+    norm_adv_by_std: bool = True  # GRPO / pass@k: divide by the group std (False: Dr.GRPO)
+    epsilon: float = 1e-6  # added to the group std
+    pass_k: Optional[int] = None  # pass@k: k (None: the group size, as in verl)
+
+
+DEFAULT_SETTINGS = AdvantageSettings()
+
 
 class AdvantageEstimator(Protocol):
     def __call__(
-        self,
-        token_level_rewards: torch.Tensor,
-        response_mask: torch.Tensor,
-        *,
-        group_index: Optional[torch.Tensor] = None,
-        values: Optional[torch.Tensor] = None,
-        baseline_rewards: Optional[torch.Tensor] = None,
-        gamma: float = 1.0,
-        lam: float = 1.0,
-        norm_adv_by_std: bool = True,
-        epsilon: float = 1e-6,
-        passk_k: Optional[int] = None,
-        uids: Optional[Sequence[object] | np.ndarray] = None,
+        self, inputs: AdvantageInputs, settings: AdvantageSettings = DEFAULT_SETTINGS
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -67,24 +98,29 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimat
 register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
 get_advantage_estimator = ADVANTAGE_ESTIMATORS.get
 
-Uids = Optional[Sequence[object] | np.ndarray]
-
 
 # Large-batch note: masks are applied by multiplying with a 0/1 float mask and by torch.lerp
 # (exact for weights 0 and 1); torch.where with a bool mask is >10x slower on CPU at these sizes.
 # Recursions over time (GAE, REINFORCE++) loop over time steps, each step vectorised over samples.
 
 
-def _checked_rewards(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uids: Uids
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _checked_rewards(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate the common inputs. Returns the mask as 0/1 in the rewards' dtype and the (B,)
     float64 outcome score of each response (the sum of all its token rewards, as verl)."""
-    check_response_tensors(token_level_rewards, response_mask)
-    scores = token_level_rewards.sum(dim=-1)
+    rewards = inputs.token_level_rewards
+    check_response_tensors(rewards, inputs.response_mask)
+    scores = rewards.sum(dim=-1)
     if not bool(torch.isfinite(scores).all()):  # a NaN/inf reward makes its row's sum non-finite
-        check_finite("token_level_rewards", token_level_rewards, uids)  # raises, naming the samples
-    return response_mask.to(token_level_rewards.dtype), scores.to(torch.float64)
+        check_finite("token_level_rewards", rewards, inputs.uids)  # raises, naming the samples
+    return inputs.response_mask.to(rewards.dtype), scores.to(torch.float64)
+
+
+def _groups(inputs: AdvantageInputs, estimator: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The checked (B,) group ids a group-based estimator needs, their compact ids 0..G-1 (B,) and
+    the group sizes (G,)."""
+    group_index = check_group_index(inputs.require("group_index", estimator), inputs.token_level_rewards.shape[0])
+    inverse, sizes = compact_groups(group_index)
+    return group_index, inverse, sizes
 
 
 def _broadcast(per_sample: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -125,32 +161,27 @@ def _reverse_time_scan(
 
 @register_advantage_estimator("gae")
 def compute_gae_advantage_return(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    group_index: Optional[torch.Tensor] = None,
-    values: Optional[torch.Tensor] = None,
-    baseline_rewards: Optional[torch.Tensor] = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std: bool = True,
-    epsilon: float = 1e-6,
-    passk_k: Optional[int] = None,
-    uids: Uids = None,
+    inputs: AdvantageInputs, settings: AdvantageSettings = DEFAULT_SETTINGS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation; advantages whitened over the batch's valid tokens.
 
-    Masked tokens (padding, multi-turn observations) are skipped: the TD error there is not
-    counted and the next value and running advantage are carried through them unchanged, so the
-    last generated token before an observation bootstraps from the first generated token after it.
+    Needs ``values``; uses ``gamma`` and ``lam``. Masked tokens (padding, multi-turn observations)
+    are skipped: the TD error there is not counted and the next value and running advantage are
+    carried through them unchanged, so the last generated token before an observation bootstraps
+    from the first generated token after it.
     Returns ``(whitened advantages, advantages + values)``, both (B, R).
     """
-    mask, _ = _checked_rewards(token_level_rewards, response_mask, uids)
-    if values is None or values.shape != token_level_rewards.shape:
-        got = None if values is None else tuple(values.shape)
-        raise DataError(f"gae: values must be a (batch, response_len) tensor from the critic, got {got}")
-    check_finite("values", values, uids)
-    values = values.to(token_level_rewards.dtype)
+    mask, _ = _checked_rewards(inputs)
+    rewards = inputs.token_level_rewards
+    values = inputs.require("values", "gae")
+    if values.shape != rewards.shape:
+        raise DataError(
+            f"gae: values must be a (batch, response_len) tensor from the critic, got {tuple(values.shape)} "
+            f"for rewards {tuple(rewards.shape)}"
+        )
+    check_finite("values", values, inputs.uids)
+    values = values.to(rewards.dtype)
+    gamma, lam = settings.gamma, settings.lam
 
     def scan(inputs_t: list[torch.Tensor], adv_t: torch.Tensor) -> None:
         rewards_t, values_t, mask_t = inputs_t
@@ -165,32 +196,22 @@ def compute_gae_advantage_return(
             last_adv = adv_t[t]
             torch.lerp(next_value, values_t[t], mask_t[t], out=next_value)
 
-    advantages = _reverse_time_scan(scan, [token_level_rewards, values, mask])
+    advantages = _reverse_time_scan(scan, [rewards, values, mask])
     returns = (advantages + values).mul_(mask)
     return masked_whiten(advantages, mask, inplace=True), returns
 
 
 @register_advantage_estimator("reinforce_plus_plus")
 def compute_reinforce_plus_plus_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    group_index: Optional[torch.Tensor] = None,
-    values: Optional[torch.Tensor] = None,
-    baseline_rewards: Optional[torch.Tensor] = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std: bool = True,
-    epsilon: float = 1e-6,
-    passk_k: Optional[int] = None,
-    uids: Uids = None,
+    inputs: AdvantageInputs, settings: AdvantageSettings = DEFAULT_SETTINGS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: discounted returns ``G_t = r_t + gamma * m_{t+1} * G_{t+1}``, whitened over the batch.
 
-    The running return restarts after every masked token (end of response, or an observation
-    in a multi-turn rollout). Returns ``(whitened returns, returns)``.
+    Uses ``gamma``. The running return restarts after every masked token (end of response, or an
+    observation in a multi-turn rollout). Returns ``(whitened returns, returns)``.
     """
-    mask, _ = _checked_rewards(token_level_rewards, response_mask, uids)
+    mask, _ = _checked_rewards(inputs)
+    gamma = settings.gamma
 
     def scan(inputs_t: list[torch.Tensor], returns_t: torch.Tensor) -> None:
         rewards_t, mask_t = inputs_t
@@ -199,37 +220,30 @@ def compute_reinforce_plus_plus_advantage(
             torch.add(rewards_t[t], running, alpha=gamma, out=returns_t[t])
             torch.mul(returns_t[t], mask_t[t], out=running)
 
-    returns = _reverse_time_scan(scan, [token_level_rewards, mask]).mul_(mask)
+    returns = _reverse_time_scan(scan, [inputs.token_level_rewards, mask]).mul_(mask)
     return masked_whiten(returns, mask), returns
 
 
 @register_advantage_estimator("remax")
 def compute_remax_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    group_index: Optional[torch.Tensor] = None,
-    values: Optional[torch.Tensor] = None,
-    baseline_rewards: Optional[torch.Tensor] = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std: bool = True,
-    epsilon: float = 1e-6,
-    passk_k: Optional[int] = None,
-    uids: Uids = None,
+    inputs: AdvantageInputs, settings: AdvantageSettings = DEFAULT_SETTINGS
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """ReMax: undiscounted reward-to-go minus the greedy response's reward (``baseline_rewards`` (B,)).
+    """ReMax: undiscounted reward-to-go minus the greedy response's reward.
 
-    Returns ``(returns - baseline, returns)`` where ``returns`` is the reverse cumulative sum of
-    the masked rewards (no whitening, as in verl).
+    Needs ``baseline_rewards`` (B,); uses no setting. Returns ``(returns - baseline, returns)`` where
+    ``returns`` is the reverse cumulative sum of the masked rewards (no whitening, as in verl).
     """
-    mask, _ = _checked_rewards(token_level_rewards, response_mask, uids)
-    batch = token_level_rewards.shape[0]
-    if baseline_rewards is None or baseline_rewards.shape != (batch,):
-        got = None if baseline_rewards is None else tuple(baseline_rewards.shape)
-        raise DataError(f"remax: baseline_rewards must be the (batch,) rewards of the greedy responses, got {got}")
-    check_finite("baseline_rewards", baseline_rewards, uids)
-    masked_rewards = token_level_rewards * mask
+    mask, _ = _checked_rewards(inputs)
+    rewards = inputs.token_level_rewards
+    baseline_rewards = inputs.require("baseline_rewards", "remax")
+    batch = rewards.shape[0]
+    if baseline_rewards.shape != (batch,):
+        raise DataError(
+            "remax: baseline_rewards must be the (batch,) rewards of the greedy responses, got "
+            f"{tuple(baseline_rewards.shape)} for batch {batch}"
+        )
+    check_finite("baseline_rewards", baseline_rewards, inputs.uids)
+    masked_rewards = rewards * mask
     returns = masked_rewards.flip(-1).cumsum(-1).flip(-1) * mask
     advantages = returns - baseline_rewards.to(returns.dtype).unsqueeze(-1) * mask
     return advantages, returns
@@ -241,60 +255,37 @@ def compute_remax_advantage(
 
 @register_advantage_estimator("grpo")
 def compute_grpo_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    group_index: Optional[torch.Tensor] = None,
-    values: Optional[torch.Tensor] = None,
-    baseline_rewards: Optional[torch.Tensor] = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std: bool = True,
-    epsilon: float = 1e-6,
-    passk_k: Optional[int] = None,
-    uids: Uids = None,
+    inputs: AdvantageInputs, settings: AdvantageSettings = DEFAULT_SETTINGS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO: ``(s_i - mean_g) / (std_g + epsilon)``; Dr.GRPO (``norm_adv_by_std=False``): ``s_i - mean_g``.
 
-    ``std_g`` is the unbiased std; a one-response group uses mean 0 and std 1. A group whose
-    scores are all equal gets advantage 0. Returns ``(advantages, advantages)``.
+    Needs ``group_index``; uses ``norm_adv_by_std`` and ``epsilon``. ``std_g`` is the unbiased std;
+    a one-response group uses mean 0 and std 1. A group whose scores are all equal gets advantage 0.
+    Returns ``(advantages, advantages)``.
     """
-    mask, scores = _checked_rewards(token_level_rewards, response_mask, uids)
-    group_index = check_group_index(group_index, token_level_rewards.shape[0], "grpo")
-    inverse, sizes = compact_groups(group_index)
+    mask, scores = _checked_rewards(inputs)
+    _, inverse, sizes = _groups(inputs, "grpo")
     mean, std = group_mean_std(scores, inverse, sizes)
     singleton = sizes == 1
     mean = mean.masked_fill(singleton, 0.0)
     std = std.masked_fill(singleton, 1.0)
     centred = scores - mean[inverse]
-    scalar = centred / (std[inverse] + epsilon) if norm_adv_by_std else centred
+    scalar = centred / (std[inverse] + settings.epsilon) if settings.norm_adv_by_std else centred
     advantages = _broadcast(scalar, mask)
     return advantages, advantages
 
 
 @register_advantage_estimator("rloo")
 def compute_rloo_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    group_index: Optional[torch.Tensor] = None,
-    values: Optional[torch.Tensor] = None,
-    baseline_rewards: Optional[torch.Tensor] = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std: bool = True,
-    epsilon: float = 1e-6,
-    passk_k: Optional[int] = None,
-    uids: Uids = None,
+    inputs: AdvantageInputs, settings: AdvantageSettings = DEFAULT_SETTINGS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: ``s_i - mean(s_j, j != i) = n/(n-1) * (s_i - mean_g)``.
 
-    A one-response group has no other responses: baseline 0, advantage ``s_i`` (verl's ``rloo``).
-    Returns ``(advantages, advantages)``.
+    Needs ``group_index``; uses no setting. A one-response group has no other responses: baseline 0,
+    advantage ``s_i`` (verl's ``rloo``). Returns ``(advantages, advantages)``.
     """
-    mask, scores = _checked_rewards(token_level_rewards, response_mask, uids)
-    group_index = check_group_index(group_index, token_level_rewards.shape[0], "rloo")
-    inverse, sizes = compact_groups(group_index)
+    mask, scores = _checked_rewards(inputs)
+    _, inverse, sizes = _groups(inputs, "rloo")
     mean, _ = group_mean_std(scores, inverse, sizes)
     n = sizes.to(scores.dtype)[inverse]
     scalar = torch.where(n > 1, n / (n - 1).clamp_min(1) * (scores - mean[inverse]), scores)
@@ -304,26 +295,15 @@ def compute_rloo_outcome_advantage(
 
 @register_advantage_estimator("reinforce_plus_plus_baseline")
 def compute_reinforce_plus_plus_baseline_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    group_index: Optional[torch.Tensor] = None,
-    values: Optional[torch.Tensor] = None,
-    baseline_rewards: Optional[torch.Tensor] = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std: bool = True,
-    epsilon: float = 1e-6,
-    passk_k: Optional[int] = None,
-    uids: Uids = None,
+    inputs: AdvantageInputs, settings: AdvantageSettings = DEFAULT_SETTINGS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ with a group-mean baseline: ``s_i - mean_g`` on every token, whitened over the batch.
 
-    A one-response group has baseline 0. Returns ``(advantages, advantages)``.
+    Needs ``group_index``; uses no setting. A one-response group has baseline 0.
+    Returns ``(advantages, advantages)``.
     """
-    mask, scores = _checked_rewards(token_level_rewards, response_mask, uids)
-    group_index = check_group_index(group_index, token_level_rewards.shape[0], "reinforce_plus_plus_baseline")
-    inverse, sizes = compact_groups(group_index)
+    mask, scores = _checked_rewards(inputs)
+    _, inverse, sizes = _groups(inputs, "reinforce_plus_plus_baseline")
     mean, _ = group_mean_std(scores, inverse, sizes)
     centred = scores - mean.masked_fill(sizes == 1, 0.0)[inverse]
     advantages = masked_whiten(_broadcast(centred, mask), mask, inplace=True)
@@ -351,29 +331,19 @@ def _segment_suffix_sum(x: torch.Tensor, group_end: torch.Tensor) -> torch.Tenso
 
 @register_advantage_estimator("grpo_passk")
 def compute_grpo_passk_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    group_index: Optional[torch.Tensor] = None,
-    values: Optional[torch.Tensor] = None,
-    baseline_rewards: Optional[torch.Tensor] = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std: bool = True,
-    epsilon: float = 1e-6,
-    passk_k: Optional[int] = None,
-    uids: Uids = None,
+    inputs: AdvantageInputs, settings: AdvantageSettings = DEFAULT_SETTINGS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass@k (max@k) advantage: the mean, over the k-subsets S of the group that contain i, of
     ``max(S) - max(S without i)`` (leave-one-out credit for the best-of-k objective).
 
-    With ``passk_k=None`` k is the group size and this is verl's ``grpo_passk``: the best response
+    Needs ``group_index``; uses ``pass_k``, ``norm_adv_by_std`` and ``epsilon``. With
+    ``pass_k=None`` k is the group size and this is verl's ``grpo_passk``: the best response
     (the first one on ties) gets ``r_max - r_second_max``, all others 0. Then divided by
     ``std_g + epsilon`` if ``norm_adv_by_std``. Needs 2 <= k <= group size. Returns ``(adv, adv)``.
     """
-    mask, scores = _checked_rewards(token_level_rewards, response_mask, uids)
-    group_index = check_group_index(group_index, token_level_rewards.shape[0], "grpo_passk")
-    inverse, sizes = compact_groups(group_index)
+    mask, scores = _checked_rewards(inputs)
+    group_index, inverse, sizes = _groups(inputs, "grpo_passk")
+    pass_k = settings.pass_k
     if len(sizes) and int(sizes.min()) < 2:
         g = int((sizes < 2).nonzero()[0])
         first = int((inverse == g).nonzero()[0])
@@ -382,9 +352,9 @@ def compute_grpo_passk_outcome_advantage(
             f"(group_index {int(group_index[first])}) has {int(sizes[g])}. Set rollout.n >= 2."
         )
     smallest = int(sizes.min()) if len(sizes) else 0
-    if passk_k is not None and (passk_k < 2 or (len(sizes) > 0 and passk_k > smallest)):
-        raise DataError(f"grpo_passk: k = {passk_k} must be in [2, smallest group size = {smallest}]")
-    k_per_group = sizes if passk_k is None else torch.full_like(sizes, int(passk_k))
+    if pass_k is not None and (pass_k < 2 or (len(sizes) > 0 and pass_k > smallest)):
+        raise DataError(f"grpo_passk: k = {pass_k} must be in [2, smallest group size = {smallest}]")
+    k_per_group = sizes if pass_k is None else torch.full_like(sizes, int(pass_k))
     # Order samples by (group, score descending, batch index): sorted position p within the group.
     by_score = torch.argsort(-scores, stable=True)
     order = by_score[torch.argsort(inverse[by_score], stable=True)]
@@ -401,8 +371,8 @@ def compute_grpo_passk_outcome_advantage(
     adv_sorted = r * _segment_suffix_sum(weight, group_end) - _segment_suffix_sum(weight * r, group_end)
     scalar = torch.empty_like(scores)
     scalar[order] = adv_sorted
-    if norm_adv_by_std:
+    if settings.norm_adv_by_std:
         _, std = group_mean_std(scores, inverse, sizes)
-        scalar = scalar / (std[inverse] + epsilon)
+        scalar = scalar / (std[inverse] + settings.epsilon)
     advantages = _broadcast(scalar, mask)
     return advantages, advantages

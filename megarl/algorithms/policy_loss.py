@@ -1,24 +1,25 @@
 """Policy-gradient losses: PPO (clip-higher, dual-clip), GSPO, CISPO, REINFORCE/GPG.
 
-Every loss has the same signature, so the trainer calls any of them by name::
+Every loss takes the micro-batch's tensors as one ``PolicyLossInputs`` and the actor's constants as
+one ``PolicyLossSettings``, so the trainer calls any of them by name::
 
-    loss, metrics = get_policy_loss(name)(
-        old_log_prob, log_prob, advantages, response_mask,   # (B, R) each
-        loss_agg_mode="token-mean",
-        clip_ratio_low=0.2, clip_ratio_high=0.2,             # ratio kept in [1 - low, 1 + high]
-        clip_ratio_c=3.0,                                    # dual-clip bound (negative advantages)
-        normalisers=None,                                    # LossNormalisers of the mini-batch
-    )
+    inputs = PolicyLossInputs(old_log_prob, log_prob, advantages, response_mask,  # (B, R) each
+                              normalisers=normalisers)  # LossNormalisers of the mini-batch
+    settings = PolicyLossSettings(loss_agg_mode="token-mean",
+                                  clip_ratio_low=0.2, clip_ratio_high=0.2,  # ratio kept in [1 - low, 1 + high]
+                                  clip_ratio_c=3.0)                         # dual-clip bound (negative advantages)
+    loss, metrics = get_policy_loss(name)(inputs, settings)
 
 ``loss`` is a scalar with gradient through ``log_prob``, aggregated by ``agg_loss`` (see
 aggregation.py for how micro-batch losses add up to the mini-batch loss). ``metrics`` are floats
 over this micro-batch's valid tokens: ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` (the mean
 of ``old_log_prob - log_prob``, an estimate of KL(old || new)). A user loss registered with
-``register_policy_loss(name)`` must accept the same arguments.
+``register_policy_loss(name)`` takes the same two arguments.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Protocol
 
 import torch
@@ -32,19 +33,33 @@ LOG_RATIO_CLAMP = 20.0  # verl: exp() of a log-ratio beyond +-20 is clamped for 
 GSPO_LOG_RATIO_MAX = 10.0
 
 
+@dataclass(frozen=True, eq=False)
+class PolicyLossInputs:
+    """One micro-batch's tensors, all (B, R): B responses of R tokens."""
+
+    old_log_prob: torch.Tensor  # log-probs of the sampled tokens under the behaviour policy
+    log_prob: torch.Tensor  # the same under the current policy, with gradient
+    advantages: torch.Tensor
+    response_mask: torch.Tensor  # 0/1: 1 on the generated tokens that count in the loss
+    normalisers: Optional[LossNormalisers] = None  # of the whole mini-batch; None: this is the mini-batch
+
+
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    """The actor's constants (from ``actor.*`` of the experiment config)."""
+
+    loss_agg_mode: str = "token-mean"  # one of aggregation.LOSS_AGG_MODES
+    clip_ratio_low: float = 0.2  # the ratio is kept in [1 - low, 1 + high]
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (vanilla only); > 1
+
+
+DEFAULT_SETTINGS = PolicyLossSettings()
+
+
 class PolicyLoss(Protocol):
     def __call__(
-        self,
-        old_log_prob: torch.Tensor,
-        log_prob: torch.Tensor,
-        advantages: torch.Tensor,
-        response_mask: torch.Tensor,
-        *,
-        loss_agg_mode: str = "token-mean",
-        clip_ratio_low: float = 0.2,
-        clip_ratio_high: float = 0.2,
-        clip_ratio_c: float = 3.0,
-        normalisers: Optional[LossNormalisers] = None,
+        self, inputs: PolicyLossInputs, settings: PolicyLossSettings = DEFAULT_SETTINGS
     ) -> tuple[torch.Tensor, dict[str, float]]: ...
 
 
@@ -59,16 +74,7 @@ def _fraction(condition: torch.Tensor, mask: torch.Tensor) -> float:
 
 @register_policy_loss("vanilla")
 def compute_policy_loss_vanilla(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    loss_agg_mode: str = "token-mean",
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    normalisers: Optional[LossNormalisers] = None,
+    inputs: PolicyLossInputs, settings: PolicyLossSettings = DEFAULT_SETTINGS
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate with separate low/high clip (DAPO clip-higher) and dual-clip.
 
@@ -78,17 +84,19 @@ def compute_policy_loss_vanilla(
     ``pg_clipfrac``: share of tokens where the clipped term is active; ``pg_clipfrac_lower``: share
     where the dual-clip bound is active.
     """
+    clip_ratio_c = settings.clip_ratio_c
     if clip_ratio_c <= 1.0:
         raise ConfigError(f"actor.clip_ratio_c = {clip_ratio_c}: the dual-clip bound must be > 1.0 (default 3.0)")
-    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    advantages, response_mask = inputs.advantages, inputs.response_mask
+    log_ratio = (inputs.log_prob - inputs.old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clipped = -advantages * ratio.clamp(1.0 - settings.clip_ratio_low, 1.0 + settings.clip_ratio_high)
     clip_loss = torch.maximum(unclipped, clipped)
     dual_bound = -advantages * clip_ratio_c
     negative = advantages < 0
     losses = torch.where(negative, torch.minimum(clip_loss, dual_bound), clip_loss)
-    loss = aggregate(losses, response_mask, loss_agg_mode, normalisers)
+    loss = aggregate(losses, response_mask, settings.loss_agg_mode, inputs.normalisers)
     metrics = {
         "pg_clipfrac": _fraction(clipped > unclipped, response_mask),
         "pg_clipfrac_lower": _fraction((clip_loss > dual_bound) & negative, response_mask),
@@ -99,16 +107,7 @@ def compute_policy_loss_vanilla(
 
 @register_policy_loss("gspo")
 def compute_policy_loss_gspo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    loss_agg_mode: str = "seq-mean-token-mean",
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    normalisers: Optional[LossNormalisers] = None,
+    inputs: PolicyLossInputs, settings: PolicyLossSettings = DEFAULT_SETTINGS
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO (https://arxiv.org/abs/2507.18071): clipping on the sequence-level ratio.
 
@@ -117,16 +116,17 @@ def compute_policy_loss_gspo(
     clamped at 10. Always aggregated with ``seq-mean-token-mean`` as the paper defines it (and as
     verl does); ``loss_agg_mode`` is ignored. ``clip_ratio_c`` is unused (no dual-clip).
     """
+    log_prob, advantages, response_mask = inputs.log_prob, inputs.advantages, inputs.response_mask
     mask = response_mask.bool()
-    log_ratio = log_prob - old_log_prob
+    log_ratio = log_prob - inputs.old_log_prob
     seq_len = mask.sum(dim=-1).clamp_min(1).to(log_ratio.dtype)
     seq_log_ratio = torch.where(mask, log_ratio, 0.0).sum(dim=-1) / seq_len
     token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
     seq_ratio = token_log_ratio.clamp(max=GSPO_LOG_RATIO_MAX).exp()
     unclipped = -advantages * seq_ratio
-    clipped = -advantages * seq_ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clipped = -advantages * seq_ratio.clamp(1.0 - settings.clip_ratio_low, 1.0 + settings.clip_ratio_high)
     losses = torch.maximum(unclipped, clipped)
-    loss = aggregate(losses, response_mask, "seq-mean-token-mean", normalisers)
+    loss = aggregate(losses, response_mask, "seq-mean-token-mean", inputs.normalisers)
     metrics = {
         "pg_clipfrac": _fraction(clipped > unclipped, response_mask),
         "pg_clipfrac_lower": 0.0,
@@ -137,27 +137,19 @@ def compute_policy_loss_gspo(
 
 @register_policy_loss("cispo")
 def compute_policy_loss_cispo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    loss_agg_mode: str = "token-mean",
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    normalisers: Optional[LossNormalisers] = None,
+    inputs: PolicyLossInputs, settings: PolicyLossSettings = DEFAULT_SETTINGS
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO (https://arxiv.org/abs/2506.13585): ``-sg[clip(ratio, 1 - low, 1 + high)] * A * log_prob``.
 
     The clipped importance weight carries no gradient, so every token keeps a gradient (no token
     is dropped by clipping). ``pg_clipfrac``: share of tokens whose weight was clipped.
     """
-    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_prob, response_mask = inputs.log_prob, inputs.response_mask
+    log_ratio = (log_prob - inputs.old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = log_ratio.exp()
-    weight = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high).detach()
-    losses = -weight * advantages * log_prob
-    loss = aggregate(losses, response_mask, loss_agg_mode, normalisers)
+    weight = ratio.clamp(1.0 - settings.clip_ratio_low, 1.0 + settings.clip_ratio_high).detach()
+    losses = -weight * inputs.advantages * log_prob
+    loss = aggregate(losses, response_mask, settings.loss_agg_mode, inputs.normalisers)
     metrics = {
         "pg_clipfrac": _fraction(ratio.detach() != weight, response_mask),
         "pg_clipfrac_lower": 0.0,
@@ -168,26 +160,19 @@ def compute_policy_loss_cispo(
 
 @register_policy_loss("reinforce", "gpg")
 def compute_policy_loss_reinforce(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    loss_agg_mode: str = "token-mean",
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    normalisers: Optional[LossNormalisers] = None,
+    inputs: PolicyLossInputs, settings: PolicyLossSettings = DEFAULT_SETTINGS
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Plain policy gradient (REINFORCE; GPG, https://arxiv.org/abs/2504.02546): ``-A * log_prob``.
 
-    No ratio and no clipping; ``old_log_prob`` is used only for the ``ppo_kl`` metric.
+    No ratio and no clipping; ``old_log_prob`` is used only for the ``ppo_kl`` metric. Uses only
+    ``loss_agg_mode`` of the settings.
     """
-    losses = -advantages * log_prob
-    loss = aggregate(losses, response_mask, loss_agg_mode, normalisers)
+    log_prob, response_mask = inputs.log_prob, inputs.response_mask
+    losses = -inputs.advantages * log_prob
+    loss = aggregate(losses, response_mask, settings.loss_agg_mode, inputs.normalisers)
     metrics = {
         "pg_clipfrac": 0.0,
         "pg_clipfrac_lower": 0.0,
-        "ppo_kl": float(masked_mean((old_log_prob - log_prob).detach(), response_mask)),
+        "ppo_kl": float(masked_mean((inputs.old_log_prob - log_prob).detach(), response_mask)),
     }
     return loss, metrics

@@ -134,13 +134,8 @@ def check_response_tensors(token_level_rewards: torch.Tensor, response_mask: tor
         raise DataError(f"token_level_rewards: expected a float tensor, got {token_level_rewards.dtype}")
 
 
-def check_group_index(group_index: Optional[torch.Tensor], batch_size: int, estimator: str) -> torch.Tensor:
-    """The (B,) integer group ids a group-based estimator needs."""
-    if group_index is None:
-        raise DataError(
-            f"advantage estimator {estimator!r} compares responses of the same prompt: pass group_index "
-            "(B,) int64, e.g. group_index_from_uids(batch['uid'])"
-        )
+def check_group_index(group_index: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """The (B,) integer group ids a group-based estimator needs: DataError on another dtype or shape."""
     if group_index.shape != (batch_size,) or group_index.is_floating_point() or group_index.dtype == torch.bool:
         raise DataError(
             f"group_index: expected an integer tensor of shape ({batch_size},), got {group_index.dtype} "

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 
 from megarl.algorithms import (
+    AdvantageInputs,
+    AdvantageSettings,
     DynamicSamplingState,
     apply_kl_penalty,
     filter_groups,
@@ -213,19 +215,17 @@ class RLTrainer:
         else:
             rewards = batch["token_level_scores"]
         batch["token_level_rewards"] = rewards
-        baseline = None
-        if alg.adv_estimator == "remax":
-            baseline = self.remax_baseline(batch)
-        advantages, returns = self.estimator(
-            rewards, mask,
+        inputs = AdvantageInputs(
+            token_level_rewards=rewards,
+            response_mask=mask,
             group_index=batch.group_indices("uid"),
             values=batch["values"] if "values" in batch else None,
-            baseline_rewards=baseline,
-            gamma=alg.gamma, lam=alg.lam,
-            norm_adv_by_std=alg.norm_adv_by_std_in_grpo,
-            passk_k=alg.pass_k,
+            baseline_rewards=self.remax_baseline(batch) if alg.adv_estimator == "remax" else None,
             uids=batch["uid"],
         )
+        settings = AdvantageSettings(gamma=alg.gamma, lam=alg.lam, norm_adv_by_std=alg.norm_adv_by_std_in_grpo,
+                                     pass_k=alg.pass_k)
+        advantages, returns = self.estimator(inputs, settings)
         batch["advantages"] = advantages
         batch["returns"] = returns
         return batch, metrics

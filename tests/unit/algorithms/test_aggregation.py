@@ -11,6 +11,10 @@ import torch
 from megarl.algorithms import (
     LOSS_AGG_MODES,
     POLICY_LOSSES,
+    PolicyLossInputs,
+    PolicyLossSettings,
+    ValueLossInputs,
+    ValueLossSettings,
     agg_loss,
     compute_value_loss,
     entropy_from_logits,
@@ -117,13 +121,14 @@ def actor_critic_loss(model: TinyPolicy, mb: dict, loss_name: str, mode: str, no
     mask = mb["response_mask"]
     norm_kwargs = asdict(normalisers) if normalisers is not None else {}
     pg_loss, _ = get_policy_loss(loss_name)(
-        mb["old_log_probs"], log_prob, mb["advantages"], mask,
-        loss_agg_mode=mode, clip_ratio_low=0.2, clip_ratio_high=0.28, normalisers=normalisers,
+        PolicyLossInputs(mb["old_log_probs"], log_prob, mb["advantages"], mask, normalisers=normalisers),
+        PolicyLossSettings(loss_agg_mode=mode, clip_ratio_low=0.2, clip_ratio_high=0.28),
     )
     entropy_loss = agg_loss(entropy, mask, mode, **norm_kwargs)
     kl_loss = agg_loss(kl_penalty(log_prob, mb["ref_log_prob"], "low_var_kl"), mask, mode, **norm_kwargs)
     vf_loss, _ = compute_value_loss(
-        vpreds, mb["returns"], mb["values"], mask, cliprange_value=0.5, loss_agg_mode=mode, normalisers=normalisers
+        ValueLossInputs(vpreds, mb["returns"], mb["values"], mask, normalisers=normalisers),
+        ValueLossSettings(cliprange_value=0.5, loss_agg_mode=mode),
     )
     return pg_loss - 0.01 * entropy_loss + 0.1 * kl_loss + 0.5 * vf_loss
 

@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from megarl.algorithms import LOSS_AGG_MODES, POLICY_LOSSES, get_policy_loss
+from megarl.algorithms import (
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    PolicyLossInputs,
+    PolicyLossSettings,
+    get_policy_loss,
+)
 from megarl.errors import ConfigError
 
 from . import loop_reference as ref
@@ -35,7 +41,8 @@ def random_inputs(seed: int, batch: int = 7, length: int = 6):
 def test_vanilla_value_gradient_metrics(seed: int, mode: str, low: float, high: float, c: float) -> None:
     old, log_prob, adv, mask = random_inputs(seed)
     loss, metrics = get_policy_loss("vanilla")(
-        old, log_prob, adv, mask, loss_agg_mode=mode, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c
+        PolicyLossInputs(old, log_prob, adv, mask),
+        PolicyLossSettings(loss_agg_mode=mode, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c),
     )
     loss.backward()
     weights = ref.agg_weights(mask.tolist(), mode)
@@ -66,7 +73,8 @@ def test_vanilla_hand_example_clip_higher_and_dual_clip() -> None:
     log_prob = torch.log(torch.tensor([[1.5, 0.5, 5.0, 1.1]], dtype=torch.float64)).requires_grad_()
     adv = torch.tensor([[1.0, -1.0, -2.0, 0.5]], dtype=torch.float64)
     loss, metrics = get_policy_loss("vanilla")(
-        old, log_prob, adv, torch.ones(1, 4), clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0
+        PolicyLossInputs(old, log_prob, adv, torch.ones(1, 4)),
+        PolicyLossSettings(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0),
     )
     per_token = [-1.28, 0.8, 6.0, -0.55]  # -A*clip(r), -A*clip(r), min(-A*r, -A*c) = 6, -A*r
     assert loss.item() == pytest.approx(sum(per_token) / 4)
@@ -80,7 +88,7 @@ def test_vanilla_hand_example_clip_higher_and_dual_clip() -> None:
 def test_dual_clip_bound_must_exceed_one() -> None:
     old, log_prob, adv, mask = random_inputs(0)
     with pytest.raises(ConfigError, match="clip_ratio_c = 1.0"):
-        get_policy_loss("vanilla")(old, log_prob, adv, mask, clip_ratio_c=1.0)
+        get_policy_loss("vanilla")(PolicyLossInputs(old, log_prob, adv, mask), PolicyLossSettings(clip_ratio_c=1.0))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -92,7 +100,8 @@ def test_gspo_sequence_ratio(seed: int) -> None:
     adv = adv[:, :1].expand_as(adv).contiguous()
     low, high = 0.2, 0.27
     loss, metrics = get_policy_loss("gspo")(
-        old, log_prob, adv, mask, loss_agg_mode="token-mean", clip_ratio_low=low, clip_ratio_high=high
+        PolicyLossInputs(old, log_prob, adv, mask),
+        PolicyLossSettings(loss_agg_mode="token-mean", clip_ratio_low=low, clip_ratio_high=high),
     )
     loss.backward()
     rows = [i for i in range(old.shape[0]) if mask[i].sum() > 0]
@@ -121,7 +130,8 @@ def test_cispo_value_and_gradient(seed: int, mode: str) -> None:
     old, log_prob, adv, mask = random_inputs(seed)
     low, high = 0.2, 0.28
     loss, metrics = get_policy_loss("cispo")(
-        old, log_prob, adv, mask, loss_agg_mode=mode, clip_ratio_low=low, clip_ratio_high=high
+        PolicyLossInputs(old, log_prob, adv, mask),
+        PolicyLossSettings(loss_agg_mode=mode, clip_ratio_low=low, clip_ratio_high=high),
     )
     loss.backward()
     weights = ref.agg_weights(mask.tolist(), mode)
@@ -144,7 +154,9 @@ def test_cispo_value_and_gradient(seed: int, mode: str) -> None:
 @pytest.mark.parametrize("name", ["reinforce", "gpg"])
 def test_reinforce_value_and_gradient(name: str) -> None:
     old, log_prob, adv, mask = random_inputs(3)
-    loss, _ = get_policy_loss(name)(old, log_prob, adv, mask, loss_agg_mode="seq-mean-token-sum")
+    loss, _ = get_policy_loss(name)(
+        PolicyLossInputs(old, log_prob, adv, mask), PolicyLossSettings(loss_agg_mode="seq-mean-token-sum")
+    )
     loss.backward()
     weights = ref.agg_weights(mask.tolist(), "seq-mean-token-sum")
     exp_loss = sum(
@@ -158,7 +170,7 @@ def test_reinforce_value_and_gradient(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
 def test_all_masked_batch_gives_zero_loss_and_gradient(name: str) -> None:
     old, log_prob, adv, mask = random_inputs(0)
-    loss, metrics = get_policy_loss(name)(old, log_prob, adv, torch.zeros_like(mask))
+    loss, metrics = get_policy_loss(name)(PolicyLossInputs(old, log_prob, adv, torch.zeros_like(mask)))
     loss.backward()
     assert loss.item() == 0.0
     assert (log_prob.grad == 0).all()
@@ -172,7 +184,9 @@ def test_on_policy_gradient_is_the_policy_gradient(name: str) -> None:
     if name == "gspo":
         adv = adv[:, :1].expand_as(adv).contiguous()
     mode = "seq-mean-token-mean"
-    loss, metrics = get_policy_loss(name)(log_prob.detach(), log_prob, adv, mask, loss_agg_mode=mode)
+    loss, metrics = get_policy_loss(name)(
+        PolicyLossInputs(log_prob.detach(), log_prob, adv, mask), PolicyLossSettings(loss_agg_mode=mode)
+    )
     loss.backward()
     weights = torch.tensor(ref.agg_weights(mask.tolist(), mode), dtype=torch.float64)
     torch.testing.assert_close(log_prob.grad, -adv * weights)

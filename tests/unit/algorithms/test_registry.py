@@ -8,6 +8,10 @@ import torch
 from megarl.algorithms import (
     ADVANTAGE_ESTIMATORS,
     POLICY_LOSSES,
+    AdvantageInputs,
+    AdvantageSettings,
+    PolicyLossInputs,
+    PolicyLossSettings,
     Registry,
     get_advantage_estimator,
     get_policy_loss,
@@ -30,16 +34,16 @@ def test_user_estimator_and_loss_are_found_by_name() -> None:
     registry_names = set(ADVANTAGE_ESTIMATORS)
 
     @register_advantage_estimator("test_only_constant")
-    def constant(token_level_rewards, response_mask, **_):
-        adv = torch.ones_like(token_level_rewards) * response_mask
+    def constant(inputs: AdvantageInputs, settings: AdvantageSettings = AdvantageSettings()):
+        adv = torch.ones_like(inputs.token_level_rewards) * inputs.response_mask
         return adv, adv
 
     @register_policy_loss("test_only_zero")
-    def zero(old_log_prob, log_prob, advantages, response_mask, **_):
-        return (log_prob * 0).sum(), {}
+    def zero(inputs: PolicyLossInputs, settings: PolicyLossSettings = PolicyLossSettings()):
+        return (inputs.log_prob * 0).sum(), {}
 
     try:
-        adv, _ = get_advantage_estimator("test_only_constant")(torch.zeros(2, 3), torch.ones(2, 3))
+        adv, _ = get_advantage_estimator("test_only_constant")(AdvantageInputs(torch.zeros(2, 3), torch.ones(2, 3)))
         assert adv.sum() == 6
         assert get_policy_loss("test_only_zero") is zero
         assert register_advantage_estimator("test_only_constant")(constant) is constant  # same fn again: fine

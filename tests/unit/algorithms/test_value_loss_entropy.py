@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from megarl.algorithms import LOSS_AGG_MODES, compute_value_loss, entropy_from_logits
+from megarl.algorithms import (
+    LOSS_AGG_MODES,
+    ValueLossInputs,
+    ValueLossSettings,
+    compute_value_loss,
+    entropy_from_logits,
+)
 
 from . import loop_reference as ref
 
@@ -22,7 +28,8 @@ def test_value_loss_matches_loop(mode: str, clip: float) -> None:
     vpreds = (old + torch.randn(6, 5, generator=gen, dtype=torch.float64) * 0.6).requires_grad_()
     returns = torch.randn(6, 5, generator=gen, dtype=torch.float64)
     mask = (torch.arange(5) < torch.tensor([[5], [3], [0], [1], [4], [2]])).double()
-    loss, metrics = compute_value_loss(vpreds, returns, old, mask, cliprange_value=clip, loss_agg_mode=mode)
+    loss, metrics = compute_value_loss(ValueLossInputs(vpreds, returns, old, mask),
+                                       ValueLossSettings(cliprange_value=clip, loss_agg_mode=mode))
     loss.backward()
     weights = ref.agg_weights(mask.tolist(), mode)
     exp_loss, clipped, n = 0.0, 0, 0
@@ -45,12 +52,15 @@ def test_value_loss_hand_example() -> None:
     # old 0, clip 0.5: vpred 2 -> clipped 0.5; return 1: max((2-1)^2, (0.5-1)^2) = 1 (unclipped)
     # vpred -1, return 1: clipped -0.5 -> max(4, 2.25) = 4; vpred 0.2, return -3: max(10.24, 10.24)
     vpreds = torch.tensor([[2.0, -1.0, 0.2]])
-    loss, _ = compute_value_loss(vpreds, torch.tensor([[1.0, 1.0, -3.0]]), torch.zeros(1, 3), torch.ones(1, 3),
-                                 cliprange_value=0.5)
+    clip = ValueLossSettings(cliprange_value=0.5)
+    loss, _ = compute_value_loss(
+        ValueLossInputs(vpreds, torch.tensor([[1.0, 1.0, -3.0]]), torch.zeros(1, 3), torch.ones(1, 3)), clip
+    )
     assert loss.item() == pytest.approx(0.5 * (1 + 4 + 10.24) / 3)
     # vpred 2 with return 3: clipped 0.5 -> (0.5-3)^2 = 6.25 > 1: the clipped term is used
-    loss, metrics = compute_value_loss(torch.tensor([[2.0]]), torch.tensor([[3.0]]), torch.zeros(1, 1),
-                                       torch.ones(1, 1), cliprange_value=0.5)
+    loss, metrics = compute_value_loss(
+        ValueLossInputs(torch.tensor([[2.0]]), torch.tensor([[3.0]]), torch.zeros(1, 1), torch.ones(1, 1)), clip
+    )
     assert loss.item() == pytest.approx(0.5 * 6.25) and metrics["vf_clipfrac"] == 1.0
 
 
