@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from megarl.cluster.worker import Worker, WorkerContext
+from megarl.tracking.profiling import StepProfiler
 
 RoleSpecs = dict[str, tuple[type, dict[str, Any]]]
 
@@ -37,6 +38,7 @@ class HostWorker(Worker):
         for role in self.roles.values():
             if callable(getattr(role, "connect_roles", None)):
                 role.connect_roles(self.roles)
+        self.profiler: StepProfiler | None = None
 
     def role_names(self) -> list[str]:
         return list(self.roles)
@@ -69,3 +71,14 @@ class HostWorker(Worker):
                 role.onload()
                 done[name] = "onloaded"
         return done
+
+    def start_profile(self, step: int, out_dir: str) -> None:
+        """Record everything this process runs until `stop_profile` (torch profiler)."""
+        self.profiler = StepProfiler([step], out_dir, self.context.role, self.rank)
+        self.profiler.start(step)
+
+    def stop_profile(self) -> str | None:
+        """Stop recording; the Chrome trace's path (`<out_dir>/step_<k>/<role>_rank<r>.json`)."""
+        path = self.profiler.stop() if self.profiler is not None else None
+        self.profiler = None
+        return None if path is None else str(path)

@@ -2,13 +2,15 @@
 
     pool = ResourcePool("actor", nnodes=1, devices_per_node=4).wait(timeout_s=60)
     actor = WorkerGroup(pool, HostWorker, "hybrid", init_kwargs={"roles": {...}})
-    actor.init_distributed(layout={"tp": 2})             # every rank, returns ParallelInfos
-    out = actor.for_role("actor").call_dp("compute_log_prob", batch)   # split over DP, collect
-    actor.call_all("save", path)                          # broadcast, one result per rank
-    handle = critic.call_dp_async("update", batch)        # runs while the driver goes on
+    actor.init_distributed(layout={"tp": 2})             # every rank, returns RankCoords
+    out = actor.for_role("actor").call_dp(ActorRole.compute_log_prob, batch)  # split over DP, collect
+    actor.call_all(HostWorker.set_active, ["actor"])      # broadcast, one result per rank
+    handle = critic.call_dp_async(CriticRole.update_critic, batch)  # runs while the driver goes on
     values = handle.result(timeout_s=600)
 
-Where data goes is written at the call: `call_dp` splits a Batch over the data-parallel ranks
+Calls name the method itself (a function of the worker class, or of the role class for a role
+view), so a reader can follow a call from the driver into the worker; the group checks that the
+target really has that method before anything is sent. Where data goes is written at the call: `call_dp` splits a Batch over the data-parallel ranks
 (padding B to a multiple of DP and dropping the padding from the result; ranks of the same DP
 group get the same shard) and collects from the last pipeline stage / TP rank 0 / CP rank 0 of
 each DP group, in DP order. `call_all` broadcasts; `call_rank` targets one rank. Each has an
@@ -24,7 +26,7 @@ collective that can never complete.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -36,11 +38,24 @@ from megarl.cluster.ray_cluster import register_for_cleanup, unregister_for_clea
 from megarl.cluster.remote_call import CallHandle, RankCall
 from megarl.cluster.rendezvous import node_address_and_free_port
 from megarl.cluster.resource_pool import ResourcePool
-from megarl.cluster.worker import NodeInfo, ParallelInfo, Worker, WorkerContext
+from megarl.cluster.worker import NodeInfo, Worker, WorkerContext
 from megarl.errors import WorkerError
+from megarl.layout import RankCoord
 from megarl.protocol import Batch
 
 logger = logging.getLogger(__name__)
+Method = Callable[..., Any]  # a function defined in the worker class or in a hosted role's class
+
+
+def method_name(method: Method, target: type, where: str) -> str:
+    """The name `method` is called by on an instance of `target`, checked: `method` must be what
+    `target` has under that name (its own or inherited), e.g. `ActorRole.compute_log_prob`."""
+    name = getattr(method, "__name__", None)
+    if not callable(method) or name is None:
+        raise TypeError(f"{where}: a call names the method itself (e.g. ActorRole.compute_log_prob), got {method!r}")
+    if getattr(target, name, None) is not method:
+        raise TypeError(f"{where}: {getattr(method, '__qualname__', name)} is not a method of {target.__name__}")
+    return name
 
 
 class _Calls:
@@ -49,27 +64,27 @@ class _Calls:
     def _target(self) -> tuple[WorkerGroup, str | None]:
         raise NotImplementedError
 
-    def call_all_async(self, method: str, *args: Any, **kwargs: Any) -> CallHandle:
+    def call_all_async(self, method: Method, *args: Any, **kwargs: Any) -> CallHandle:
         """Run `method(*args, **kwargs)` on every rank; the handle gives one result per rank."""
         group, role = self._target()
         return group._submit(range(group.world_size), role, method, [(args, kwargs)] * group.world_size, list)
 
-    def call_all(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+    def call_all(self, method: Method, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         """Blocking `call_all_async`: the list of every rank's result, in rank order."""
         return self.call_all_async(method, *args, **kwargs).result(self._timeout(timeout_s))
 
-    def call_rank_async(self, rank: int, method: str, *args: Any, **kwargs: Any) -> CallHandle:
+    def call_rank_async(self, rank: int, method: Method, *args: Any, **kwargs: Any) -> CallHandle:
         """Run `method` on one rank only; the handle gives its result."""
         group, role = self._target()
         if not 0 <= rank < group.world_size:
             raise ValueError(f"{group.role}: rank {rank} outside world size {group.world_size}")
         return group._submit([rank], role, method, [(args, kwargs)], lambda results: results[0])
 
-    def call_rank(self, rank: int, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+    def call_rank(self, rank: int, method: Method, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
         return self.call_rank_async(rank, method, *args, **kwargs).result(self._timeout(timeout_s))
 
     def call_dp_async(
-        self, method: str, batch: Batch, *args: Any, dispatch_infos: Sequence[ParallelInfo] | None = None, **kwargs: Any
+        self, method: Method, batch: Batch, *args: Any, dispatch_infos: Sequence[RankCoord] | None = None, **kwargs: Any
     ) -> CallHandle:
         """Split `batch` over the DP ranks and run `method(shard, *args, **kwargs)` on every rank.
 
@@ -93,11 +108,11 @@ class _Calls:
 
     def call_dp(
         self,
-        method: str,
+        method: Method,
         batch: Batch,
         *args: Any,
         timeout_s: float | None = None,
-        dispatch_infos: Sequence[ParallelInfo] | None = None,
+        dispatch_infos: Sequence[RankCoord] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Blocking `call_dp_async`."""
@@ -149,6 +164,9 @@ class WorkerGroup(_Calls):
             raise TypeError(f"{role}: worker class must subclass megarl.cluster.worker.Worker, got {worker_cls!r}")
         self.pool = pool
         self.role = role
+        self.worker_cls = worker_cls
+        # Role classes hosted in each process (HostWorker's `roles`), for checking role calls.
+        self.role_classes: dict[str, type] = {name: cls for name, (cls, _) in (init_kwargs or {}).get("roles", {}).items()}
         self.call_timeout_s = call_timeout_s
         self.kill_on_failure = kill_on_failure
         self._failure: str | None = None
@@ -201,11 +219,11 @@ class WorkerGroup(_Calls):
         # Until a worker reports its node, messages name the pool's node group.
         self._node_labels = [f"node group {self.pool.placement(rank).node_index}" for rank in range(self.world_size)]
         self.node_infos: list[NodeInfo] = self._submit(
-            range(self.world_size), None, "node_info", [((), {})] * self.world_size, list
+            range(self.world_size), None, worker_cls.node_info, [((), {})] * self.world_size, list
         ).result(timeout_s)
         self._node_labels = [f"{info.ip} ({info.node_id[:8]}, pid {info.pid})" for info in self.node_infos]
-        self.parallel_infos: list[ParallelInfo] = [
-            ParallelInfo.data_parallel_only(rank, self.world_size) for rank in range(self.world_size)
+        self.parallel_infos: list[RankCoord] = [
+            RankCoord.data_parallel_only(rank, self.world_size) for rank in range(self.world_size)
         ]
 
     def for_role(self, name: str) -> RoleView:
@@ -215,23 +233,23 @@ class WorkerGroup(_Calls):
     def _target(self) -> tuple[WorkerGroup, str | None]:
         return self, None
 
-    def init_distributed(self, timeout_s: float | None = None, **kwargs: Any) -> list[ParallelInfo]:
-        """Call every rank's `init_distributed(**kwargs)` and keep the ParallelInfos it returns.
+    def init_distributed(self, timeout_s: float | None = None, **kwargs: Any) -> list[RankCoord]:
+        """Call every rank's `init_distributed(**kwargs)` and keep the RankCoords it returns.
 
         Dispatch (`call_dp`) uses these from then on. An engine that builds its groups in another
         method must call `refresh_parallel_infos()` afterwards.
         """
-        infos = self.call_all("init_distributed", timeout_s=timeout_s, **kwargs)
+        infos = self.call_all(self.worker_cls.init_distributed, timeout_s=timeout_s, **kwargs)
         self._set_parallel_infos(infos)
         return infos
 
-    def refresh_parallel_infos(self, timeout_s: float | None = None) -> list[ParallelInfo]:
+    def refresh_parallel_infos(self, timeout_s: float | None = None) -> list[RankCoord]:
         """Ask every rank for its current `parallel_info()` and use it for dispatch."""
-        infos = self.call_all("parallel_info", timeout_s=timeout_s)
+        infos = self.call_all(self.worker_cls.parallel_info, timeout_s=timeout_s)
         self._set_parallel_infos(infos)
         return infos
 
-    def _set_parallel_infos(self, infos: list[ParallelInfo]) -> None:
+    def _set_parallel_infos(self, infos: list[RankCoord]) -> None:
         plan_dispatch(infos)  # reject an inconsistent layout now rather than at the first call_dp
         self.parallel_infos = infos
 
@@ -239,7 +257,7 @@ class WorkerGroup(_Calls):
         self,
         ranks: Sequence[int] | range,
         role: str | None,
-        method: str,
+        method: Method,
         per_rank_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
         finish: Any,
     ) -> CallHandle:
@@ -248,14 +266,20 @@ class WorkerGroup(_Calls):
             raise WorkerError(f"{self.role}: the worker group was stopped after an earlier failure:\n{self._failure}")
         if not self._actors:
             raise WorkerError(f"{self.role}: the worker group has been shut down")
+        if role is None:
+            name = method_name(method, self.worker_cls, self.role)
+        else:
+            if role not in self.role_classes:
+                raise KeyError(f"{self.role}: hosts roles {sorted(self.role_classes)}, not {role!r}")
+            name = method_name(method, self.role_classes[role], f"{self.role}/{role}")
         calls = []
-        label = method if role is None else f"{role}.{method}"
+        label = name if role is None else f"{role}.{name}"
         for rank, (args, kwargs) in zip(ranks, per_rank_args):
             actor = self._actors[rank]
             if role is None:
-                ref = getattr(actor, method).remote(*args, **kwargs)
+                ref = getattr(actor, name).remote(*args, **kwargs)
             else:
-                ref = actor.call.remote(role, method, *args, **kwargs)
+                ref = actor.call.remote(role, name, *args, **kwargs)
             calls.append(RankCall(self.role, rank, self._node_labels[rank], label, ref))
         return CallHandle(calls, finish, self._on_failure if self.kill_on_failure else None)
 

@@ -88,7 +88,21 @@ def suggest_key(bad_key: str) -> Optional[str]:
     return close[0] if close else None
 
 
+# Keys verl users bring that megarl does not have, with what to do instead.
+REMOVED_KEYS: dict[str, str] = {
+    "data.dataloader_num_workers": "megarl reads prompts from parquet in the driver process, with no loader "
+    "workers; remove the key",
+    "actor.use_remove_padding": "use model.use_remove_padding (the same switch for every role)",
+    "actor.optim.warmup_style": "use actor.optim.lr_scheduler (constant | cosine | linear)",
+    "critic.optim.warmup_style": "use critic.optim.lr_scheduler (constant | cosine | linear)",
+    "trainer.n_gpus_per_node": "use resources.actor_pool.devices_per_node",
+    "trainer.nnodes": "use resources.actor_pool.nnodes",
+}
+
+
 def _unknown_key_error(key: str, source: str) -> str:
+    if key in REMOVED_KEYS:
+        return f"{source}: '{key}' is not a megarl key: {REMOVED_KEYS[key]}"
     hint = suggest_key(key)
     msg = f"{source}: unknown key '{key}'"
     return msg + (f"; did you mean '{hint}'?" if hint else "; run `megarl config show` to list the valid keys")

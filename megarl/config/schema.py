@@ -20,7 +20,8 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
-    # GPU only: torch norms refuse it, so it is switched off on CPU.
+    # Megatron sequence parallelism: activations outside the TP regions split along the sequence over
+    # the TP ranks (needs tensor_model_parallel_size > 1; required to train MoE models at TP > 1).
     sequence_parallel: bool = False
     # Set explicitly to assert the derived value; null derives it from the pool size.
     data_parallel_size: Optional[int] = None
@@ -34,7 +35,7 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     clip_grad: float = 1.0
-    # constant | cosine (warmup then cosine decay to min_lr) | linear
+    # After linear warmup: constant | cosine (decay to min_lr) | linear (decay to min_lr)
     lr_scheduler: str = "constant"
     lr_warmup_steps: int = 0
     lr_warmup_steps_ratio: float = 0.0
@@ -52,13 +53,15 @@ class DataConfig:
     max_prompt_length: int = 512
     max_response_length: int = 512
     train_batch_size: int = 8  # prompts per step
+    # Prompts generated per round of DAPO dynamic sampling (algorithm.filter_groups); rounds repeat
+    # until train_batch_size groups carry a signal. null: train_batch_size.
+    gen_batch_size: Optional[int] = None
     val_batch_size: Optional[int] = None  # null: the whole validation set in one batch
     truncation: str = "error"  # error | left | right | middle
     filter_overlong_prompts: bool = True
     apply_chat_template: str = "auto"  # auto | true | false
     shuffle: bool = True
     seed: int = 1
-    dataloader_num_workers: int = 0
 
 
 @dataclass
@@ -67,11 +70,19 @@ class ModelConfig:
     path: Optional[str] = None
     # ... or a HF config given inline (random init), e.g. for tiny CPU models.
     hf_config: dict[str, Any] = field(default_factory=dict)
-    # Architecture family in model_specs/; null detects it from config.json's model_type.
+    # Architecture family in model_specs/ (e.g. qwen2, llama); null detects it from config.json's
+    # model_type. Set it for a checkpoint whose model_type no family lists but whose layout one has.
     spec: Optional[str] = None
-    dtype: str = "fp32"  # fp32 | bf16 | fp16
+    dtype: str = "fp32"  # fp32 | bf16 (training and, unless rollout.dtype, rollout)
     init_from_scratch: bool = False  # ignore weights in `path`, initialise randomly with `seed`
+    # Activation recompute in the training roles: activations are recomputed in the backward pass
+    # instead of kept (less memory, ~1/3 more compute with "full").
     enable_gradient_checkpointing: bool = False
+    recompute_granularity: str = "full"  # full (whole layers) | selective (core attention only)
+    # Rows of a micro-batch concatenated without padding (verl's use_remove_padding), every role.
+    use_remove_padding: bool = False
+    # HF config keys set over model.path's config.json (or model.hf_config), e.g. rope_theta; the run
+    # builds its model directory from the result, so every role and the rollout see the same config.
     override_config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -100,7 +111,9 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
-    log_prob_micro_batch_size_per_gpu: Optional[int] = None  # null: ppo_micro_batch_size_per_gpu
+    # Sequences per forward-only pass (old log-probs) on one DP rank; null: ppo_micro_batch_size_per_gpu
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    # Move to host memory while the actor is not computing (onloaded for log-probs and the update).
     param_offload: bool = False
     grad_offload: bool = False
     optimizer_offload: bool = False
@@ -109,7 +122,9 @@ class ActorConfig:
 @dataclass
 class CriticConfig:
     enable: Optional[bool] = None  # null: on when the advantage estimator needs values (gae)
-    model_path: Optional[str] = None  # null: the actor's model (trunk) with a fresh value head
+    # A HF directory to start the critic from (e.g. a reward model: its `score` head becomes the value
+    # head); null: the actor's model (trunk) with a fresh value head.
+    model_path: Optional[str] = None
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     megatron: Optional[ParallelConfig] = None  # null: the actor's layout
     ppo_mini_batch_size: int = 8
@@ -120,6 +135,7 @@ class CriticConfig:
     shuffle: bool = False
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
+    # Move to host memory while the critic is not computing (gradients go with the parameters).
     param_offload: bool = False
     optimizer_offload: bool = False
 
@@ -129,11 +145,13 @@ class RefConfig:
     enable: Optional[bool] = None  # null: on when a KL term (loss or reward) needs it
     megatron: Optional[ParallelConfig] = None  # null: the actor's layout
     log_prob_micro_batch_size_per_gpu: int = 8
-    param_offload: bool = False
+    param_offload: bool = False  # host memory except while computing reference log-probs
 
 
 @dataclass
 class RewardModelConfig:
+    # Reward-model workers are not available yet: `enable: true` is refused by validation; score with
+    # the rule scorers or reward.custom_reward_function.
     enable: bool = False
     model_path: Optional[str] = None
     megatron: ParallelConfig = field(default_factory=ParallelConfig)
@@ -184,9 +202,12 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     kv_cache_memory_gb: float = 1.0  # CPU engines: KV cache size
     max_num_seqs: int = 256
-    free_cache_engine: bool = True  # sleep the engine during training
+    # The engine sleeps (KV cache and weight copy released) from the end of generation to the next
+    # weight sync; the HF engine on CPU has nothing to release and only changes state.
+    free_cache_engine: bool = True
     enforce_eager: bool = True
     dtype: Optional[str] = None  # null: model.dtype
+    # Keep the log-probs of the sampled tokens (rollout_log_probs, and the rollout-vs-trainer gap metric)
     calculate_log_probs: bool = True
     # processed: log_softmax(logits / temperature) after top-k/top-p (verl's default); raw: log_softmax(logits)
     logprobs_mode: str = "processed"
@@ -205,7 +226,9 @@ class KLControlConfig:
 @dataclass
 class FilterGroupsConfig:
     enable: bool = False  # DAPO dynamic sampling
-    metric: str = "acc"  # score | acc | seq_reward | any reward-info key
+    # acc | score | seq_reward (sum of scores) | seq_final_reward (sum of rewards; equals seq_reward
+    # unless algorithm.use_kl_in_reward, which dynamic sampling refuses) | any reward-info key
+    metric: str = "acc"
     max_num_gen_batches: int = 10  # <= 0: no cap
 
 
@@ -227,10 +250,20 @@ class TrainerConfig:
     project_name: str = "megarl"
     experiment_name: str = "default"
     total_epochs: int = 1
-    total_training_steps: Optional[int] = None  # null: epochs x batches per epoch
+    # null: the run ends with the data of total_epochs epochs (with DAPO dynamic sampling a step may
+    # take several batches, so it can end before epochs x batches per epoch steps)
+    total_training_steps: Optional[int] = None
     test_freq: int = -1  # validate every k steps; <= 0: only at the end
     save_freq: int = -1  # checkpoint every k steps; <= 0: never
     val_before_train: bool = True
+    val_only: bool = False  # validate (the initial or resumed weights) and stop
+    # Write each step's generations, scores and advantages as <dir>/<step>.jsonl; null: off
+    rollout_data_dir: Optional[str] = None
+    # Write validation generations as <dir>/<step>.jsonl; null: off
+    validation_data_dir: Optional[str] = None
+    # Steps to profile with the torch profiler on every worker: Chrome traces under
+    # <run dir>/profile/step_<k>/<role>_rank<r>.json
+    profile_steps: list[int] = field(default_factory=list)
     critic_warmup: int = 0  # steps that train only the critic
     resume_mode: str = "auto"  # auto | disable | resume_path
     resume_from_path: Optional[str] = None

@@ -29,7 +29,9 @@ ENUMS: dict[str, set[str]] = {
     "algorithm.kl_ctrl.type": {"fixed", "adaptive"},
     "actor.optim.lr_scheduler": {"constant", "cosine", "linear"},
     "critic.optim.lr_scheduler": {"constant", "cosine", "linear"},
-    "model.dtype": {"fp32", "bf16", "fp16"},
+    "model.dtype": {"fp32", "bf16"},
+    "rollout.dtype": {"fp32", "bf16", "fp16", "float32", "bfloat16", "float16"},
+    "model.recompute_granularity": {"full", "selective"},
     "trainer.resume_mode": {"auto", "disable", "resume_path"},
     "resources.device": {"auto", "cpu", "cuda"},
     "actor.loss_agg_mode": LOSS_AGG_MODES,
@@ -38,6 +40,10 @@ ENUMS: dict[str, set[str]] = {
     "algorithm.kl_penalty": KL_TYPES,
 }
 TRACKING_BACKENDS = {"console", "jsonl", "mlflow"}
+# HF config keys that change weight shapes: model.override_config cannot set them over a checkpoint.
+SHAPE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "num_experts",
+              "num_local_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
 def registered_names(kind: str) -> set[str]:
@@ -50,6 +56,13 @@ def registered_names(kind: str) -> set[str]:
         return set(registry) | base
     except (ImportError, AttributeError):
         return set(base)
+
+
+def model_families() -> set[str]:
+    """Family names of the YAMLs in model_specs/ (each file's `family` key)."""
+    from megarl.models.spec import load_family_specs  # imports torch (weight map): only when model.spec is set
+
+    return set(load_family_specs())
 
 
 def _divisors(n: int) -> str:
@@ -182,10 +195,10 @@ def _check_moe(r: _Rules, cfg: DictConfig) -> None:
     if critic_enabled(cfg):
         trained.append(("critic", role_parallel(cfg, "critic")))
     for role, par in trained:
-        if par.tensor_model_parallel_size > 1:
+        if par.tensor_model_parallel_size > 1 and not par.sequence_parallel:
             r.err(f"{role}.megatron.tensor_model_parallel_size = {par.tensor_model_parallel_size}: training a "
-                  "mixture-of-experts model with TP > 1 needs sequence parallelism, which megarl does not wire "
-                  "yet; use 1 and split the experts with expert_model_parallel_size (or use PP)")
+                  f"mixture-of-experts model with TP > 1 needs {role}.megatron.sequence_parallel: true (Megatron "
+                  "requires it), or use TP 1 and split the experts with expert_model_parallel_size")
     if cfg.actor.megatron.expert_model_parallel_size > 1:
         r.err(f"actor.megatron.expert_model_parallel_size = {cfg.actor.megatron.expert_model_parallel_size}: the "
               "weight sync into the rollout engine does not reshard expert-parallel shards yet; use 1 for the "
@@ -244,8 +257,14 @@ def validate_config(cfg: DictConfig) -> None:
     r = _Rules(cfg)
     alg, actor, rollout, data = cfg.algorithm, cfg.actor, cfg.rollout, cfg.data
 
+    if cfg.model.dtype == "fp16":
+        r.err("model.dtype = 'fp16': training in fp16 needs loss scaling, which megarl does not implement; "
+              "use bf16 (or fp32); rollout.dtype may still be fp16")
+    else:
+        r.one_of("model.dtype", ENUMS["model.dtype"])
     for key, allowed in ENUMS.items():
-        r.one_of(key, allowed)
+        if key != "model.dtype":
+            r.one_of(key, allowed)
     r.one_of("algorithm.adv_estimator", registered_names("advantage"))
     r.one_of("actor.policy_loss.loss_mode", registered_names("policy_loss"))
     for backend in cfg.tracking.backends:
@@ -258,7 +277,8 @@ def validate_config(cfg: DictConfig) -> None:
                 "reward.timeout_s", "rollout.val_kwargs.n", "critic.cliprange_value", "algorithm.kl_ctrl.horizon"):
         r.positive(key)
     for key in ("actor.clip_ratio_low", "actor.clip_ratio_high", "rollout.response_length", "data.val_batch_size",
-                "trainer.total_training_steps"):
+                "trainer.total_training_steps", "actor.log_prob_micro_batch_size_per_gpu",
+                "ref.log_prob_micro_batch_size_per_gpu", "data.gen_batch_size"):
         r.positive(key)
     for key in ("actor.entropy_coeff", "actor.kl_loss_coef", "algorithm.kl_ctrl.kl_coef", "actor.optim.weight_decay",
                 "reward.num_workers", "trainer.critic_warmup"):
@@ -292,8 +312,32 @@ def validate_config(cfg: DictConfig) -> None:
         r.err("critic.enable = false: algorithm.adv_estimator = 'gae' needs a critic (set critic.enable: true or null)")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         r.err("trainer.resume_mode = 'resume_path' needs trainer.resume_from_path")
-    if cfg.reward_model.enable and not cfg.reward_model.model_path:
-        r.err("reward_model.enable = true needs reward_model.model_path")
+    if cfg.reward_model.enable:
+        r.err("reward_model.enable = true: reward-model workers are not available yet; score with the rule "
+              "scorers (by data_source) or reward.custom_reward_function")
+    if cfg.resources.reward_model_pool is not None:
+        r.err("resources.reward_model_pool: reward-model workers are not available yet; leave it null")
+    if cfg.model.spec is not None:
+        families = model_families()
+        if cfg.model.spec not in families:
+            r.err(f"model.spec = {cfg.model.spec!r}: no such family in model_specs/; valid: {sorted(families)}")
+    if cfg.model.path and not cfg.model.init_from_scratch:
+        shaped = sorted(k for k in cfg.model.override_config if k in SHAPE_KEYS)
+        if shaped:
+            r.err(f"model.override_config sets {shaped} over the checkpoint in model.path: these change weight "
+                  "shapes; set model.init_from_scratch: true to build a new model, or remove them")
+    for step in cfg.trainer.profile_steps:
+        if not isinstance(step, int) or step < 1:
+            r.err(f"trainer.profile_steps: {step!r} is not a step number (integers >= 1)")
+    if data.gen_batch_size is not None:
+        if not alg.filter_groups.enable:
+            r.err("data.gen_batch_size is only used by DAPO dynamic sampling (algorithm.filter_groups.enable: true); "
+                  "remove it or enable the filter")
+        elif data.gen_batch_size < data.train_batch_size:
+            r.err(f"data.gen_batch_size = {data.gen_batch_size}: must be >= data.train_batch_size = {data.train_batch_size}")
+    if alg.filter_groups.enable and alg.use_kl_in_reward and alg.filter_groups.metric == "seq_final_reward":
+        r.err("algorithm.filter_groups.metric = 'seq_final_reward' with algorithm.use_kl_in_reward: the KL penalty "
+              "is computed after dynamic sampling; filter on seq_reward (the scores) or acc")
     if cfg.reward.overlong_buffer.enable:
         buf = cfg.reward.overlong_buffer.len
         resp = rollout.response_length or data.max_response_length

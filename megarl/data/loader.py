@@ -41,6 +41,11 @@ class RLDataLoader:
     def epoch(self) -> int:
         return self.sampler.epoch
 
+    @property
+    def batches_handed_out(self) -> int:
+        """Batches handed out since the first epoch began (all epochs together)."""
+        return self.sampler.epoch * self.sampler.batches_per_epoch + self.sampler.position
+
     def _make_batch(self, epoch: int, indices: Any) -> Batch:
         examples = self.dataset.get_rows(indices)
         return self.dataset.collate(examples, uids=[f"{epoch}-{e['row']}" for e in examples])

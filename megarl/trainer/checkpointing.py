@@ -1,67 +1,62 @@
-"""Trainer checkpoints: actor and critic engines (Megatron distributed checkpoints, any layout on
-load), data-loader position, KL controller, RNG states and the config, written to a temporary
-directory and renamed when complete (see `CheckpointDirs`)."""
+"""Trainer checkpoints: the trained engines (Megatron distributed checkpoints, any layout on load)
+and the driver's own state (`RLTrainer.state_dict`: step, data-loader position, KL controller, RNG),
+written to a temporary directory and renamed when complete (see `CheckpointDirs`)."""
 
 from __future__ import annotations
 
 import logging
 import shutil
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 
+from megarl.cluster.worker_group import RoleView
 from megarl.errors import CheckpointError
-from megarl.trainer.checkpoint_dirs import CheckpointDirs, capture_rng_state, restore_rng_state
+from megarl.trainer.checkpoint_dirs import CheckpointDirs
+from megarl.workers.roles import EngineRole
 
 logger = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.pt"
 
 
 class TrainerCheckpointer:
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
-        cfg = trainer.cfg
-        self.dirs = CheckpointDirs(trainer.run.run_dir / "checkpoints", cfg.trainer.max_ckpt_to_keep)
+    """Saves and restores `engines` ({name: role view}, e.g. actor and critic) and a driver state dict.
 
-    def save(self, step: int) -> None:
-        t = self.trainer
+    `config_file`: the run's resolved config, copied into each checkpoint.
+    """
+
+    def __init__(self, dirs: CheckpointDirs, engines: dict[str, RoleView], config_file: Path) -> None:
+        self.dirs = dirs
+        self.engines = engines
+        self.config_file = config_file
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
         tmp = self.dirs.begin(step)
-        t.workers.actor.call_all("save_checkpoint", str(tmp / "actor"))
-        if t.workers.critic is not None:
-            t.workers.critic.call_all("save_checkpoint", str(tmp / "critic"))
-        torch.save(
-            {
-                "global_step": step,
-                "weights_version": t.weights_version,
-                "dataloader": t.run.train_loader.state_dict(),
-                "kl_ctrl": t.kl_ctrl.state_dict(),
-                "rng": capture_rng_state(),
-            },
-            tmp / STATE_FILE,
-        )
-        shutil.copy(t.run.run_dir / "config.yaml", tmp / "config.yaml")
+        for name, view in self.engines.items():
+            view.call_all(EngineRole.save_checkpoint, str(tmp / name))
+        torch.save(state, tmp / STATE_FILE)
+        shutil.copy(self.config_file, tmp / "config.yaml")
         path = self.dirs.commit(tmp, step)
         logger.info("checkpoint: step %d -> %s", step, path)
+        return path
 
-    def maybe_resume(self) -> None:
-        t = self.trainer
-        found = self.dirs.resolve_resume(t.cfg.trainer.resume_mode, t.cfg.trainer.resume_from_path)
+    def resume(self, mode: str, path: Optional[str]) -> Optional[dict[str, Any]]:
+        """Load the engines of the checkpoint `mode`/`path` name (see `CheckpointDirs.resolve_resume`)
+        and return the driver state saved with them; None when there is nothing to resume."""
+        found = self.dirs.resolve_resume(mode, path)
         if found is None:
-            return
-        step, path = found
-        state_file = path / STATE_FILE
+            return None
+        step, ckpt = found
+        state_file = ckpt / STATE_FILE
         if not state_file.is_file():
-            raise CheckpointError(f"{path}: {STATE_FILE} missing; the checkpoint is not a megarl trainer checkpoint")
+            raise CheckpointError(f"{ckpt}: {STATE_FILE} missing; the checkpoint is not a megarl trainer checkpoint")
+        missing = [name for name in self.engines if not (ckpt / name).is_dir()]
+        if missing:
+            raise CheckpointError(f"{ckpt}: the run has {missing} but the checkpoint holds none "
+                                  f"(it has {sorted(p.name for p in ckpt.iterdir() if p.is_dir())})")
         state = torch.load(state_file, weights_only=False)
-        t.workers.actor.call_all("load_checkpoint", str(path / "actor"))
-        if t.workers.critic is not None:
-            if not (path / "critic").is_dir():
-                raise CheckpointError(f"{path}: the run has a critic but the checkpoint holds none")
-            t.workers.critic.call_all("load_checkpoint", str(path / "critic"))
-        t.run.train_loader.load_state_dict(state["dataloader"])
-        t.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        restore_rng_state(state["rng"])
-        t.global_step = int(state["global_step"])
-        t.weights_version = int(state["weights_version"])
-        t.rollout_version = -1  # the rollout engines must take the restored weights
-        logger.info("resumed from %s (step %d)", path, step)
+        for name, view in self.engines.items():
+            view.call_all(EngineRole.load_checkpoint, str(ckpt / name))
+        logger.info("resumed from %s (step %d)", ckpt, step)
+        return state

@@ -28,9 +28,12 @@ def ray_cpus_needed(cfg: DictConfig) -> int:
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Run one experiment; returns the last validation metrics. `cfg` must already be validated."""
+    # Imported here, not at the top: `megarl config` and `megarl data` start without torch, Ray
+    # and Megatron.
     from megarl.cluster.ray_cluster import start_or_connect
     from megarl.trainer.checkpoint_dirs import CheckpointDirs
     from megarl.trainer.loop import RLTrainer
+    from megarl.trainer.run_spec import resolve_run_spec
     from megarl.trainer.setup import prepare_run
     from megarl.trainer.workers import start_workers
     from megarl.tracking.progress import Progress
@@ -38,6 +41,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     from megarl.tracking.tracker import Tracker
 
     run = prepare_run(cfg)  # data, tokenizer, model and rewards are checked before Ray starts
+    eos = run.tokenizer.eos_token_id
+    pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else eos
+    spec = resolve_run_spec(cfg, str(run.model_dir), pad_token_id=pad, eos_token_ids=[eos],
+                            total_steps=run.total_steps)
     resume = CheckpointDirs(run.run_dir / "checkpoints").resolve_resume(cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
     resume_step = resume[0] if resume else None
     res = cfg.resources
@@ -60,10 +67,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
             num_cpus=res.ray_num_cpus or ray_cpus_needed(cfg),
             object_store_memory_gb=res.object_store_memory_gb,
         ):
-            workers = start_workers(cfg, str(run.model_dir), run.tokenizer, run.total_steps)
+            workers = start_workers(cfg, spec)
             progress.write(f"rollout engine: {workers.rollout_engine}")
             try:
-                trainer = RLTrainer(run, workers, tracker, progress)
+                trainer = RLTrainer(run, spec, workers, tracker, progress)
                 last_val = trainer.fit()
             finally:
                 workers.shutdown()

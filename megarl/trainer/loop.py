@@ -2,20 +2,24 @@
 
 One step (see `RLTrainer.train_step`):
   1. prompts <- the data loader (left-padded, a `uid` per prompt)
-  2. responses <- rollout (weights synced from the actor first), n per prompt
+  2. responses <- rollout (weights synced from the actor first), n per prompt; then the rollout
+     engine sleeps (`rollout.free_cache_engine`) so the training roles get the memory
   3. scores <- the reward manager (rule scorers or a user function; DAPO overlong shaping)
      DAPO: drop groups whose responses all score the same; generate more until the batch is full
   4. old log-probs (actor), reference log-probs, values (critic)
   5. advantages on the driver's CPU (KL in the reward first when configured)
   6. critic update, then actor update (after the critic warm-up)
   7. metrics, validation every `test_freq` steps, checkpoint every `save_freq` steps
+
+Memory phases are lines of this file: a role whose `*_offload` keys are set is onloaded right
+before the phase that computes with it (`self.onloaded(...)`) and offloaded right after.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
-import time
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import numpy as np
@@ -31,13 +35,21 @@ from megarl.algorithms import (
     make_kl_controller,
     sequence_metric,
 )
+from megarl.cluster.host_worker import HostWorker
+from megarl.cluster.worker_group import RoleView
 from megarl.protocol import Batch
+from megarl.rollout.base import SamplingParams
+from megarl.trainer.checkpoint_dirs import CheckpointDirs, capture_rng_state, restore_rng_state
 from megarl.trainer.checkpointing import TrainerCheckpointer
-from megarl.trainer.setup import RunContext, resolve_response_length
+from megarl.trainer.rollout_dump import dump_rollouts, dump_validation
+from megarl.trainer.run_spec import RunSpec, with_seed
+from megarl.trainer.setup import RunContext
 from megarl.trainer.timing import Timer
-from megarl.trainer.validation import validate
+from megarl.trainer.validation import validate, validation_batches
 from megarl.trainer.workers import Workers
 from megarl.tracking.metrics import compute_data_metrics, compute_throughput, compute_timing_metrics, count_tokens
+from megarl.workers.roles import ActorRole, CriticRole, EngineRole, RefRole, RolloutRole
+from megarl.workers.specs import EngineRoleSpec
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +57,10 @@ logger = logging.getLogger(__name__)
 class RLTrainer:
     """Runs the algorithm of `cfg.algorithm` with the workers of `start_workers`."""
 
-    def __init__(self, run: RunContext, workers: Workers, tracker: Any, progress: Any) -> None:
+    def __init__(self, run: RunContext, spec: RunSpec, workers: Workers, tracker: Any, progress: Any) -> None:
         self.run = run
         self.cfg = run.cfg
+        self.spec = spec
         self.workers = workers
         self.tracker = tracker
         self.progress = progress
@@ -55,41 +68,73 @@ class RLTrainer:
         alg = self.cfg.algorithm
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon)
         self.estimator = get_advantage_estimator(alg.adv_estimator)
-        self.response_length = resolve_response_length(self.cfg)
+        self.response_length = spec.response_length
         self.global_step = 0
         self.weights_version = 0  # bumped by every actor update; the rollout syncs when behind
         self.rollout_version = -1
         self.sync_metrics: dict[str, float] = {}  # bytes moved by the last weight sync, all ranks
-        self.checkpointer = TrainerCheckpointer(self)
+        trained = {"actor": workers.actor}
+        if workers.critic is not None:
+            trained["critic"] = workers.critic
+        self.checkpointer = TrainerCheckpointer(
+            CheckpointDirs(run.run_dir / "checkpoints", self.cfg.trainer.max_ckpt_to_keep), trained,
+            run.run_dir / "config.yaml")
+
+    # ------------------------------------------------------------------ the driver's own state
+    def state_dict(self) -> dict[str, Any]:
+        return {"global_step": self.global_step, "weights_version": self.weights_version,
+                "dataloader": self.run.train_loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                "rng": capture_rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.run.train_loader.load_state_dict(state["dataloader"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        restore_rng_state(state["rng"])
+        self.global_step = int(state["global_step"])
+        self.weights_version = int(state["weights_version"])
+        self.rollout_version = -1  # the rollout engines must take the restored weights
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
-        self.checkpointer.maybe_resume()
+        trainer = self.cfg.trainer
+        state = self.checkpointer.resume(trainer.resume_mode, trainer.resume_from_path)
+        if state is not None:
+            self.load_state_dict(state)
         last_val: dict[str, float] = {}
-        if self.cfg.trainer.val_before_train and self.global_step == 0 and self.run.val_dataset is not None:
+        if self.run.val_dataset is not None and (trainer.val_only or (trainer.val_before_train and self.global_step == 0)):
             last_val = self.validate()
-            self.tracker.log(last_val, step=0)
+            self.tracker.log(last_val, step=self.global_step)
+        if trainer.val_only:
+            return last_val
         self.progress.start()
-        while self.global_step < self.run.total_steps:
+        while not self.finished():
             step = self.global_step + 1
-            metrics = self.train_step(step)
+            with self.profiled(step):
+                metrics = self.train_step(step)
             self.global_step = step
-            is_last = step == self.run.total_steps
-            test_freq = self.cfg.trainer.test_freq
-            if self.run.val_dataset is not None and ((test_freq > 0 and step % test_freq == 0) or is_last):
+            is_last = self.finished()
+            if self.run.val_dataset is not None and ((trainer.test_freq > 0 and step % trainer.test_freq == 0) or is_last):
                 last_val = self.validate()
                 metrics.update(last_val)
-            save_freq = self.cfg.trainer.save_freq
-            if save_freq > 0 and (step % save_freq == 0 or is_last):
+            if trainer.save_freq > 0 and (step % trainer.save_freq == 0 or is_last):
                 with self.timer("save_checkpoint"):
-                    self.checkpointer.save(step)
+                    self.checkpointer.save(step, self.state_dict())
                 metrics["timing_s/save_checkpoint"] = self.timer.pop()["save_checkpoint"]
             self.tracker.log(metrics, step=step)
             self.progress.step_done(step, reward=metrics.get("critic/score/mean"))
         return last_val
 
+    def finished(self) -> bool:
+        """`trainer.total_training_steps` done, or (when it is null) the data of `total_epochs` used."""
+        if self.global_step >= self.run.total_steps:
+            return True
+        if self.cfg.trainer.total_training_steps:
+            return False
+        return self.run.train_loader.batches_handed_out >= self.cfg.trainer.total_epochs * len(self.run.train_loader)
+
     def train_step(self, step: int) -> dict[str, Any]:
         cfg, alg = self.cfg, self.cfg.algorithm
+        actor, ref, critic = self.workers.actor, self.workers.ref, self.workers.critic
         metrics: dict[str, Any] = {"training/global_step": step, "training/epoch": self.run.train_loader.epoch}
         with self.timer("step"):
             # 1-3. prompts -> responses -> scores (DAPO: until enough groups carry a signal)
@@ -97,15 +142,15 @@ class RLTrainer:
             metrics.update(gen_metrics)
 
             # 4. log-probs of the behaviour policy, the reference, and the critic's values
-            with self.phase("old_log_prob"):
-                batch = batch.union(self.workers.actor.call_dp("compute_log_prob", batch))
+            with self.phase("old_log_prob"), self.onloaded(actor, self.spec.actor):
+                batch = batch.union(actor.call_dp(ActorRole.compute_log_prob, batch))
             metrics.update(rollout_logprob_gap(batch))
-            if self.workers.ref is not None:
-                with self.phase("ref"):
-                    batch = batch.union(self.workers.ref.call_dp("compute_ref_log_prob", batch))
-            if self.workers.critic is not None:
-                with self.phase("values"):
-                    batch = batch.union(self.workers.critic.call_dp("compute_values", batch))
+            if ref is not None:
+                with self.phase("ref"), self.onloaded(ref, self.spec.ref):
+                    batch = batch.union(ref.call_dp(RefRole.compute_ref_log_prob, batch))
+            if critic is not None:
+                with self.phase("values"), self.onloaded(critic, self.spec.critic):
+                    batch = batch.union(critic.call_dp(CriticRole.compute_values, batch))
 
             # 5. rewards (with KL when configured) and advantages, on the driver's CPU
             with self.phase("adv"):
@@ -113,15 +158,17 @@ class RLTrainer:
                 metrics.update(adv_metrics)
 
             # 6. updates: critic first, actor after the warm-up
-            if self.workers.critic is not None:
-                with self.phase("update_critic"):
-                    metrics.update(self.workers.critic.call_dp("update_critic", batch)[0])
+            if critic is not None:
+                with self.phase("update_critic"), self.onloaded(critic, self.spec.critic):
+                    metrics.update(critic.call_dp(CriticRole.update_critic, batch)[0])
             if step > cfg.trainer.critic_warmup:
-                with self.phase("update_actor"):
-                    metrics.update(self.workers.actor.call_dp("update_actor", batch)[0])
+                with self.phase("update_actor"), self.onloaded(actor, self.spec.actor):
+                    metrics.update(actor.call_dp(ActorRole.update_actor, batch)[0])
                 self.weights_version += 1
 
         # 7. metrics
+        if cfg.trainer.rollout_data_dir:
+            dump_rollouts(batch, self.run.tokenizer, step, cfg.trainer.rollout_data_dir)
         timings = self.timer.pop()
         total_tokens, response_tokens = count_tokens(batch)
         metrics.update(compute_data_metrics(batch, max_response_length=self.response_length,
@@ -138,32 +185,61 @@ class RLTrainer:
         """Time `name` and show it in the progress display."""
         return _Both(self.timer(name), self.progress.phase(name))
 
-    def generate(self, prompts: Batch, sampling: dict[str, Any]) -> Batch:
+    @contextlib.contextmanager
+    def onloaded(self, role: RoleView, spec: Optional[EngineRoleSpec]) -> Iterator[None]:
+        """The role's offloaded state (per its `*_offload` keys) on the device for the body only."""
+        if spec is None or not spec.offload.any:
+            yield
+            return
+        role.call_all(EngineRole.onload)
+        try:
+            yield
+        finally:
+            role.call_all(EngineRole.offload)
+
+    @contextlib.contextmanager
+    def profiled(self, step: int) -> Iterator[None]:
+        """Torch profiler traces of `step` from every worker when it is in `trainer.profile_steps`."""
+        if step not in self.cfg.trainer.profile_steps:
+            yield
+            return
+        groups = self.workers.groups
+        out_dir = str(self.run.run_dir / "profile")
+        for group in groups:
+            group.call_all(HostWorker.start_profile, step, out_dir)
+        try:
+            yield
+        finally:
+            traces = [path for group in groups for path in group.call_all(HostWorker.stop_profile)]
+            logger.info("profile of step %d: %d traces under %s", step, len(traces), out_dir)
+
+    def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
         """Responses for `prompts` from the rollout engines (synced to the actor's weights first)."""
         rollout = self.workers.rollout
         if self.rollout_version != self.weights_version:
-            with self.phase("sync_weights"):
-                rollout.call_all("wake_up")
-                per_rank = rollout.call_all("sync_weights", self.weights_version)
+            with self.phase("sync_weights"), self.onloaded(self.workers.actor, self.spec.actor):
+                rollout.call_all(RolloutRole.wake_up)
+                per_rank = rollout.call_all(RolloutRole.sync_weights, self.weights_version)
             self.rollout_version = self.weights_version
             self.sync_metrics = {k: sum(r[k] for r in per_rank) for k in per_rank[0] if k.startswith("sync/bytes")}
             self.sync_metrics["sync/seconds_max"] = max(r["sync/seconds"] for r in per_rank)
+        else:
+            rollout.call_all(RolloutRole.wake_up)
         with self.phase("gen"):
-            out = rollout.call_dp("generate", prompts, sampling, dispatch_infos=self.workers.rollout_infos)
+            out = rollout.call_dp(RolloutRole.generate, prompts, sampling, dispatch_infos=self.workers.rollout_coords)
+        rollout.call_all(RolloutRole.sleep)
         return out
 
-    def sampling(self, step: int, validation: bool = False) -> dict[str, Any]:
-        ro = self.cfg.rollout
+    def sampling(self, step: int, validation: bool = False) -> SamplingParams:
+        """The sampling parameters of training (or validation) at `step`, with a seed of their own."""
         seed = int(self.cfg.trainer.seed) * 100003 + step * 2 + int(validation)
-        if validation:
-            v = ro.val_kwargs
-            return {"n": v.n, "max_new_tokens": self.response_length, "greedy": not v.do_sample,
-                    "temperature": v.temperature if v.do_sample else 1.0, "top_p": v.top_p, "top_k": v.top_k, "seed": seed}
-        return {"n": ro.n, "max_new_tokens": self.response_length, "temperature": ro.temperature,
-                "top_p": ro.top_p, "top_k": ro.top_k, "seed": seed}
+        return with_seed(self.spec.val_sampling if validation else self.spec.train_sampling, seed)
 
     def collect_scored_batch(self, step: int) -> tuple[Batch, dict[str, Any]]:
-        """Generate and score; with DAPO's group filter, repeat until `train_batch_size` groups remain."""
+        """Generate and score; with DAPO's group filter, repeat until `train_batch_size` groups remain.
+
+        Each round takes one loader batch (`data.gen_batch_size` prompts with the filter on).
+        """
         fg = self.cfg.algorithm.filter_groups
         needed = int(self.cfg.data.train_batch_size)
         state = DynamicSamplingState(num_prompts_needed=needed, max_num_gen_batches=fg.max_num_gen_batches)
@@ -181,7 +257,10 @@ class RLTrainer:
                 return gen, metrics
             group_index = gen.group_indices("uid")
             info = {k.split("/", 1)[1]: gen[k] for k in gen.non_tensor_keys if k.startswith("reward_info/")}
-            metric = sequence_metric(fg.metric, token_level_scores=gen["token_level_scores"], reward_extra_info=info)
+            # Dynamic sampling runs before the KL penalty exists (validation refuses it with KL in the
+            # reward), so the final reward of a sequence is its score.
+            metric = sequence_metric(fg.metric, token_level_scores=gen["token_level_scores"],
+                                     token_level_rewards=gen["token_level_scores"], reward_extra_info=info)
             keep = filter_groups(metric, group_index, uids=gen["uid"])
             batch_kept = gen[keep]
             n_kept = len(set(batch_kept["uid"].tolist()))
@@ -239,14 +318,21 @@ class RLTrainer:
             {"input_ids": rows["prompts"], "attention_mask": rows["attention_mask"][:, :prompt_len]},
             {k: rows[k] for k in ("uid", "data_source", "ground_truth", "extra_info") if k in rows},
         )
-        greedy = self.generate(prompts, {"n": 1, "max_new_tokens": self.response_length, "greedy": True})
+        greedy = self.generate(prompts, SamplingParams.make_greedy(self.response_length))
         scored, _ = self.score(greedy)
         by_uid = dict(zip(scored["uid"].tolist(), scored["token_level_scores"].sum(-1).tolist()))
         return torch.tensor([by_uid[u] for u in batch["uid"].tolist()], dtype=torch.float32)
 
     def validate(self) -> dict[str, float]:
+        """Validation metrics of the current weights (generations written when configured)."""
+        sampling = self.sampling(self.global_step, validation=True)
+        batches = validation_batches(self.run.val_dataset, self.cfg.data.val_batch_size)
         with self.phase("val"):
-            return validate(self)
+            metrics, scored = validate(batches, lambda prompts: self.generate(prompts, sampling),
+                                       lambda gen: self.score(gen)[0], sampling.n)
+        if self.cfg.trainer.validation_data_dir:
+            dump_validation(scored, self.run.tokenizer, self.global_step, self.cfg.trainer.validation_data_dir)
+        return metrics
 
     @property
     def n_devices(self) -> int:

@@ -9,9 +9,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from omegaconf import DictConfig, OmegaConf
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from megarl.data.dataset import RLDataset
+from megarl.data.loader import RLDataLoader
+from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import ConfigError
+from megarl.rewards.manager import RewardManager
+from megarl.trainer.run_spec import response_length
 
 logger = logging.getLogger(__name__)
 MODEL_READY = "MEGARL_MODEL_READY"
@@ -29,10 +36,6 @@ class RunContext:
     total_steps: int
 
 
-def resolve_response_length(cfg: DictConfig) -> int:
-    return int(cfg.rollout.response_length or cfg.data.max_response_length)
-
-
 def _config_digest(data: dict) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -40,25 +43,24 @@ def _config_digest(data: dict) -> str:
 def materialize_model(cfg: DictConfig, tokenizer: Any, out_dir: Path) -> Path:
     """A HF model directory for the run's initial weights.
 
-    `model.path` without `init_from_scratch` is used as it is. Otherwise a model is built from
+    `model.path` without `init_from_scratch` is used as it is (seen through `model.override_config`,
+    see `with_config_overrides`). Otherwise a model is built from
     `model.hf_config` (over `model.path`'s config.json, if given) with the vocabulary of the
     tokenizer, initialised with `trainer.seed`, and saved once under the run directory; a resumed
     run finds it there (same config digest) and does not rebuild it.
     """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    overrides = OmegaConf.to_container(cfg.model.override_config, resolve=True)
     if cfg.model.path and not cfg.model.init_from_scratch:
         path = Path(cfg.model.path)
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.path = {str(path)!r}: no config.json there")
-        return path
+        return with_config_overrides(path, overrides, out_dir) if overrides else path
 
     hf: dict[str, Any] = {}
     if cfg.model.path:
         hf.update(json.loads((Path(cfg.model.path) / "config.json").read_text()))
     hf.update(OmegaConf.to_container(cfg.model.hf_config, resolve=True))
-    hf.update(OmegaConf.to_container(cfg.model.override_config, resolve=True))
+    hf.update(overrides)
     model_type = hf.pop("model_type", None)
     if not model_type:
         raise ConfigError("model.hf_config.model_type is required to build a model from a config (e.g. qwen2, llama)")
@@ -86,9 +88,24 @@ def materialize_model(cfg: DictConfig, tokenizer: Any, out_dir: Path) -> Path:
     return out_dir
 
 
-def load_run_tokenizer(cfg: DictConfig) -> Any:
-    from megarl.data.tokenizer import load_tokenizer
+def with_config_overrides(model_path: Path, overrides: dict[str, Any], out_dir: Path) -> Path:
+    """`model_path` seen through `model.override_config`: `out_dir` gets config.json with the
+    overrides applied and a link to every other file (weights are not copied)."""
+    config = json.loads((model_path / "config.json").read_text())
+    config.update(overrides)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for entry in model_path.iterdir():
+        link = out_dir / entry.name
+        if entry.name != "config.json" and not link.exists():
+            link.symlink_to(entry.resolve())
+    tmp = out_dir / "config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True))
+    tmp.replace(out_dir / "config.json")
+    logger.info("model: %s with override_config %s -> %s", model_path, sorted(overrides), out_dir)
+    return out_dir
 
+
+def load_run_tokenizer(cfg: DictConfig) -> Any:
     path = cfg.data.tokenizer or cfg.model.path
     if not path:
         raise ConfigError("data.tokenizer: no tokenizer given (set data.tokenizer or model.path)")
@@ -96,9 +113,6 @@ def load_run_tokenizer(cfg: DictConfig) -> Any:
 
 
 def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[Any, Optional[Any]]:
-    from megarl.data.dataset import RLDataset
-    from megarl.data.loader import RLDataLoader
-
     data = cfg.data
     common = dict(
         prompt_key=data.prompt_key,
@@ -112,7 +126,9 @@ def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[Any, Optional[Any]]
         raise ConfigError(
             f"data.train_files hold {len(train)} usable prompts, fewer than data.train_batch_size = {data.train_batch_size}"
         )
-    loader = RLDataLoader(train, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+    # With DAPO dynamic sampling each generation round takes `gen_batch_size` prompts.
+    round_size = data.gen_batch_size if cfg.algorithm.filter_groups.enable and data.gen_batch_size else data.train_batch_size
+    loader = RLDataLoader(train, round_size, shuffle=data.shuffle, seed=data.seed)
     val = RLDataset(list(data.val_files), tokenizer, **common) if data.val_files else None
     return loader, val
 
@@ -125,13 +141,11 @@ def total_training_steps(cfg: DictConfig, batches_per_epoch: int) -> int:
 
 def prepare_run(cfg: DictConfig) -> RunContext:
     """Everything the driver needs before starting workers; fails on bad data before Ray starts."""
-    from megarl.rewards.manager import RewardManager
-
     run_dir = Path(cfg.trainer.default_local_dir).absolute()
     run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = load_run_tokenizer(cfg)
     train_loader, val_dataset = build_datasets(cfg, tokenizer)
-    reward_manager = RewardManager.from_config(cfg.reward, resolve_response_length(cfg))
+    reward_manager = RewardManager.from_config(cfg.reward, response_length(cfg))
     reward_manager.check_data_sources(train_loader.dataset.data_sources())
     if val_dataset is not None:
         reward_manager.check_data_sources(val_dataset.data_sources())

@@ -8,6 +8,7 @@ Metric names follow verl: ``val-core/<data_source>/reward/mean@<n>`` (mean score
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,12 +16,11 @@ import numpy as np
 from megarl.protocol import Batch
 
 
-def _val_batches(trainer: Any) -> list[Batch]:
-    dataset = trainer.run.val_dataset
+def validation_batches(dataset: Any, batch_size: int | None) -> list[Batch]:
+    """The whole validation set as prompt batches of `batch_size` (None: one batch)."""
     rows = dataset.get_rows(list(range(len(dataset))))
     batch = dataset.collate(rows, uids=[f"val-{e['row']}" for e in rows])
-    size = trainer.cfg.data.val_batch_size or len(batch)
-    return batch.split(int(size))
+    return batch.split(int(batch_size or len(batch)))
 
 
 def summarise(scores: np.ndarray, acc: np.ndarray | None, sources: np.ndarray, uids: np.ndarray, n: int) -> dict[str, float]:
@@ -40,21 +40,18 @@ def summarise(scores: np.ndarray, acc: np.ndarray | None, sources: np.ndarray, u
     return metrics
 
 
-def validate(trainer: Any) -> dict[str, float]:
-    sampling = trainer.sampling(trainer.global_step, validation=True)
-    scores, accs, sources, uids = [], [], [], []
-    has_acc = True
-    for batch in _val_batches(trainer):
-        gen = trainer.generate(batch, sampling)
-        result = trainer.run.reward_manager.score_batch(gen, trainer.run.tokenizer)
-        scores.append(result.scores.numpy())
-        if "acc" in result.reward_info:
-            accs.append(np.asarray(result.reward_info["acc"], dtype=np.float64))
-        else:
-            has_acc = False
-        sources.append(np.asarray(gen["data_source"]).astype(str))
-        uids.append(np.asarray(gen["uid"]).astype(str))
-    return summarise(
-        np.concatenate(scores), np.concatenate(accs) if has_acc and accs else None,
-        np.concatenate(sources), np.concatenate(uids), int(sampling["n"]),
-    )
+def validate(batches: Sequence[Batch], generate: Callable[[Batch], Batch],
+             score: Callable[[Batch], Batch], n: int) -> tuple[dict[str, float], list[Batch]]:
+    """Generate for every prompt batch and score the responses.
+
+    `generate(prompts) -> responses` (n per prompt); `score(responses) -> responses` with
+    `token_level_scores` and `reward_info/<key>` columns added. Returns the metrics and the scored
+    batches.
+    """
+    scored = [score(generate(batch)) for batch in batches]
+    has_acc = all("reward_info/acc" in gen for gen in scored)
+    scores = np.concatenate([gen["token_level_scores"].sum(-1).numpy() for gen in scored])
+    acc = np.concatenate([np.asarray(gen["reward_info/acc"], dtype=np.float64) for gen in scored]) if has_acc else None
+    sources = np.concatenate([np.asarray(gen["data_source"]).astype(str) for gen in scored])
+    uids = np.concatenate([np.asarray(gen["uid"]).astype(str) for gen in scored])
+    return summarise(scores, acc, sources, uids, n), scored

@@ -11,15 +11,16 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+import torch
+from omegaconf import DictConfig
 
 from megarl.cluster.host_worker import HostWorker
 from megarl.cluster.resource_pool import ResourcePool
-from megarl.cluster.worker import ParallelInfo
 from megarl.cluster.worker_group import RoleView, WorkerGroup
-from megarl.config import critic_enabled, ref_enabled
-from megarl.config.validate import role_parallel
+from megarl.layout import ParallelLayout, RankCoord
+from megarl.trainer.run_spec import RunSpec
 from megarl.workers.roles import ActorRole, CriticRole, RefRole, RolloutRole
+from megarl.workers.specs import EngineRoleSpec
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,8 @@ logger = logging.getLogger(__name__)
 class Workers:
     actor: RoleView
     rollout: RoleView
-    rollout_infos: list[ParallelInfo]
+    rollout_coords: list[RankCoord]  # dispatch of generation: one DP shard per rollout engine
+    hybrid: WorkerGroup  # the processes of actor + rollout (+ colocated ref / critic)
     ref: Optional[RoleView] = None
     critic: Optional[RoleView] = None
     groups: list[WorkerGroup] = field(default_factory=list)
@@ -42,25 +44,13 @@ class Workers:
 def _device(cfg: DictConfig) -> str:
     if cfg.resources.device != "auto":
         return cfg.resources.device
-    import torch
-
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _layout_dict(par: Any) -> dict[str, int]:
-    return {
-        "tp": par.tensor_model_parallel_size,
-        "pp": par.pipeline_model_parallel_size,
-        "cp": par.context_parallel_size,
-        "ep": par.expert_model_parallel_size,
-    }
-
-
-def rollout_parallel_infos(world_size: int, rollout_tp: int) -> list[ParallelInfo]:
+def rollout_coords(world_size: int, rollout_tp: int) -> list[RankCoord]:
     """Dispatch coordinates of the rollout layout: consecutive ranks form one rollout TP group."""
-    dp = world_size // rollout_tp
-    return [ParallelInfo(rank=r, dp_rank=r // rollout_tp, dp_size=dp, tp_rank=r % rollout_tp, tp_size=rollout_tp)
-            for r in range(world_size)]
+    layout = ParallelLayout.rollout(rollout_tp, world_size)
+    return [layout.coord(r) for r in range(world_size)]
 
 
 def _pool(name: str, pool_cfg: Any, device: str, cpus: float) -> ResourcePool:
@@ -68,61 +58,57 @@ def _pool(name: str, pool_cfg: Any, device: str, cpus: float) -> ResourcePool:
                         device=device, cpus_per_device=cpus)
 
 
-def start_workers(cfg: DictConfig, model_dir: str, tokenizer: Any, total_steps: int) -> Workers:
-    """Create pools and worker groups, initialise process groups, engines and weights."""
+def start_workers(cfg: DictConfig, spec: RunSpec) -> Workers:
+    """Create pools and worker groups, initialise process groups, engines and weights.
+
+    `cfg.resources` says where roles run; `spec` is what each role is built with.
+    """
     device = _device(cfg)
     res = cfg.resources
     cpus = float(res.num_cpus_per_worker)
-    config = OmegaConf.to_container(cfg, resolve=True)
-    role_kwargs = {"config": config, "model_dir": str(model_dir), "total_steps": total_steps}
-    use_ref = ref_enabled(cfg)
-    use_critic = critic_enabled(cfg)
-    critic_colocated = use_critic and res.critic_pool is None  # layouts checked by validate_config
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     hybrid_roles: dict[str, tuple[type, dict[str, Any]]] = {
-        "actor": (ActorRole, role_kwargs),
-        "rollout": (RolloutRole, {"config": config, "model_dir": str(model_dir), "pad_token_id": int(pad),
-                                  "eos_token_ids": [int(eos)]}),
+        "actor": (ActorRole, {"spec": spec.actor}),
+        "rollout": (RolloutRole, {"spec": spec.rollout}),
     }
-    if use_ref and res.ref_pool is None:
-        hybrid_roles["ref"] = (RefRole, role_kwargs)
-    if critic_colocated:
-        hybrid_roles["critic"] = (CriticRole, role_kwargs)
+    if spec.ref is not None and res.ref_pool is None:
+        hybrid_roles["ref"] = (RefRole, {"spec": spec.ref})
+    if spec.critic is not None and res.critic_pool is None:  # same layout: checked by validate_config
+        hybrid_roles["critic"] = (CriticRole, {"spec": spec.critic})
 
     groups: list[WorkerGroup] = []
     try:
         hybrid = WorkerGroup(_pool("actor", res.actor_pool, device, cpus), HostWorker, "hybrid_actor",
                              init_kwargs={"roles": hybrid_roles})
         groups.append(hybrid)
-        hybrid.init_distributed(layout=_layout_dict(cfg.actor.megatron))
-        init = [hybrid.for_role(name).call_all_async("init_model") for name in hybrid_roles if name != "rollout"]
+        hybrid.init_distributed(layout=spec.actor.layout)
+        init = [hybrid.for_role(name).call_all_async(cls.init_model)
+                for name, (cls, _) in hybrid_roles.items() if name != "rollout"]
         for handle in init:
             handle.result()
-        engines = hybrid.for_role("rollout").call_all("init_engine")
+        engines = hybrid.for_role("rollout").call_all(RolloutRole.init_engine)
         workers = Workers(
             actor=hybrid.for_role("actor"),
             rollout=hybrid.for_role("rollout"),
-            rollout_infos=rollout_parallel_infos(hybrid.world_size, int(cfg.rollout.tensor_model_parallel_size)),
+            rollout_coords=rollout_coords(hybrid.world_size, spec.rollout.tensor_parallel_size),
+            hybrid=hybrid,
             groups=groups,
             rollout_engine=engines[0],
         )
         if "ref" in hybrid_roles:
             workers.ref = hybrid.for_role("ref")
-        if critic_colocated:
+        if "critic" in hybrid_roles:
             workers.critic = hybrid.for_role("critic")
-        for name, pool_cfg, role_cls, section in (
-            ("ref", res.ref_pool, RefRole, "ref"),
-            ("critic", res.critic_pool, CriticRole, "critic"),
-        ):
-            wanted = use_ref if name == "ref" else use_critic
-            if not wanted or pool_cfg is None:
+        own_pools: list[tuple[Any, type, Optional[EngineRoleSpec]]] = [
+            (res.ref_pool, RefRole, spec.ref), (res.critic_pool, CriticRole, spec.critic)]
+        for pool_cfg, role_cls, role_spec in own_pools:
+            if role_spec is None or pool_cfg is None:
                 continue
+            name = role_spec.name
             group = WorkerGroup(_pool(name, pool_cfg, device, cpus), HostWorker, name,
-                                init_kwargs={"roles": {name: (role_cls, role_kwargs)}})
+                                init_kwargs={"roles": {name: (role_cls, {"spec": role_spec})}})
             groups.append(group)
-            group.init_distributed(layout=_layout_dict(role_parallel(cfg, section)))
-            group.for_role(name).call_all("init_model")
+            group.init_distributed(layout=role_spec.layout)
+            group.for_role(name).call_all(role_cls.init_model)
             setattr(workers, name, group.for_role(name))
         logger.info("workers ready: %s; rollout engine %s", ", ".join(repr(g) for g in groups), workers.rollout_engine)
         return workers

@@ -40,9 +40,9 @@ def assert_processes_gone(pids: list[int], within_s: float = 30.0) -> None:
 
 def test_a_raising_worker_names_role_rank_node_and_its_error(local_cluster, cleanup):
     group = start_pair(cleanup, "critic")
-    pids = group.call_all("pid")
+    pids = group.call_all(GridWorker.pid)
     with pytest.raises(WorkerError) as caught:
-        group.call_all("raise_value_error", "bad reward shape", only_rank=1)
+        group.call_all(GridWorker.raise_value_error, "bad reward shape", only_rank=1)
     message = str(caught.value)
     assert "critic rank 1" in message
     assert group.node_infos[1].ip in message
@@ -51,16 +51,16 @@ def test_a_raising_worker_names_role_rank_node_and_its_error(local_cluster, clea
     # The group is stopped: its processes are gone and further calls say why.
     assert_processes_gone(pids)
     with pytest.raises(WorkerError, match="stopped after an earlier failure"):
-        group.call_rank(0, "pid")
+        group.call_rank(0, GridWorker.pid)
 
 
 def test_worker_exiting_mid_collective_fails_the_driver_fast(local_cluster, cleanup):
     group = start_pair(cleanup, "actor")
-    pids = group.call_all("pid")
+    pids = group.call_all(GridWorker.pid)
     started = time.monotonic()
     # Rank 0 waits in an all_reduce for rank 1, which exits instead: gloo alone would wait 10 min.
     with pytest.raises(WorkerError) as caught:
-        group.call_all("all_reduce_or_exit", dying_rank=1, delay_s=0.5)
+        group.call_all(GridWorker.all_reduce_or_exit, dying_rank=1, delay_s=0.5)
     elapsed = time.monotonic() - started
     assert elapsed < FAST_S, elapsed
     message = str(caught.value)
@@ -70,8 +70,8 @@ def test_worker_exiting_mid_collective_fails_the_driver_fast(local_cluster, clea
 
 def test_ray_kill_of_one_rank_mid_collective_fails_the_driver_fast(local_cluster, cleanup):
     group = start_pair(cleanup, "ref")
-    pids = group.call_all("pid")
-    handle = group.call_all_async("all_reduce_or_hang", absent_rank=1)
+    pids = group.call_all(GridWorker.pid)
+    handle = group.call_all_async(GridWorker.all_reduce_or_hang, absent_rank=1)
     time.sleep(1.0)
     assert not handle.done()
     started = time.monotonic()
@@ -87,7 +87,7 @@ def test_call_timeout_names_the_ranks_still_running(local_cluster, cleanup):
     started = time.monotonic()
     expected = r"sleep_interval\(\) did not finish within 1.0 s on reward rank 0 .*reward rank 1"
     with pytest.raises(WorkerTimeoutError, match=expected):
-        group.call_all("sleep_interval", 60.0, timeout_s=1.0)
+        group.call_all(GridWorker.sleep_interval, 60.0, timeout_s=1.0)
     assert time.monotonic() - started < FAST_S
 
 

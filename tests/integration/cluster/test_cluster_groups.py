@@ -34,7 +34,7 @@ def numbered_batch(rows: int) -> Batch:
 
 
 def test_each_rank_gets_its_context_and_the_ranks_form_one_gloo_world(grid4):
-    environments = grid4.call_all("environment")
+    environments = grid4.call_all(GridWorker.environment)
     assert [env["RANK"] for env in environments] == ["0", "1", "2", "3"]
     assert {env["WORLD_SIZE"] for env in environments} == {"4"}
     assert [env["LOCAL_RANK"] for env in environments] == ["0", "1", "2", "3"]
@@ -44,15 +44,15 @@ def test_each_rank_gets_its_context_and_the_ranks_form_one_gloo_world(grid4):
     assert environments[0]["MASTER_ADDR"] == grid4.node_infos[0].ip
     assert {env["OMP_NUM_THREADS"] for env in environments} == {"1"}
     # Summed over the 4 ranks by a real gloo all_reduce; every rank gets the sum.
-    assert grid4.call_all("all_reduce_sum", 1.5) == [6.0] * 4
-    pids = grid4.call_all("pid")
+    assert grid4.call_all(GridWorker.all_reduce_sum, 1.5) == [6.0] * 4
+    pids = grid4.call_all(GridWorker.pid)
     assert len(set(pids)) == 4
-    assert grid4.call_rank(2, "pid") == pids[2]
+    assert grid4.call_rank(2, GridWorker.pid) == pids[2]
 
 
 def test_extra_environment_reaches_the_workers_and_async_calls_keep_order(grid4):
-    handle = grid4.call_all_async("environment")
-    assert grid4.call_rank(1, "pid") > 0  # submitted after it: an actor runs its calls in order
+    handle = grid4.call_all_async(GridWorker.environment)
+    assert grid4.call_rank(1, GridWorker.pid) > 0  # submitted after it: an actor runs its calls in order
     assert [env["MEGARL_TEST_FLAG"] for env in handle.result(timeout_s=60)] == ["on"] * 4
     assert handle.done()
 
@@ -61,33 +61,33 @@ def test_extra_environment_reaches_the_workers_and_async_calls_keep_order(grid4)
 def test_call_dp_pads_uneven_batches_and_returns_rows_in_order(grid4, rows):
     grid4.init_distributed(tp=1)  # DP = 4
     batch = numbered_batch(rows)
-    result = grid4.call_dp("affine_rows", batch, 3.0, shift=0.25)
+    result = grid4.call_dp(GridWorker.affine_rows, batch, 3.0, shift=0.25)
     assert len(result) == rows
     assert result["row"].tolist() == list(range(rows))
     expected = [(-1.0 + 0.5 * i) * 3.0 + 0.25 for i in range(rows)]
     assert result["y"].tolist() == pytest.approx(expected)
     shard = math.ceil(rows / 4)  # padded to a multiple of 4, then 4 equal consecutive shards
     assert result["dp_rank"].tolist() == [i // shard for i in range(rows)]
-    tensor_result = grid4.call_dp("row_count_tensor", batch)
+    tensor_result = grid4.call_dp(GridWorker.row_count_tensor, batch)
     assert tensor_result.tolist() == [10 * i for i in range(rows)]
 
 
 def test_padding_rows_repeat_the_first_rows_hand_worked(grid4):
     grid4.init_distributed(tp=1)
-    grid4.call_dp("affine_rows", numbered_batch(5), 1.0, 0.0)
+    grid4.call_dp(GridWorker.affine_rows, numbered_batch(5), 1.0, 0.0)
     # 5 rows on 4 ranks: padded to 8 with rows 0, 1, 2; shards of 2.
-    assert grid4.call_all("rows_received") == [[0, 1], [2, 3], [4, 0], [1, 2]]
+    assert grid4.call_all(GridWorker.rows_received) == [[0, 1], [2, 3], [4, 0], [1, 2]]
 
 
 def test_dp_by_tp_layout_sends_one_shard_per_dp_group_and_collects_tp_rank_0(grid4):
     infos = grid4.init_distributed(tp=2)  # ranks (0, 1) are DP rank 0, ranks (2, 3) DP rank 1
     assert [(info.dp_rank, info.tp_rank) for info in infos] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     batch = numbered_batch(5)
-    result = grid4.call_dp("affine_rows", batch, 2.0, -1.0)
+    result = grid4.call_dp(GridWorker.affine_rows, batch, 2.0, -1.0)
     # TP rank 1 answers -1 for every row: none of it may appear in the collected result.
     assert result["y"].tolist() == pytest.approx([(-1.0 + 0.5 * i) * 2.0 - 1.0 for i in range(5)])
     assert result["dp_rank"].tolist() == [0, 0, 0, 1, 1]
-    received = grid4.call_all("rows_received")
+    received = grid4.call_all(GridWorker.rows_received)
     assert received == [[0, 1, 2], [0, 1, 2], [3, 4, 0], [3, 4, 0]]
     grid4.init_distributed(tp=1)
 
@@ -98,9 +98,9 @@ def test_two_roles_in_separate_pools_run_concurrently(local_cluster, cleanup):
     actor = cleanup(WorkerGroup(actor_pool, GridWorker, "actor"))
     critic = cleanup(WorkerGroup(critic_pool, GridWorker, "critic"))
     assert len(actor_pool.node_ids()) == len(critic_pool.node_ids()) == 1
-    assert not set(actor.call_all("pid")) & set(critic.call_all("pid"))
-    actor_run = actor.call_all_async("sleep_interval", 1.5)
-    critic_run = critic.call_all_async("sleep_interval", 1.5)
+    assert not set(actor.call_all(GridWorker.pid)) & set(critic.call_all(GridWorker.pid))
+    actor_run = actor.call_all_async(GridWorker.sleep_interval, 1.5)
+    critic_run = critic.call_all_async(GridWorker.sleep_interval, 1.5)
     [(actor_start, actor_end)], [(critic_start, critic_end)] = gather(actor_run, critic_run, timeout_s=120)
     # Overlapping intervals: each started before the other finished.
     assert actor_start < critic_end and critic_start < actor_end, (actor_start, actor_end, critic_start, critic_end)
@@ -131,28 +131,33 @@ def test_colocated_actor_ref_rollout_generate_compute_log_probs_and_update(local
     hybrid.init_distributed()
     actor, ref, rollout = hybrid.for_role("actor"), hybrid.for_role("ref"), hybrid.for_role("rollout")
     # Three roles, one process per rank.
-    assert actor.call_all("pid") == ref.call_all("pid") == rollout.call_all("pid") == [i.pid for i in hybrid.node_infos]
+    assert actor.call_all(TinyPolicy.pid) == ref.call_all(TinyPolicy.pid) == rollout.call_all(TinySampler.pid) == [i.pid for i in hybrid.node_infos]
 
     generator = torch.Generator().manual_seed(0)
     prompts = Batch.from_dict({"prompts": torch.randint(0, VOCAB, (5, 3), generator=generator), "row": torch.arange(5)})
-    rollout.call_all("sync_weights")
-    samples = rollout.call_dp("generate", prompts, seed=100)  # 5 rows over DP=2: padded, then unpadded
+    # A call names a method of the role it reaches: another role's method is refused before sending.
+    with pytest.raises(TypeError, match="TinyPolicy.weights is not a method of TinySampler"):
+        rollout.call_all(TinyPolicy.weights)
+    with pytest.raises(TypeError, match="names the method itself"):
+        rollout.call_all("sync_weights")
+    rollout.call_all(TinySampler.sync_weights)
+    samples = rollout.call_dp(TinySampler.generate, prompts, seed=100)  # 5 rows over DP=2: padded, then unpadded
     assert samples["responses"].shape == (5, 4)
     # Per-row seeds: the same rows generated whole on one rank give the same tokens.
-    assert torch.equal(rollout.call_rank(1, "generate", prompts, seed=100)["responses"], samples["responses"])
+    assert torch.equal(rollout.call_rank(1, TinySampler.generate, prompts, seed=100)["responses"], samples["responses"])
 
-    initial = actor.call_rank(0, "weights")
+    initial = actor.call_rank(0, TinyPolicy.weights)
     expected = reference_log_probs(initial, prompts["prompts"], samples["responses"])
     assert samples["rollout_log_probs"].tolist() == [pytest.approx(row, abs=1e-5) for row in expected]
     batch = prompts.union(samples)
     for policy in (actor, ref):
-        log_probs = policy.call_dp("compute_log_prob", batch)["log_probs"]
+        log_probs = policy.call_dp(TinyPolicy.compute_log_prob, batch)["log_probs"]
         assert log_probs.tolist() == [pytest.approx(row, abs=1e-5) for row in expected]
 
     # One update of the actor on 4 rows (2 per DP rank, no padding), gradients averaged by gloo.
     train = batch[torch.arange(4)]
     train["advantages"] = torch.tensor([[1.0], [-1.0], [0.5], [2.0]]).expand(4, 4).clone()
-    losses = actor.call_dp("update", train)
+    losses = actor.call_dp(TinyPolicy.update, train)
     assert len(losses) == 2
     table = initial.double().requires_grad_(True)
     shard_losses = []
@@ -164,22 +169,22 @@ def test_colocated_actor_ref_rollout_generate_compute_log_probs_and_update(local
     (0.5 * (shard_losses[0] + shard_losses[1])).backward()
     shard_losses = [loss.detach() for loss in shard_losses]
     expected_table = (initial.double() - 0.5 * table.grad).float()
-    updated = actor.call_all("weights")
+    updated = actor.call_all(TinyPolicy.weights)
     assert torch.allclose(updated[0], expected_table, atol=1e-5) and torch.equal(updated[0], updated[1])
     assert losses == pytest.approx([loss.item() for loss in shard_losses], abs=1e-5)
 
     # Phase change: rollout only, then training again; offloaded weights come back unchanged.
-    rollout.call_all("sync_weights")  # local copy of the new actor weights into the rollout role
-    assert hybrid.call_all("set_active", ["rollout"]) == [{"actor": "offloaded", "ref": "offloaded"}] * 2
-    assert actor.call_all("is_offloaded") == [True, True]
-    fresh = rollout.call_dp("generate", prompts, seed=100)
-    assert hybrid.call_all("set_active", ["actor", "ref"]) == [{"actor": "onloaded", "ref": "onloaded"}] * 2
-    assert torch.equal(actor.call_rank(1, "weights"), updated[1])
+    rollout.call_all(TinySampler.sync_weights)  # local copy of the new actor weights into the rollout role
+    assert hybrid.call_all(HostWorker.set_active, ["rollout"]) == [{"actor": "offloaded", "ref": "offloaded"}] * 2
+    assert actor.call_all(TinyPolicy.is_offloaded) == [True, True]
+    fresh = rollout.call_dp(TinySampler.generate, prompts, seed=100)
+    assert hybrid.call_all(HostWorker.set_active, ["actor", "ref"]) == [{"actor": "onloaded", "ref": "onloaded"}] * 2
+    assert torch.equal(actor.call_rank(1, TinyPolicy.weights), updated[1])
     new_expected = reference_log_probs(updated[0], prompts["prompts"], fresh["responses"])
     assert fresh["rollout_log_probs"].tolist() == [pytest.approx(r, abs=1e-5) for r in new_expected]
     fresh_batch = prompts.union(fresh)
-    new_actor = actor.call_dp("compute_log_prob", fresh_batch)["log_probs"]
-    new_ref = ref.call_dp("compute_log_prob", fresh_batch)["log_probs"]
+    new_actor = actor.call_dp(TinyPolicy.compute_log_prob, fresh_batch)["log_probs"]
+    new_ref = ref.call_dp(TinyPolicy.compute_log_prob, fresh_batch)["log_probs"]
     assert torch.allclose(new_actor, fresh["rollout_log_probs"], atol=1e-5)
     assert not torch.allclose(new_ref, new_actor, atol=1e-3)  # the reference policy did not move
     ref_expected = reference_log_probs(initial, prompts["prompts"], fresh["responses"])
@@ -191,6 +196,6 @@ def test_megatron_layout_through_the_engine_hook_drives_dispatch(local_cluster, 
     group = cleanup(WorkerGroup(pool, GridWorker, "actor"))
     infos = group.init_distributed(layout={"tp": 2})  # megarl.megatron.parallel.init_distributed
     assert [(i.dp_rank, i.dp_size, i.tp_rank, i.tp_size) for i in infos] == [(0, 1, 0, 2), (0, 1, 1, 2)]
-    result = group.call_dp("affine_rows", numbered_batch(3), 1.0, 1.0)
+    result = group.call_dp(GridWorker.affine_rows, numbered_batch(3), 1.0, 1.0)
     assert result["y"].tolist() == [0.0, 0.5, 1.0]  # from TP rank 0 (rank 1 answers -1)
-    assert group.call_all("rows_received") == [[0, 1, 2], [0, 1, 2]]
+    assert group.call_all(GridWorker.rows_received) == [[0, 1, 2], [0, 1, 2]]

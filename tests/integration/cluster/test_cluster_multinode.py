@@ -41,20 +41,20 @@ def test_a_role_spread_over_two_nodes_forms_one_world_and_fails_fast(tmp_path):
             group = WorkerGroup(pool, GridWorker, "actor", start_timeout_s=300)
             assert [info.node_id for info in group.node_infos] == pool.node_ids()
             assert group.node_infos[0].node_id != group.node_infos[1].node_id
-            environments = group.call_all("environment")
+            environments = group.call_all(GridWorker.environment)
             assert [env["LOCAL_RANK"] for env in environments] == ["0", "0"]  # one device per node
 
             group.init_distributed()  # gloo rendezvous across the two nodes at rank 0's address
-            assert group.call_all("all_reduce_sum", 2.5) == [5.0, 5.0]
+            assert group.call_all(GridWorker.all_reduce_sum, 2.5) == [5.0, 5.0]
             batch = Batch.from_dict({"x": torch.tensor([1.0, 2.0, 3.0]), "row": torch.arange(3)})
-            result = group.call_dp("affine_rows", batch, 10.0, 1.0)
+            result = group.call_dp(GridWorker.affine_rows, batch, 10.0, 1.0)
             assert result["y"].tolist() == [11.0, 21.0, 31.0]
             assert result["dp_rank"].tolist() == [0, 0, 1]
 
             # A rank on the worker node dies while the head-node rank waits in the all_reduce.
             started = time.monotonic()
             with pytest.raises(WorkerError, match="actor rank 1 on node .* died"):
-                group.call_all("all_reduce_or_exit", dying_rank=1, delay_s=0.5)
+                group.call_all(GridWorker.all_reduce_or_exit, dying_rank=1, delay_s=0.5)
             assert time.monotonic() - started < 45
             group.shutdown()
             pool.shutdown()

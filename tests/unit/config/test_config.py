@@ -185,8 +185,11 @@ def test_moe_limits_of_the_trainer_are_refused_before_workers(tmp_path: Path) ->
                                            "num_experts_per_tok": 2, "moe_intermediate_size": 32}})
     path = write(tmp_path, "moe.yaml", moe)
     msg = errors_of(path, "rollout.tensor_model_parallel_size=2")  # actor TP=2 in VALID
-    assert "actor.megatron.tensor_model_parallel_size = 2: training a mixture-of-experts model" in msg
+    assert "actor.megatron.tensor_model_parallel_size = 2: training a mixture-of-experts model with TP > 1 needs " \
+        "actor.megatron.sequence_parallel: true" in msg
     assert "rollout.tensor_model_parallel_size = 2: mixture-of-experts" in msg
+    cfg = load_config(path, ["actor.megatron.sequence_parallel=true"])  # MoE at TP=2 trains with SP
+    assert cfg.actor.megatron.sequence_parallel
     msg = errors_of(path, "actor.megatron.tensor_model_parallel_size=1", "actor.megatron.expert_model_parallel_size=2")
     assert "actor.megatron.expert_model_parallel_size = 2: the weight sync" in msg
     cfg = load_config(path, ["actor.megatron.tensor_model_parallel_size=1"])  # TP = EP = 1: accepted
@@ -305,3 +308,54 @@ def test_colocated_ref_and_critic_follow_the_actor_layout(valid_file: Path) -> N
     assert cfg.ref.megatron is None and cfg.critic.megatron is None  # null: the actor's layout
     msg = errors_of(valid_file, "actor.use_kl_loss=true", "ref.megatron={tensor_model_parallel_size: 1}")
     assert "ref.megatron differs from actor.megatron" in msg
+
+
+def test_fp16_training_is_refused_with_what_to_use(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "model.dtype=fp16")
+    assert "model.dtype = 'fp16': training in fp16 needs loss scaling" in msg and "use bf16" in msg
+    assert load_config(valid_file, ["model.dtype=bf16", "rollout.dtype=fp16"]).rollout.dtype == "fp16"
+
+
+def test_model_spec_must_name_a_family(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "model.spec=qwen9")
+    assert "model.spec = 'qwen9': no such family in model_specs/" in msg and "'qwen2'" in msg
+    assert load_config(valid_file, ["model.spec=llama"]).model.spec == "llama"
+
+
+def test_reward_model_workers_are_refused_until_they_exist(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "reward_model.enable=true", "resources.reward_model_pool.nnodes=1")
+    assert "reward_model.enable = true: reward-model workers are not available yet" in msg
+    assert "resources.reward_model_pool: reward-model workers are not available yet" in msg
+
+
+def test_removed_verl_keys_say_what_to_use(valid_file: Path, tmp_path: Path) -> None:
+    msg = errors_of(valid_file, "data.dataloader_num_workers=4")
+    assert "'data.dataloader_num_workers' is not a megarl key: megarl reads prompts from parquet in the driver" in msg
+    bad = write(tmp_path, "verl.yaml", {**VALID, "actor": {**VALID["actor"], "use_remove_padding": True}})
+    assert "'actor.use_remove_padding' is not a megarl key: use model.use_remove_padding" in errors_of(bad)
+
+
+def test_recompute_granularity_and_dapo_generation_batch(valid_file: Path) -> None:
+    assert "model.recompute_granularity = 'layers'" in errors_of(valid_file, "model.recompute_granularity=layers")
+    assert "data.gen_batch_size is only used by DAPO dynamic sampling" in errors_of(valid_file, "data.gen_batch_size=16")
+    dapo = ["algorithm.filter_groups.enable=true"]
+    assert "data.gen_batch_size = 4: must be >= data.train_batch_size = 8" in errors_of(valid_file, *dapo, "data.gen_batch_size=4")
+    assert load_config(valid_file, [*dapo, "data.gen_batch_size=24"]).data.gen_batch_size == 24
+    msg = errors_of(valid_file, *dapo, "algorithm.filter_groups.metric=seq_final_reward", "algorithm.use_kl_in_reward=true")
+    assert "the KL penalty is computed after dynamic sampling" in msg
+
+
+def test_override_config_cannot_reshape_a_checkpoint(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(TINY_MODEL))
+    path = write(tmp_path, "exp.yaml", dict(VALID, model={"path": str(model_dir)}))
+    msg = errors_of(path, "+model.override_config.hidden_size=128", "+model.override_config.rope_theta=500000.0")
+    assert "model.override_config sets ['hidden_size'] over the checkpoint in model.path" in msg
+    cfg = load_config(path, ["+model.override_config.rope_theta=500000.0"])
+    assert cfg.model.override_config.rope_theta == 500000.0
+
+
+def test_profile_steps_are_step_numbers(valid_file: Path) -> None:
+    assert "trainer.profile_steps: 0 is not a step number" in errors_of(valid_file, "trainer.profile_steps=[0,2]")
+    assert list(load_config(valid_file, ["trainer.profile_steps=[1,3]"]).trainer.profile_steps) == [1, 3]
