@@ -109,7 +109,8 @@ def main() -> None:
     import transformers
 
     from megarl.megatron.engine import MegatronEngine
-    from megarl.megatron.parallel import ParallelLayout, destroy_distributed, init_distributed
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.parallel import destroy_distributed, init_distributed
     from megarl.models.spec import ModelSpec
 
     torch.manual_seed(0)

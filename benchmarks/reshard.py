@@ -62,8 +62,8 @@ def _worker(rank: int, world: int, port: int, cases: list[tuple[str, str]], shap
     import torch.distributed as dist
 
     from megarl.hybrid.executor import execute_plan
-    from megarl.hybrid.layout import RolloutLayout, TrainLayout
     from megarl.hybrid.plan import build_reshard_plan
+    from megarl.layout import ParallelLayout
     from megarl.models.spec import ModelSpec
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -71,9 +71,10 @@ def _worker(rank: int, world: int, port: int, cases: list[tuple[str, str]], shap
     for size, layout in cases:
         train_kw, rollout_tp = LAYOUTS[layout]
         spec = ModelSpec.from_hf_config(hf_config(size))
-        train = TrainLayout(**train_kw)
+        train = ParallelLayout(**{"dp": 1, **train_kw})
         t0 = time.perf_counter()
-        plan = build_reshard_plan(spec, train, RolloutLayout(rollout_tp, world), "hf" if rollout_tp == 1 else "vllm",
+        rollout = ParallelLayout.rollout(rollout_tp, world)
+        plan = build_reshard_plan(spec, train, rollout, "hf" if rollout_tp == 1 else "vllm",
                                   torch.float32, bucket_bytes, hf_shapes=shapes[size])
         plan_seconds = time.perf_counter() - t0
         gen = torch.Generator().manual_seed(rank)

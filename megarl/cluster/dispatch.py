@@ -1,4 +1,4 @@
-"""Data-parallel dispatch and collection, as pure functions over `ParallelInfo`s and Batches.
+"""Data-parallel dispatch and collection, as pure functions over `RankCoord`s and Batches.
 
 The WorkerGroup uses these to split a Batch across DP ranks and put the results back together;
 they hold no Ray state, so they are tested on their own.
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from megarl.cluster.worker import ParallelInfo
 from megarl.errors import MegarlError
+from megarl.layout import RankCoord
 from megarl.protocol import Batch
 
 
@@ -39,7 +39,7 @@ class DispatchPlan:
     collect_ranks: tuple[int, ...]
 
 
-def plan_dispatch(infos: Sequence[ParallelInfo]) -> DispatchPlan:
+def plan_dispatch(infos: Sequence[RankCoord]) -> DispatchPlan:
     """Check the ranks' coordinates and derive the plan. `infos[r]` must be rank r's."""
     if not infos:
         raise DispatchError("cannot dispatch to an empty worker group")

@@ -8,8 +8,8 @@ for torchrun runs unchanged inside the actor.
 Parallel groups are created by `init_distributed`, which the driver calls explicitly through
 `WorkerGroup.init_distributed`. With a `layout` it hands over to the Megatron engine
 (`megarl.megatron.parallel.init_distributed`); without one it creates a plain data-parallel world.
-Subclasses may override it (and must then return their `ParallelInfo`): that is the hook through
-which an engine plugs its own groups in.
+Subclasses may override it (and must then return their `megarl.layout.RankCoord`): that is the
+hook through which an engine plugs its own groups in. Dispatch reads the `RankCoord` of every rank.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+
+from megarl.layout import ParallelLayout, RankCoord
 
 
 @dataclass(frozen=True)
@@ -50,35 +52,6 @@ class WorkerContext:
 
 
 @dataclass(frozen=True)
-class ParallelInfo:
-    """One rank's coordinates in its role's parallel layout, as dispatch needs them.
-
-    Ranks with the same `dp_rank` receive the same data shard; the result of a data-parallel call
-    is taken from the one rank per `dp_rank` that is the last pipeline stage and rank 0 of its
-    tensor- and context-parallel groups (`is_collect_rank`).
-    """
-
-    rank: int
-    dp_rank: int
-    dp_size: int
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-    cp_rank: int = 0
-    cp_size: int = 1
-
-    @property
-    def is_collect_rank(self) -> bool:
-        return self.tp_rank == 0 and self.cp_rank == 0 and self.pp_rank == self.pp_size - 1
-
-    @classmethod
-    def data_parallel_only(cls, rank: int, world_size: int) -> ParallelInfo:
-        """Every rank is its own data-parallel replica."""
-        return cls(rank=rank, dp_rank=rank, dp_size=world_size)
-
-
-@dataclass(frozen=True)
 class NodeInfo:
     """Where a worker process actually runs (reported by the worker itself)."""
 
@@ -102,7 +75,7 @@ class Worker:
     def __init__(self, context: WorkerContext) -> None:
         self.context = context
         os.environ.update(context.env_vars())
-        self._parallel_info = ParallelInfo.data_parallel_only(context.rank, context.world_size)
+        self._parallel_info = RankCoord.data_parallel_only(context.rank, context.world_size)
 
     @property
     def rank(self) -> int:
@@ -128,12 +101,12 @@ class Worker:
         backend: str | None = None,
         layout: Any = None,
         timeout_minutes: int = 10,
-    ) -> ParallelInfo:
+    ) -> RankCoord:
         """Create this rank's process groups and return its coordinates in them.
 
         backend: "gloo" or "nccl"; default nccl when the context's device is CUDA, gloo otherwise.
         layout: None for a plain data-parallel world (only the default process group), or a
-        `megarl.megatron.parallel.ParallelLayout` (or a dict of its fields) to create Megatron's
+        `megarl.layout.ParallelLayout` (or a dict of its fields) to create Megatron's
         TP/PP/DP/CP/EP groups through the engine.
         """
         backend = backend or ("nccl" if self.context.device == "cuda" else "gloo")
@@ -148,12 +121,13 @@ class Worker:
                     world_size=self.world_size,
                     timeout=timedelta(minutes=timeout_minutes),
                 )
-            self._parallel_info = ParallelInfo.data_parallel_only(self.rank, self.world_size)
+            self._parallel_info = RankCoord.data_parallel_only(self.rank, self.world_size)
             return self._parallel_info
         return self._init_megatron(backend, layout, timeout_minutes)
 
-    def _init_megatron(self, backend: str, layout: Any, timeout_minutes: int) -> ParallelInfo:
-        from megarl.megatron.parallel import ParallelLayout, current_ranks, init_distributed
+    def _init_megatron(self, backend: str, layout: Any, timeout_minutes: int) -> RankCoord:
+        # Imported here: torch and Megatron cost seconds and plain data-parallel workers never need them.
+        from megarl.megatron.parallel import current_ranks, init_distributed
 
         if isinstance(layout, dict):
             layout = ParallelLayout(**layout)
@@ -167,27 +141,16 @@ class Worker:
             timeout_minutes=timeout_minutes,
             local_rank=self.context.local_rank,
         )
-        ranks = current_ranks()
-        self._parallel_info = ParallelInfo(
-            rank=self.rank,
-            dp_rank=ranks.dp_rank,
-            dp_size=ranks.dp_size,
-            tp_rank=ranks.tp_rank,
-            tp_size=ranks.tp_size,
-            pp_rank=ranks.pp_rank,
-            pp_size=ranks.pp_size,
-            cp_rank=ranks.cp_rank,
-            cp_size=ranks.cp_size,
-        )
+        self._parallel_info = current_ranks()
         return self._parallel_info
 
-    def set_parallel_info(self, info: ParallelInfo) -> None:
+    def set_parallel_info(self, info: RankCoord) -> None:
         """For engines that build their groups themselves: record this rank's coordinates."""
         if info.rank != self.rank:
             raise ValueError(f"parallel info for rank {info.rank} given to rank {self.rank}")
         self._parallel_info = info
 
-    def parallel_info(self) -> ParallelInfo:
+    def parallel_info(self) -> RankCoord:
         """This rank's coordinates (data-parallel only until `init_distributed` says otherwise)."""
         return self._parallel_info
 

@@ -1,8 +1,9 @@
 """The reshard plan: for every rollout rank and every engine parameter, which training rank sends
 which slice, and where it lands.
 
-Built identically on every rank from the model spec and the two layouts (no communication), so
-all ranks agree on the exchange schedule. Sources are chosen to prefer the receiving rank itself
+Built identically on every rank from the model spec and the two `megarl.layout.ParallelLayout`s
+(training; rollout from `ParallelLayout.rollout`), with no communication, so all ranks agree on
+the exchange schedule. Sources are chosen to prefer the receiving rank itself
 (zero bytes), then the least-loaded of the training replicas (DP and CP ranks, and TP ranks for
 replicated tensors, hold identical weights). Remote pieces go in buckets of at most
 `bucket_bytes` per (sender, receiver) pair and step.
@@ -17,8 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from megarl.errors import ConfigError
-from megarl.hybrid.layout import RolloutLayout, TrainLayout
 from megarl.hybrid.slices import Block, LocalTensor, engine_params, hf_tensor_shapes, megatron_shards
+from megarl.layout import ParallelLayout
 
 if TYPE_CHECKING:
     from megarl.models.spec import ModelSpec
@@ -60,8 +61,8 @@ class RankBytes:
 class ReshardPlan:
     """Everything the executor needs; identical on every rank."""
 
-    train: TrainLayout
-    rollout: RolloutLayout
+    train: ParallelLayout
+    rollout: ParallelLayout  # pp = cp = ep = 1 (`ParallelLayout.rollout`)
     engine: str
     dtype: torch.dtype
     bucket_bytes: int
@@ -98,8 +99,8 @@ class _Source:
 
 def build_reshard_plan(
     spec: "ModelSpec",
-    train: TrainLayout,
-    rollout: RolloutLayout,
+    train: ParallelLayout,
+    rollout: ParallelLayout,
     engine: str = "hf",
     dtype: torch.dtype = torch.float32,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -123,6 +124,7 @@ def build_reshard_plan(
     spec.check_layout(train.tp, train.pp)
     shapes = hf_shapes if hf_shapes is not None else hf_tensor_shapes(spec)
     world = train.world_size
+    coords = [train.coord(r) for r in range(world)]  # once: step 2 reads them per segment
 
     shard_cache: dict[tuple[int, int], list[LocalTensor]] = {}
     sources: dict[str, list[_Source]] = {}  # HF name -> blocks held by some model shard
@@ -132,20 +134,21 @@ def build_reshard_plan(
             for t in shard_cache[(tp, pp)]:
                 for b in t.blocks:
                     sources.setdefault(b.hf_name, []).append(_Source((tp, pp), t.name, b.start, b.stop, b.offset))
-    train_tensors = {r: shard_cache[(c.tp, c.pp)] for r in range(world) for c in [train.coord(r)]}
+    train_tensors = {r: shard_cache[(c.tp_rank, c.pp_rank)] for r, c in enumerate(coords)}
     shard_by_name = {key: {t.name: t for t in ts} for key, ts in shard_cache.items()}
 
-    engine_tensors = {g: engine_params(spec, engine, rollout.coord(g)[1], rollout.tp, shapes) for g in range(world)}
+    engine_tensors = {g: engine_params(spec, engine, rollout.coord(g).tp_rank, rollout.tp, shapes)
+                       for g in range(world)}
     # 1. Cut every engine block into segments with one set of holders each.
     segments: list[_Segment] = []
     plan_bytes = {r: RankBytes() for r in range(world)}
     for dst in range(world):
-        c = train.coord(dst)
+        c = coords[dst]
         for param in engine_tensors[dst]:
             unit = _unit_bytes(param, dtype)
             for block in param.blocks:
                 plan_bytes[dst].needed += block.length * unit
-                cut = _segments(block, sources, (c.tp, c.pp), dst, param, unit, shard_by_name)
+                cut = _segments(block, sources, (c.tp_rank, c.pp_rank), dst, param, unit, shard_by_name)
                 # What the rank holds, counted before any sender is chosen.
                 plan_bytes[dst].local += sum(seg.nbytes for seg in cut if seg.src == dst)
                 segments += cut
@@ -155,8 +158,8 @@ def build_reshard_plan(
     for seg in sorted(segments, key=lambda s: (s.src < 0, -s.nbytes)):
         if seg.src >= 0:
             continue
-        dst_dp = train.coord(seg.dst).dp
-        options = [(sent[r], train.coord(r).dp != dst_dp, r, h) for h in seg.holders
+        dst_dp = coords[seg.dst].dp_rank
+        options = [(sent[r], coords[r].dp_rank != dst_dp, r, h) for h in seg.holders
                    for r in train.replicas(*h.coord_key)]
         _, _, seg.src, seg.source = min(options, key=lambda o: o[:3])
         sent[seg.src] += seg.nbytes

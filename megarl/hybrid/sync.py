@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from megarl.errors import ConfigError
 from megarl.hybrid.executor import ExecStats, execute_plan
-from megarl.hybrid.layout import RolloutLayout, TrainLayout
 from megarl.hybrid.plan import DEFAULT_BUCKET_BYTES, ReshardPlan, build_reshard_plan
+from megarl.layout import ParallelLayout
 from megarl.models.weight_map import stage_entries
 
 
@@ -95,12 +95,12 @@ class WeightSync:
         self.rollout_engine = rollout_engine
         self.group = group
         self.pp_rank, self.pp_size = r.pp_rank, r.pp_size
-        layout = TrainLayout(tp=r.tp_size, pp=r.pp_size, dp=r.dp_size, cp=r.cp_size)
+        layout = ParallelLayout(tp=r.tp_size, pp=r.pp_size, dp=r.dp_size, cp=r.cp_size)
         if layout.world_size != dist.get_world_size(group):
             raise ConfigError(f"weight sync: training layout {layout} does not span the group of "
                               f"{dist.get_world_size(group)} ranks")
         dtype = next(iter(train_engine.get_named_weights()))[1].dtype
-        self.plan = build_reshard_plan(train_engine.spec, layout, RolloutLayout(rollout_tp, layout.world_size),
+        self.plan = build_reshard_plan(train_engine.spec, layout, ParallelLayout.rollout(rollout_tp, layout.world_size),
                                        "hf" if rollout_tp == 1 else "vllm", dtype, bucket_bytes)
 
     def sync(self) -> ExecStats:

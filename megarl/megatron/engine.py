@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from megarl.algorithms.aggregation import LossNormalisers, mini_batch_normalisers
 from megarl.errors import CheckpointError, DataError
+from megarl.layout import ParallelLayout
 from megarl.megatron import checkpoint as ckpt
 from megarl.megatron import offload as off
 from megarl.megatron.context_parallel import SequenceShard, cp_alignment, padded_length
@@ -45,7 +46,7 @@ from megarl.megatron.packing import (
     plan_micro_batches,
     unpack,
 )
-from megarl.megatron.parallel import ParallelLayout, current_ranks
+from megarl.megatron.parallel import current_ranks
 from megarl.models.spec import ModelSpec, te_available
 from megarl.models.weight_map import hf_to_megatron_state_dict, read_hf_tensors, stage_entries
 

@@ -1,5 +1,8 @@
 """Process groups for 4D (+expert) parallel training: TP, PP, DP, CP, EP over one world.
 
+`init_distributed` creates the groups of a `megarl.layout.ParallelLayout`; `current_ranks` reads
+this process's `megarl.layout.RankCoord` back from Megatron's `parallel_state`.
+
 The same call works under torchrun (rank/world/address from the environment) and inside Ray actors
 (everything passed explicitly). Backend: gloo without CUDA, NCCL with it.
 """
@@ -7,48 +10,13 @@ The same call works under torchrun (rank/world/address from the environment) and
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from megarl.errors import ConfigError
+from megarl.layout import ParallelLayout, RankCoord
 from megarl.megatron.cpu_compat import apply_cpu_compat
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """Degrees of parallelism. `dp` is derived from the world size when left at 0."""
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 0
-    cp: int = 1
-    ep: int = 1
-
-    def model_parallel_size(self) -> int:
-        return self.tp * self.pp * self.cp
-
-    def resolved(self, world_size: int) -> "ParallelLayout":
-        """This layout with `dp` filled in and checked against `world_size`."""
-        for name in ("tp", "pp", "cp", "ep"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"parallel layout: {name}={getattr(self, name)} must be >= 1")
-        mp = self.model_parallel_size()
-        if world_size % mp != 0:
-            raise ConfigError(
-                f"parallel layout: world size {world_size} is not divisible by "
-                f"tp*pp*cp = {self.tp}*{self.pp}*{self.cp} = {mp}"
-            )
-        dp = world_size // mp
-        if self.dp not in (0, dp):
-            raise ConfigError(
-                f"parallel layout: dp={self.dp} but world size {world_size} / (tp*pp*cp={mp}) = {dp}"
-            )
-        if (dp * self.cp) % self.ep != 0:
-            raise ConfigError(f"parallel layout: ep={self.ep} must divide dp*cp={dp * self.cp}")
-        return ParallelLayout(tp=self.tp, pp=self.pp, dp=dp, cp=self.cp, ep=self.ep)
 
 
 def default_backend() -> str:
@@ -113,26 +81,12 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-@dataclass(frozen=True)
-class ParallelRanks:
-    """This process's coordinates in the layout."""
-
-    tp_rank: int
-    tp_size: int
-    pp_rank: int
-    pp_size: int
-    dp_rank: int
-    dp_size: int
-    cp_rank: int
-    cp_size: int
-    ep_rank: int = 0
-    ep_size: int = 1
-
-
-def current_ranks() -> ParallelRanks:
+def current_ranks() -> RankCoord:
+    """This process's coordinates, as Megatron's groups (created by `init_distributed`) say."""
     from megatron.core import parallel_state as ps
 
-    return ParallelRanks(
+    return RankCoord(
+        rank=dist.get_rank(),
         tp_rank=ps.get_tensor_model_parallel_rank(),
         tp_size=ps.get_tensor_model_parallel_world_size(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),

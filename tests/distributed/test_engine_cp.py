@@ -54,7 +54,8 @@ def _hf_state(hf_dir: str, head: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def _forward_cp2(rank: int, world: int, port: int, hf_dir: str, head: torch.Tensor, batch: dict) -> dict:
-    from megarl.megatron.parallel import ParallelLayout, init_distributed
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.parallel import init_distributed
 
     layout = init_distributed(rank, world, "127.0.0.1", port, ParallelLayout(cp=2))
     assert (layout.cp, layout.dp) == (2, 1)
@@ -114,7 +115,8 @@ def _value_loss(outputs: dict, mb: dict, n: Any) -> tuple[torch.Tensor, dict]:
 
 
 def _train(rank: int, world: int, port: int, hf_dir: str, head: torch.Tensor, batch: dict) -> dict:
-    from megarl.megatron.parallel import ParallelLayout, init_distributed
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.parallel import init_distributed
 
     out: dict[str, Any] = {}
     hf_sd = _hf_state(hf_dir, head)

@@ -19,14 +19,15 @@ KINDS = ["llama", "llama_tied", "qwen2", "qwen3", "mistral"]
 
 def _engine(hf_dir: str, cfg: dict) -> Any:
     from megarl.megatron.engine import MegatronEngine
-    from megarl.megatron.parallel import ParallelLayout
+    from megarl.layout import ParallelLayout
     from megarl.models.spec import ModelSpec
 
     return MegatronEngine(ModelSpec.from_hf_config(hf_dir), ParallelLayout(), cfg)
 
 
 def _log_probs_per_family(rank: int, world: int, port: int, dirs: dict, batch: dict) -> dict:
-    from megarl.megatron.parallel import ParallelLayout, init_distributed
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.parallel import init_distributed
 
     init_distributed(rank, world, "127.0.0.1", port, ParallelLayout())
     out = {}
@@ -60,7 +61,8 @@ def test_log_probs_and_entropy_equal_hf_for_every_family() -> None:
 
 
 def _values_and_scores(rank: int, world: int, port: int, hf_dir: str, head: torch.Tensor, batch: dict) -> dict:
-    from megarl.megatron.parallel import ParallelLayout, init_distributed
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.parallel import init_distributed
     from megarl.models.weight_map import read_hf_tensors
 
     init_distributed(rank, world, "127.0.0.1", port, ParallelLayout())

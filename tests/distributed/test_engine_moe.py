@@ -54,7 +54,7 @@ def make_moe_model(kind: str, seed: int = 0) -> torch.nn.Module:
 
 def _engine(hf_dir: str, cfg: dict) -> Any:
     from megarl.megatron.engine import MegatronEngine
-    from megarl.megatron.parallel import ParallelLayout
+    from megarl.layout import ParallelLayout
     from megarl.models.spec import ModelSpec
 
     return MegatronEngine(ModelSpec.from_hf_config(hf_dir), ParallelLayout(), cfg)
@@ -83,7 +83,8 @@ def _hf_state(engine: Any) -> dict[str, torch.Tensor]:
 
 
 def _log_probs(rank: int, world: int, port: int, dirs: dict, layout: dict, batch: dict) -> dict:
-    from megarl.megatron.parallel import ParallelLayout, init_distributed
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.parallel import init_distributed
 
     init_distributed(rank, world, "127.0.0.1", port, ParallelLayout(**layout))
     dp = world // layout.get("tp", 1)
@@ -126,7 +127,8 @@ def test_moe_log_probs_equal_hf(layout: dict, world: int) -> None:
 def _one_step(rank: int, world: int, port: int, hf_dir: str, layout: dict, batch: dict) -> dict:
     from megatron.core import parallel_state as ps
 
-    from megarl.megatron.parallel import ParallelLayout, init_distributed
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.parallel import init_distributed
 
     init_distributed(rank, world, "127.0.0.1", port, ParallelLayout(**layout))
     engine = _engine(hf_dir, {"micro_batch_size": 2, "lr": LR, "eps": EPS, "clip_grad": CLIP,
@@ -174,7 +176,8 @@ def _save_ep2_resume_dp2(rank: int, world: int, port: int, hf_dir: str, batches:
     """Two steps with experts split over two ranks, save; a fresh engine with all experts on each
     rank (ep=1, dp=2) loads it; both take the third step."""
     from megarl.megatron.checkpoint import adam_step
-    from megarl.megatron.parallel import ParallelLayout, init_distributed
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.parallel import init_distributed
 
     def engine_at(layout: dict) -> Any:
         init_distributed(rank, world, "127.0.0.1", port, ParallelLayout(**layout))
@@ -224,7 +227,8 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1_exactly() -> None:
 
 
 def _converted_log_probs(rank: int, world: int, port: int, hf_dir: str, ckpt: str, batch: dict) -> list:
-    from megarl.megatron.parallel import ParallelLayout, init_distributed
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.parallel import init_distributed
 
     out = []
     for layout in ({"ep": 2}, {"tp": 2}):
@@ -258,7 +262,8 @@ def _sync_moe(rank: int, world: int, port: int, hf_dir: str, batch: dict) -> dic
     from transformers import AutoConfig
 
     from megarl.hybrid.sync import WeightSync
-    from megarl.megatron.parallel import ParallelLayout, init_distributed
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.parallel import init_distributed
     from megarl.rollout.base import EngineOptions
     from megarl.rollout.hf_engine import HFRolloutEngine
 

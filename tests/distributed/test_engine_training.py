@@ -20,7 +20,7 @@ BASE = dict(lr=1e-3, eps=1e-6, weight_decay=0.0, clip_grad=1e9)
 
 def _engine(hf_dir: str, **cfg: Any) -> Any:
     from megarl.megatron.engine import MegatronEngine
-    from megarl.megatron.parallel import ParallelLayout
+    from megarl.layout import ParallelLayout
     from megarl.models.spec import ModelSpec
 
     engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), ParallelLayout(), {**BASE, **cfg})
@@ -29,7 +29,8 @@ def _engine(hf_dir: str, **cfg: Any) -> Any:
 
 
 def _splits(rank: int, world: int, port: int, hf_dir: str, batch: dict) -> dict:
-    from megarl.megatron.parallel import ParallelLayout, init_distributed
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.parallel import init_distributed
 
     init_distributed(rank, world, "127.0.0.1", port, ParallelLayout())
     out = {}
@@ -63,7 +64,8 @@ def test_gradient_does_not_depend_on_micro_batch_split() -> None:
 
 
 def _schedules(rank: int, world: int, port: int, hf_dir: str, batch: dict) -> dict:
-    from megarl.megatron.parallel import ParallelLayout, init_distributed
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.parallel import init_distributed
 
     init_distributed(rank, world, "127.0.0.1", port, ParallelLayout())
     out = {}
@@ -98,7 +100,8 @@ def _snapshot(engine: Any) -> dict[str, torch.Tensor]:
 
 
 def _offload(rank: int, world: int, port: int, hf_dir: str, batches: list) -> dict:
-    from megarl.megatron.parallel import ParallelLayout, init_distributed
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.parallel import init_distributed
 
     init_distributed(rank, world, "127.0.0.1", port, ParallelLayout())
     plain = _engine(hf_dir, micro_batch_size=2, dtype="bf16")

@@ -15,7 +15,8 @@ def _groups(rank: int, world: int, port: int, from_env: bool) -> dict:
     import torch
     import torch.distributed as dist
 
-    from megarl.megatron.parallel import ParallelLayout, current_ranks, init_distributed
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.parallel import current_ranks, init_distributed
 
     layout = ParallelLayout(tp=2)
     if from_env:  # what torchrun sets

@@ -39,7 +39,8 @@ def _world() -> int:
 
 def _engine(rank: int, world: int, port: int, hf_dir: str, layout_kw: dict, cfg: dict) -> Any:
     from megarl.megatron.engine import MegatronEngine
-    from megarl.megatron.parallel import ParallelLayout, init_distributed
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.parallel import init_distributed
     from megarl.models.spec import ModelSpec
 
     torch.backends.cuda.matmul.allow_tf32 = False  # exact fp32 comparisons

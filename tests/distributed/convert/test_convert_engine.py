@@ -34,7 +34,8 @@ LAYOUTS = [dict(tp=2), dict(pp=2)]
 def _engine(rank: int, world: int, port: int, hf_dir: str, layout_kw: dict, role: str = "policy",
             lr: float = 1e-6) -> Any:
     from megarl.megatron.engine import MegatronEngine
-    from megarl.megatron.parallel import ParallelLayout, init_distributed
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.parallel import init_distributed
     from megarl.models.spec import ModelSpec
 
     layout = init_distributed(rank, world, "127.0.0.1", port, ParallelLayout(**layout_kw))

@@ -40,8 +40,8 @@ def _reshard(rank: int, world: int, port: int, cases: dict[str, tuple]) -> dict[
     import torch.distributed as dist
 
     from megarl.hybrid.executor import execute_plan
-    from megarl.hybrid.layout import RolloutLayout, TrainLayout
     from megarl.hybrid.plan import build_reshard_plan
+    from megarl.layout import ParallelLayout
     from megarl.models.spec import ModelSpec
     from megarl.models.weight_map import hf_to_megatron_state_dict
 
@@ -51,10 +51,10 @@ def _reshard(rank: int, world: int, port: int, cases: dict[str, tuple]) -> dict[
         spec = ModelSpec.from_hf_config(tiny_config(tied, LAYERS))
         shapes = hf_shapes(tied, LAYERS)
         hf = id_state_dict(shapes)  # every process can build it; it keeps only its own shard
-        train = TrainLayout(**train_kw)
+        train = ParallelLayout(**{"dp": 1, **train_kw})
         c = train.coord(rank)
-        mine = hf_to_megatron_state_dict(hf, spec, c.tp, train.tp, c.pp, train.pp)
-        plan = build_reshard_plan(spec, train, RolloutLayout(rollout_tp, world), engine, torch.float64,
+        mine = hf_to_megatron_state_dict(hf, spec, c.tp_rank, train.tp, c.pp_rank, train.pp)
+        plan = build_reshard_plan(spec, train, ParallelLayout.rollout(rollout_tp, world), engine, torch.float64,
                                   BUCKET, hf_shapes=shapes)
         tensors, stats = execute_plan(plan, mine)
         expected = hf if engine == "hf" else expected_vllm_shard(hf, rank % rollout_tp, rollout_tp, LAYERS, tied)

@@ -29,7 +29,8 @@ def _sync_all(rank: int, world: int, port: int, hf_dirs: dict[str, str], batch: 
 
     from megarl.hybrid.sync import WeightSync
     from megarl.megatron.engine import MegatronEngine
-    from megarl.megatron.parallel import ParallelLayout, init_distributed
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.parallel import init_distributed
     from megarl.models.spec import ModelSpec
     from megarl.rollout.base import EngineOptions
     from megarl.rollout.hf_engine import HFRolloutEngine

@@ -78,9 +78,9 @@ def _vllm_worker(rank: int, world: int, port: int, dirs: dict[str, str]) -> dict
                       WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch.distributed as dist
 
-    from megarl.hybrid.layout import RolloutLayout, TrainLayout
     from megarl.hybrid.plan import build_reshard_plan
     from megarl.hybrid.sync import sync_shards
+    from megarl.layout import ParallelLayout
     from megarl.models.spec import ModelSpec
     from megarl.models.weight_map import hf_to_megatron_state_dict, read_hf_tensors
     from megarl.rollout.base import EngineOptions, SamplingParams
@@ -97,12 +97,12 @@ def _vllm_worker(rank: int, world: int, port: int, dirs: dict[str, str]) -> dict
         for name, train_kw in LAYOUTS.items():
             target_dir = dirs[TARGETS[name]]
             spec = ModelSpec.from_hf_config(target_dir)
-            train = TrainLayout(**train_kw)
+            train = ParallelLayout(**{"dp": 1, **train_kw})
             c = train.coord(rank)
             shapes = hf_parameter_shapes(target_dir)
             hf = read_hf_tensors(target_dir, list(shapes))
-            shards = hf_to_megatron_state_dict(hf, spec, c.tp, train.tp, c.pp, train.pp)
-            plan = build_reshard_plan(spec, train, RolloutLayout(2, world), "vllm", torch.float32, 8 * 1024,
+            shards = hf_to_megatron_state_dict(hf, spec, c.tp_rank, train.tp, c.pp_rank, train.pp)
+            plan = build_reshard_plan(spec, train, ParallelLayout.rollout(2, world), "vllm", torch.float32, 8 * 1024,
                                       hf_shapes=shapes)
             stats = sync_shards(plan, shards, engine, group)
             res = engine.generate(_prompts(), SamplingParams.make_greedy(max_new_tokens=R, ignore_eos=True))

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl.cluster.worker import ParallelInfo, Worker, WorkerContext
+from megarl.cluster.worker import Worker, WorkerContext
+from megarl.layout import RankCoord
 from megarl.protocol import Batch
 
 
@@ -35,14 +36,14 @@ class GridWorker(Worker):
         self.received_rows: list[int] = []
 
     def init_distributed(self, backend: str | None = None, layout: Any = None, tp: int = 1,
-                         timeout_minutes: int = 10) -> ParallelInfo:
+                         timeout_minutes: int = 10) -> RankCoord:
         if layout is not None:  # Megatron's groups, through the engine's hook in the base class
             return super().init_distributed(backend=backend, layout=layout, timeout_minutes=timeout_minutes)
         super().init_distributed(backend=backend, timeout_minutes=timeout_minutes)
         if self.world_size % tp:
             raise ValueError(f"world {self.world_size} not divisible by tp {tp}")
-        info = ParallelInfo(rank=self.rank, dp_rank=self.rank // tp, dp_size=self.world_size // tp,
-                            tp_rank=self.rank % tp, tp_size=tp)
+        info = RankCoord(rank=self.rank, dp_rank=self.rank // tp, dp_size=self.world_size // tp,
+                         tp_rank=self.rank % tp, tp_size=tp)
         self.set_parallel_info(info)
         return info
 

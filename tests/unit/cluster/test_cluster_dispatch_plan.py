@@ -11,23 +11,23 @@ from megarl.cluster.dispatch import (
     plan_dispatch,
     split_for_data_parallel,
 )
-from megarl.cluster.worker import ParallelInfo
+from megarl.layout import RankCoord
 from megarl.protocol import Batch
 
 
-def grid(dp: int, tp: int, pp: int = 1) -> list[ParallelInfo]:
+def grid(dp: int, tp: int, pp: int = 1) -> list[RankCoord]:
     """Megatron's default rank order: TP fastest, then DP, then PP."""
     infos = []
     for rank in range(dp * tp * pp):
         tp_rank, rest = rank % tp, rank // tp
         dp_rank, pp_rank = rest % dp, rest // dp
-        infos.append(ParallelInfo(rank=rank, dp_rank=dp_rank, dp_size=dp, tp_rank=tp_rank, tp_size=tp,
-                                  pp_rank=pp_rank, pp_size=pp))
+        infos.append(RankCoord(rank=rank, dp_rank=dp_rank, dp_size=dp, tp_rank=tp_rank, tp_size=tp,
+                               pp_rank=pp_rank, pp_size=pp))
     return infos
 
 
 def test_pure_data_parallel_plan_collects_every_rank():
-    plan = plan_dispatch([ParallelInfo.data_parallel_only(rank, 3) for rank in range(3)])
+    plan = plan_dispatch([RankCoord.data_parallel_only(rank, 3) for rank in range(3)])
     assert plan.dp_size == 3
     assert plan.shard_of_rank == (0, 1, 2)
     assert plan.collect_ranks == (0, 1, 2)
@@ -41,7 +41,7 @@ def test_tp2_pp2_dp2_collects_from_last_stage_tp_rank_0():
 
 
 def test_context_parallel_rank_0_only_is_collected():
-    infos = [ParallelInfo(rank=r, dp_rank=0, dp_size=1, cp_rank=r, cp_size=2) for r in range(2)]
+    infos = [RankCoord(rank=r, dp_rank=0, dp_size=1, cp_rank=r, cp_size=2) for r in range(2)]
     assert plan_dispatch(infos).collect_ranks == (0,)
 
 
@@ -49,13 +49,13 @@ def test_context_parallel_rank_0_only_is_collected():
     "infos, message",
     [
         ([], "empty"),
-        ([ParallelInfo(rank=1, dp_rank=0, dp_size=1)], "position 0 belongs to rank 1"),
-        ([ParallelInfo(rank=0, dp_rank=0, dp_size=2), ParallelInfo(rank=1, dp_rank=0, dp_size=1)], "disagree"),
-        ([ParallelInfo(rank=0, dp_rank=0, dp_size=2), ParallelInfo(rank=1, dp_rank=2, dp_size=2)], "outside"),
-        ([ParallelInfo(rank=0, dp_rank=0, dp_size=1), ParallelInfo(rank=1, dp_rank=0, dp_size=1)],
+        ([RankCoord(rank=1, dp_rank=0, dp_size=1)], "position 0 belongs to rank 1"),
+        ([RankCoord(rank=0, dp_rank=0, dp_size=2), RankCoord(rank=1, dp_rank=0, dp_size=1)], "disagree"),
+        ([RankCoord(rank=0, dp_rank=0, dp_size=2), RankCoord(rank=1, dp_rank=2, dp_size=2)], "outside"),
+        ([RankCoord(rank=0, dp_rank=0, dp_size=1), RankCoord(rank=1, dp_rank=0, dp_size=1)],
          r"data-parallel rank 0 .* found ranks \[0, 1\]"),
-        ([ParallelInfo(rank=0, dp_rank=0, dp_size=2, tp_rank=1, tp_size=2),
-          ParallelInfo(rank=1, dp_rank=1, dp_size=2)], r"data-parallel rank 0 .* found ranks \[\]"),
+        ([RankCoord(rank=0, dp_rank=0, dp_size=2, tp_rank=1, tp_size=2),
+          RankCoord(rank=1, dp_rank=1, dp_size=2)], r"data-parallel rank 0 .* found ranks \[\]"),
     ],
 )
 def test_inconsistent_layouts_are_refused_with_the_reason(infos, message):

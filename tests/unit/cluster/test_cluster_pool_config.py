@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from megarl.cluster.resource_pool import ResourcePool
-from megarl.cluster.worker import ParallelInfo, WorkerContext
+from megarl.cluster.worker import WorkerContext
+from megarl.layout import RankCoord
 from megarl.errors import ConfigError
 
 
@@ -59,6 +60,6 @@ def test_worker_context_env_and_collect_rank():
                             master_addr="10.0.0.1", master_port=29500)
     assert context.env_vars() == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
                                   "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "MEGARL_ROLE": "actor"}
-    assert ParallelInfo(rank=0, dp_rank=0, dp_size=1, pp_rank=1, pp_size=2).is_collect_rank
-    assert not ParallelInfo(rank=0, dp_rank=0, dp_size=1, pp_rank=0, pp_size=2).is_collect_rank
-    assert not ParallelInfo(rank=0, dp_rank=0, dp_size=1, tp_rank=1, tp_size=2).is_collect_rank
+    assert RankCoord(rank=0, dp_rank=0, dp_size=1, pp_rank=1, pp_size=2).is_collect_rank
+    assert not RankCoord(rank=0, dp_rank=0, dp_size=1, pp_rank=0, pp_size=2).is_collect_rank
+    assert not RankCoord(rank=0, dp_rank=0, dp_size=1, tp_rank=1, tp_size=2).is_collect_rank

@@ -11,8 +11,8 @@ from hybrid_reference import KV_HEADS, expected_vllm_shard, hf_shapes, id_state_
 
 from megarl.errors import ConfigError
 from megarl.hybrid.executor import execute_plan_locally
-from megarl.hybrid.layout import RolloutLayout, TrainLayout
 from megarl.hybrid.plan import build_reshard_plan
+from megarl.layout import ParallelLayout
 from megarl.models.spec import ModelSpec
 from megarl.models.weight_map import hf_to_megatron_state_dict
 
@@ -39,13 +39,13 @@ def _setup(tied: bool, train_kw: dict, rollout_tp: int, engine: str):
     spec = ModelSpec.from_hf_config(tiny_config(tied, LAYERS))
     shapes = hf_shapes(tied, LAYERS)
     hf = id_state_dict(shapes)
-    train = TrainLayout(**train_kw)
-    plan = build_reshard_plan(spec, train, RolloutLayout(rollout_tp, train.world_size), engine,
+    train = ParallelLayout(**{"dp": 1, **train_kw})
+    plan = build_reshard_plan(spec, train, ParallelLayout.rollout(rollout_tp, train.world_size), engine,
                               torch.float64, BUCKET, hf_shapes=shapes)
     shards = {}
     for rank in range(train.world_size):
         c = train.coord(rank)
-        shards[rank] = hf_to_megatron_state_dict(hf, spec, c.tp, train.tp, c.pp, train.pp)
+        shards[rank] = hf_to_megatron_state_dict(hf, spec, c.tp_rank, train.tp, c.pp_rank, train.pp)
     return spec, hf, train, plan, shards
 
 
@@ -143,20 +143,21 @@ def test_qkv_fusion_orders_differ_between_megatron_and_vllm() -> None:
 def test_bad_inputs_give_clear_errors() -> None:
     spec = ModelSpec.from_hf_config(tiny_config(False, LAYERS))
     shapes = hf_shapes(False, LAYERS)
+    tp2 = ParallelLayout(tp=2, dp=1)
     with pytest.raises(ConfigError, match="world size"):
-        build_reshard_plan(spec, TrainLayout(tp=2), RolloutLayout(1, 4), hf_shapes=shapes)
+        build_reshard_plan(spec, tp2, ParallelLayout.rollout(1, 4), hf_shapes=shapes)
     with pytest.raises(ConfigError, match="needs rollout tp=1"):
-        build_reshard_plan(spec, TrainLayout(tp=2), RolloutLayout(2, 2), "hf", hf_shapes=shapes)
+        build_reshard_plan(spec, tp2, ParallelLayout.rollout(2, 2), "hf", hf_shapes=shapes)
     with pytest.raises(ConfigError, match="bucket_bytes"):
-        build_reshard_plan(spec, TrainLayout(tp=2), RolloutLayout(1, 2), "hf", bucket_bytes=16, hf_shapes=shapes)
+        build_reshard_plan(spec, tp2, ParallelLayout.rollout(1, 2), "hf", bucket_bytes=16, hf_shapes=shapes)
     with pytest.raises(ConfigError, match="valid"):
-        build_reshard_plan(spec, TrainLayout(tp=2), RolloutLayout(1, 2), "sglang", hf_shapes=shapes)
+        build_reshard_plan(spec, tp2, ParallelLayout.rollout(1, 2), "sglang", hf_shapes=shapes)
     hf = id_state_dict(shapes)
     shards = {r: hf_to_megatron_state_dict(hf, spec, r, 2, 0, 1) for r in range(2)}
-    plan32 = build_reshard_plan(spec, TrainLayout(tp=2), RolloutLayout(1, 2), "hf", hf_shapes=shapes)
+    plan32 = build_reshard_plan(spec, tp2, ParallelLayout.rollout(1, 2), "hf", hf_shapes=shapes)
     with pytest.raises(ConfigError, match="is torch.float64, the plan was built for torch.float32"):
         execute_plan_locally(plan32, shards)
-    plan = build_reshard_plan(spec, TrainLayout(tp=2), RolloutLayout(1, 2), "hf", torch.float64, hf_shapes=shapes)
+    plan = build_reshard_plan(spec, tp2, ParallelLayout.rollout(1, 2), "hf", torch.float64, hf_shapes=shapes)
     del shards[1]["decoder.final_layernorm.weight"]
     with pytest.raises(ConfigError, match="rank 1 lacks training shard 'decoder.final_layernorm.weight'"):
         execute_plan_locally(plan, shards)
@@ -174,19 +175,21 @@ def test_hf_shapes_from_the_spec_match_the_hand_written_ones() -> None:
 
 
 def test_layout_coordinates_follow_megatron_order() -> None:
-    layout = TrainLayout(tp=2, pp=2, dp=2, cp=2)
+    layout = ParallelLayout(tp=2, pp=2, dp=2, cp=2)
     coords = [layout.coord(r) for r in range(layout.world_size)]
-    assert [c.tp for c in coords[:4]] == [0, 1, 0, 1] and [c.cp for c in coords[:4]] == [0, 0, 1, 1]
-    assert coords[4].dp == 1 and coords[8].pp == 1 and coords[8].dp == 0
+    assert [c.tp_rank for c in coords[:4]] == [0, 1, 0, 1] and [c.cp_rank for c in coords[:4]] == [0, 0, 1, 1]
+    assert coords[4].dp_rank == 1 and coords[8].pp_rank == 1 and coords[8].dp_rank == 0
     assert all(layout.rank(c) == r for r, c in enumerate(coords))
-    assert RolloutLayout(2, 8).coord(5) == (2, 1)
+    rollout = ParallelLayout.rollout(2, 8).coord(5)
+    assert (rollout.dp_rank, rollout.tp_rank) == (2, 1)
     # Megatron's own rank generator (default order) must put the same ranks in each TP/PP group.
     from megatron.core.parallel_state import RankGenerator
 
     gen = RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=2, order="tp-cp-ep-dp-pp")
-    for token, field in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp")):
+    for token, field in (("tp", "tp_rank"), ("pp", "pp_rank"), ("dp", "dp_rank"), ("cp", "cp_rank")):
         for group in gen.get_ranks(token):
-            others = {tuple(getattr(coords[r], f) for f in ("tp", "cp", "dp", "pp") if f != field) for r in group}
+            others = {tuple(getattr(coords[r], f) for f in ("tp_rank", "cp_rank", "dp_rank", "pp_rank") if f != field)
+                      for r in group}
             assert len(others) == 1, (token, group)
             assert sorted(getattr(coords[r], field) for r in group) == list(range(len(group)))
 

@@ -19,7 +19,7 @@ from megarl.megatron.context_parallel import (
     shard_index,
 )
 from megarl.megatron.packing import CompactRows, pack_rows, packed_seq_ids, plan_micro_batches
-from megarl.megatron.parallel import ParallelLayout
+from megarl.layout import ParallelLayout
 
 pytestmark = pytest.mark.unit
 

@@ -7,7 +7,7 @@ import torch
 
 from megarl.errors import ConfigError
 from megarl.megatron.optim import EngineConfig
-from megarl.megatron.parallel import ParallelLayout
+from megarl.layout import ParallelLayout
 
 
 def test_verl_style_optim_section() -> None:
