@@ -10,8 +10,10 @@ Every rank runs every call (SPMD). Data-parallel calls receive this rank's DP sh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -58,11 +60,25 @@ class EngineRole:
     def onload(self) -> None:
         self.engine.onload()
 
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """The whole engine state on the device for the body, as it was (offloaded or not) after."""
+        offloaded = self.engine.offloaded is not None
+        if offloaded:
+            self.engine.onload()
+        try:
+            yield
+        finally:
+            if offloaded:
+                self.offload()
+
     def save_checkpoint(self, path: str) -> None:
-        self.engine.save_checkpoint(path)
+        with self.resident():
+            self.engine.save_checkpoint(path)
 
     def load_checkpoint(self, path: str) -> None:
-        self.engine.load_checkpoint(path)
+        with self.resident():
+            self.engine.load_checkpoint(path)
 
     def _train(self, batch: Batch, loss_fn: Any, **kwargs: Any) -> dict[str, float]:
         """PPO epochs over mini-batches of this rank's shard; metrics averaged over optimizer steps."""

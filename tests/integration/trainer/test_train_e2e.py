@@ -90,7 +90,9 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
 
 
 def test_grpo_runs_and_logs_verl_metrics(tmp_path: Path, task_dir: Path) -> None:
-    config = write_config(tmp_path, task_dir, actor={"use_kl_loss": True, "kl_loss_coef": 0.01})
+    config = write_config(tmp_path, task_dir, actor={"use_kl_loss": True, "kl_loss_coef": 0.01},
+                          trainer={"rollout_data_dir": str(tmp_path / "rollouts"), "profile_steps": [2],
+                                   "validation_data_dir": str(tmp_path / "val_generations")})
     proc = run_train(config, "tracking.backends=[jsonl,console,mlflow]")
     assert proc.returncode == 0
     metrics = read_metrics(tmp_path / "run")
@@ -103,6 +105,41 @@ def test_grpo_runs_and_logs_verl_metrics(tmp_path: Path, task_dir: Path) -> None
         assert math.isfinite(step[key])
     assert (tmp_path / "run" / "mlflow.db").is_file()
     assert (tmp_path / "run" / "report" / "summary.md").is_file()
+    # trainer.rollout_data_dir: one JSONL per step, a line per response (4 prompts x rollout.n 4)
+    rows = [json.loads(line) for line in (tmp_path / "rollouts" / "2.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and {"input", "output", "score", "advantage", "uid"} <= set(rows[0])
+    assert sum(r["score"] for r in rows) / 16 == pytest.approx(step["critic/score/mean"], abs=1e-6)
+    assert (tmp_path / "val_generations" / "2.jsonl").is_file()  # validation at the last step
+    # trainer.profile_steps: a Chrome trace of step 2 from each of the 2 worker processes
+    traces = sorted((tmp_path / "run" / "profile" / "step_2").glob("*.json"))
+    assert [t.name for t in traces] == ["hybrid_actor_rank0.json", "hybrid_actor_rank1.json"]
+    assert json.loads(traces[0].read_text())["traceEvents"]
+    assert not (tmp_path / "run" / "profile" / "step_1").exists()
+
+
+def test_offloaded_roles_train_exactly_like_resident_ones(tmp_path: Path, task_dir: Path) -> None:
+    """Memory phases: with every *_offload key on, the roles move to host memory between phases and
+    the run's numbers are those of a run that keeps everything resident (same seed)."""
+    kl = {"use_kl_loss": True, "kl_loss_coef": 0.01}
+    resident_dir, offload_dir = tmp_path / "resident", tmp_path / "offload"
+    resident_dir.mkdir()
+    offload_dir.mkdir()
+    assert run_train(write_config(resident_dir, task_dir, actor=kl)).returncode == 0
+    offload = {**kl, "param_offload": True, "grad_offload": True, "optimizer_offload": True}
+    config = write_config(offload_dir, task_dir, actor=offload, ref={"param_offload": True})
+    assert run_train(config).returncode == 0
+    want, got = read_metrics(resident_dir / "run"), read_metrics(offload_dir / "run")
+    for step in (1, 2):
+        for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "response_length/mean"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-6, abs=1e-9), (step, key)
+
+
+def test_val_only_validates_and_stops(tmp_path: Path, task_dir: Path) -> None:
+    config = write_config(tmp_path, task_dir, trainer={"val_only": True})
+    proc = run_train(config)
+    assert proc.returncode == 0
+    metrics = read_metrics(tmp_path / "run")
+    assert sorted(metrics) == [0] and "val/reward_mean" in metrics[0]
 
 
 def test_ppo_with_critic_in_its_own_pool_and_kl_in_reward(tmp_path: Path, task_dir: Path) -> None:
@@ -157,12 +194,40 @@ def test_dapo_dynamic_sampling_fills_the_batch(tmp_path: Path, task_dir: Path) -
     assert max(metrics[s]["dapo/num_gen_batches"] for s in (1, 2)) >= 2
 
 
+def test_dapo_generation_batches_and_the_run_ends_with_its_epochs(tmp_path: Path) -> None:
+    """data.gen_batch_size prompts per generation round; with total_training_steps null the run ends
+    once the epochs' data is used, however many steps that took (verl's DAPO)."""
+    task = tmp_path / "small"
+    subprocess.run([sys.executable, "-m", "megarl.cli", "data", "make", "arithmetic", "--out", str(task),
+                    "--tokenizer-out", str(task / "tokenizer"), "--num-operands", "2", "--min-value", "0",
+                    "--max-value", "4", "--operators", "+", "--train-size", "24", "--val-size", "4"],
+                   check=True, capture_output=True, text=True)
+    reward_file = tmp_path / "mixed_reward.py"
+    reward_file.write_text(MIXED_REWARD)
+    config = write_config(
+        tmp_path, task,
+        data={"gen_batch_size": 8},
+        algorithm={"filter_groups": {"enable": True, "metric": "acc", "max_num_gen_batches": 20}},
+        reward={"custom_reward_function": {"path": str(reward_file)}},
+        trainer={"total_training_steps": None, "total_epochs": 1},
+    )
+    proc = run_train(config)
+    assert proc.returncode == 0
+    metrics = read_metrics(tmp_path / "run")
+    steps = sorted(metrics)
+    rounds = [metrics[s]["dapo/num_gen_batches"] for s in steps]
+    assert all(metrics[s]["dapo/num_prompts_kept"] >= 4 for s in steps)
+    # 24 prompts / 8 per round = 3 rounds an epoch: the last step began with data left and ended without.
+    assert sum(rounds) >= 3 and sum(rounds) - rounds[-1] < 3, rounds
+    assert len(steps) < 3 or rounds == [1, 1, 1], rounds
+
+
 def test_dapo_cap_is_a_clear_error(tmp_path: Path, task_dir: Path) -> None:
     reward_file = tmp_path / "constant_reward.py"
     reward_file.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
     config = write_config(
         tmp_path, task_dir,
-        algorithm={"filter_groups": {"enable": True, "metric": "score", "max_num_gen_batches": 2}},
+        algorithm={"filter_groups": {"enable": True, "metric": "seq_final_reward", "max_num_gen_batches": 2}},
         reward={"custom_reward_function": {"path": str(reward_file)}},
         trainer={"total_training_steps": 1},
     )

@@ -1,0 +1,58 @@
+"""The rollout role as the driver reaches it: engine from its spec, log-probs kept or dropped by
+`rollout.calculate_log_probs`, sleep only with `rollout.free_cache_engine`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from rollout_helpers import prompt_batch, reference_log_softmax, tiny_model
+
+from megarl.rollout.base import EngineOptions, EngineState, SamplingParams
+from megarl.workers.roles import RolloutRole
+from megarl.workers.specs import RolloutSpec
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
+    model = tiny_model(seed=4)
+    out = tmp_path_factory.mktemp("tiny")
+    model.save_pretrained(out, safe_serialization=True)
+    return model, out
+
+
+def make_role(path: Path, **spec: object) -> RolloutRole:
+    options = EngineOptions(pad_token_id=0, eos_token_ids=(), seed=5)
+    role = RolloutRole(SimpleNamespace(rank=0), RolloutSpec(model_dir=str(path), engine="hf", options=options, **spec))
+    role.init_engine()
+    return role
+
+
+def test_log_probs_are_kept_or_dropped_as_configured(model_dir: tuple[torch.nn.Module, Path]) -> None:
+    model, path = model_dir
+    prompts = prompt_batch([[3, 4, 5], [6, 7]])
+    params = SamplingParams(n=1, max_new_tokens=3, greedy=True)
+    kept = make_role(path).generate(prompts, params)
+    response = kept["responses"][0].tolist()
+    with torch.no_grad():
+        table = reference_log_softmax(model, [3, 4, 5], response)
+    want = table[torch.arange(3), torch.tensor(response)]
+    assert (kept["rollout_log_probs"][0].double() - want).abs().max() < 1e-5  # the sampled tokens' log-probs
+    dropped = make_role(path, calculate_log_probs=False).generate(prompts, params)
+    assert "rollout_log_probs" not in dropped and torch.equal(dropped["responses"], kept["responses"])
+
+
+def test_sleep_follows_free_cache_engine(model_dir: tuple[torch.nn.Module, Path]) -> None:
+    _, path = model_dir
+    role = make_role(path)
+    role.sleep()
+    assert role.engine.state is EngineState.ASLEEP
+    role.wake_up()
+    assert role.engine.state is EngineState.AWAKE
+    resident = make_role(path, free_cache_engine=False)
+    resident.sleep()
+    assert resident.engine.state is EngineState.AWAKE
