@@ -68,7 +68,8 @@ class DataConfig:
 class ModelConfig:
     # A HF model directory (config.json, weights optional) ...
     path: Optional[str] = None
-    # ... or a HF config given inline (random init), e.g. for tiny CPU models.
+    # ... or a HF config given inline (random init), e.g. for tiny CPU models. With model.path it may
+    # only repeat config.json's values (so layouts validate before the weights are at hand).
     hf_config: dict[str, Any] = field(default_factory=dict)
     # Architecture family in model_specs/ (e.g. qwen2, llama); null detects it from config.json's
     # model_type. Set it for a checkpoint whose model_type no family lists but whose layout one has.

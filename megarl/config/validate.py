@@ -321,6 +321,13 @@ def validate_config(cfg: DictConfig) -> None:
         families = model_families()
         if cfg.model.spec not in families:
             r.err(f"model.spec = {cfg.model.spec!r}: no such family in model_specs/; valid: {sorted(families)}")
+    path_config = Path(cfg.model.path or "") / "config.json"
+    if cfg.model.path and not cfg.model.init_from_scratch and path_config.is_file():
+        on_disk = json.loads(path_config.read_text())
+        differ = sorted(k for k, v in cfg.model.hf_config.items() if on_disk.get(k) != v)
+        if differ:
+            r.err(f"model.hf_config sets {differ}, which differ from {path_config}: with model.path the checkpoint's "
+                  "config is used; remove them, or set model.override_config (keys that keep weight shapes)")
     if cfg.model.path and not cfg.model.init_from_scratch:
         shaped = sorted(k for k in cfg.model.override_config if k in SHAPE_KEYS)
         if shaped:

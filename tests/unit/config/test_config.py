@@ -359,3 +359,13 @@ def test_override_config_cannot_reshape_a_checkpoint(tmp_path: Path) -> None:
 def test_profile_steps_are_step_numbers(valid_file: Path) -> None:
     assert "trainer.profile_steps: 0 is not a step number" in errors_of(valid_file, "trainer.profile_steps=[0,2]")
     assert list(load_config(valid_file, ["trainer.profile_steps=[1,3]"]).trainer.profile_steps) == [1, 3]
+
+
+def test_hf_config_cannot_contradict_the_checkpoint(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(TINY_MODEL))
+    path = write(tmp_path, "exp.yaml", dict(VALID, model={"path": str(model_dir), "hf_config": {"num_hidden_layers": 2}}))
+    assert "model.hf_config sets ['num_hidden_layers'], which differ from" in errors_of(path)
+    same = write(tmp_path, "same.yaml", dict(VALID, model={"path": str(model_dir), "hf_config": {"num_hidden_layers": 4}}))
+    assert load_config(same).model.hf_config.num_hidden_layers == 4
