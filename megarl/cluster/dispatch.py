@@ -45,7 +45,7 @@ def plan_dispatch(infos: Sequence[RankCoord]) -> DispatchPlan:
         raise DispatchError("cannot dispatch to an empty worker group")
     for position, info in enumerate(infos):
         if info.rank != position:
-            raise DispatchError(f"parallel info at position {position} belongs to rank {info.rank}")
+            raise DispatchError(f"rank coordinates at position {position} belongs to rank {info.rank}")
     dp_sizes = sorted({info.dp_size for info in infos})
     if len(dp_sizes) != 1:
         raise DispatchError(f"ranks disagree on the data-parallel size: {dp_sizes}")

@@ -75,7 +75,7 @@ class Worker:
     def __init__(self, context: WorkerContext) -> None:
         self.context = context
         os.environ.update(context.env_vars())
-        self._parallel_info = RankCoord.data_parallel_only(context.rank, context.world_size)
+        self._rank_coord = RankCoord.data_parallel_only(context.rank, context.world_size)
 
     @property
     def rank(self) -> int:
@@ -121,8 +121,8 @@ class Worker:
                     world_size=self.world_size,
                     timeout=timedelta(minutes=timeout_minutes),
                 )
-            self._parallel_info = RankCoord.data_parallel_only(self.rank, self.world_size)
-            return self._parallel_info
+            self._rank_coord = RankCoord.data_parallel_only(self.rank, self.world_size)
+            return self._rank_coord
         return self._init_megatron(backend, layout, timeout_minutes)
 
     def _init_megatron(self, backend: str, layout: Any, timeout_minutes: int) -> RankCoord:
@@ -141,18 +141,18 @@ class Worker:
             timeout_minutes=timeout_minutes,
             local_rank=self.context.local_rank,
         )
-        self._parallel_info = current_ranks()
-        return self._parallel_info
+        self._rank_coord = current_ranks()
+        return self._rank_coord
 
-    def set_parallel_info(self, info: RankCoord) -> None:
+    def set_rank_coord(self, info: RankCoord) -> None:
         """For engines that build their groups themselves: record this rank's coordinates."""
         if info.rank != self.rank:
-            raise ValueError(f"parallel info for rank {info.rank} given to rank {self.rank}")
-        self._parallel_info = info
+            raise ValueError(f"rank coordinates for rank {info.rank} given to rank {self.rank}")
+        self._rank_coord = info
 
-    def parallel_info(self) -> RankCoord:
+    def rank_coord(self) -> RankCoord:
         """This rank's coordinates (data-parallel only until `init_distributed` says otherwise)."""
-        return self._parallel_info
+        return self._rank_coord
 
     def destroy_distributed(self) -> None:
         """Tear down the process groups (Megatron's too, when they exist). Safe to call twice."""

@@ -84,18 +84,18 @@ class _Calls:
         return self.call_rank_async(rank, method, *args, **kwargs).result(self._timeout(timeout_s))
 
     def call_dp_async(
-        self, method: Method, batch: Batch, *args: Any, dispatch_infos: Sequence[RankCoord] | None = None, **kwargs: Any
+        self, method: Method, batch: Batch, *args: Any, dispatch_coords: Sequence[RankCoord] | None = None, **kwargs: Any
     ) -> CallHandle:
         """Split `batch` over the DP ranks and run `method(shard, *args, **kwargs)` on every rank.
 
         The handle's result merges the collect ranks' results in DP order (Batches and tensors
         concatenated with the padding rows removed, so row i of the result belongs to row i of
         `batch`; None if all are None; otherwise the list of per-DP-rank results).
-        `dispatch_infos` replaces the group's training layout for this call, e.g. with the rollout
+        `dispatch_coords` replaces the group's training layout for this call, e.g. with the rollout
         layout (rollout TP groups instead of Megatron's TP x PP x CP).
         """
         group, role = self._target()
-        plan = plan_dispatch(dispatch_infos if dispatch_infos is not None else group.parallel_infos)
+        plan = plan_dispatch(dispatch_coords if dispatch_coords is not None else group.rank_coords)
         shards, pad = split_for_data_parallel(batch, plan.dp_size)
         # One object per shard, shared by the TP/PP/CP ranks of the same DP group.
         shard_refs = [ray.put(shard) for shard in shards]
@@ -112,11 +112,11 @@ class _Calls:
         batch: Batch,
         *args: Any,
         timeout_s: float | None = None,
-        dispatch_infos: Sequence[RankCoord] | None = None,
+        dispatch_coords: Sequence[RankCoord] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Blocking `call_dp_async`."""
-        handle = self.call_dp_async(method, batch, *args, dispatch_infos=dispatch_infos, **kwargs)
+        handle = self.call_dp_async(method, batch, *args, dispatch_coords=dispatch_coords, **kwargs)
         return handle.result(self._timeout(timeout_s))
 
     def _timeout(self, timeout_s: float | None) -> float | None:
@@ -222,7 +222,7 @@ class WorkerGroup(_Calls):
             range(self.world_size), None, worker_cls.node_info, [((), {})] * self.world_size, list
         ).result(timeout_s)
         self._node_labels = [f"{info.ip} ({info.node_id[:8]}, pid {info.pid})" for info in self.node_infos]
-        self.parallel_infos: list[RankCoord] = [
+        self.rank_coords: list[RankCoord] = [
             RankCoord.data_parallel_only(rank, self.world_size) for rank in range(self.world_size)
         ]
 
@@ -237,21 +237,21 @@ class WorkerGroup(_Calls):
         """Call every rank's `init_distributed(**kwargs)` and keep the RankCoords it returns.
 
         Dispatch (`call_dp`) uses these from then on. An engine that builds its groups in another
-        method must call `refresh_parallel_infos()` afterwards.
+        method must call `refresh_rank_coords()` afterwards.
         """
         infos = self.call_all(self.worker_cls.init_distributed, timeout_s=timeout_s, **kwargs)
-        self._set_parallel_infos(infos)
+        self._set_rank_coords(infos)
         return infos
 
-    def refresh_parallel_infos(self, timeout_s: float | None = None) -> list[RankCoord]:
-        """Ask every rank for its current `parallel_info()` and use it for dispatch."""
-        infos = self.call_all(self.worker_cls.parallel_info, timeout_s=timeout_s)
-        self._set_parallel_infos(infos)
+    def refresh_rank_coords(self, timeout_s: float | None = None) -> list[RankCoord]:
+        """Ask every rank for its current `rank_coord()` and use it for dispatch."""
+        infos = self.call_all(self.worker_cls.rank_coord, timeout_s=timeout_s)
+        self._set_rank_coords(infos)
         return infos
 
-    def _set_parallel_infos(self, infos: list[RankCoord]) -> None:
+    def _set_rank_coords(self, infos: list[RankCoord]) -> None:
         plan_dispatch(infos)  # reject an inconsistent layout now rather than at the first call_dp
-        self.parallel_infos = infos
+        self.rank_coords = infos
 
     def _submit(
         self,

@@ -226,7 +226,7 @@ class RLTrainer:
         else:
             rollout.call_all(RolloutRole.wake_up)
         with self.phase("gen"):
-            out = rollout.call_dp(RolloutRole.generate, prompts, sampling, dispatch_infos=self.workers.rollout_coords)
+            out = rollout.call_dp(RolloutRole.generate, prompts, sampling, dispatch_coords=self.workers.rollout_coords)
         rollout.call_all(RolloutRole.sleep)
         return out
 

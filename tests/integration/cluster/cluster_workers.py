@@ -44,7 +44,7 @@ class GridWorker(Worker):
             raise ValueError(f"world {self.world_size} not divisible by tp {tp}")
         info = RankCoord(rank=self.rank, dp_rank=self.rank // tp, dp_size=self.world_size // tp,
                          tp_rank=self.rank % tp, tp_size=tp)
-        self.set_parallel_info(info)
+        self.set_rank_coord(info)
         return info
 
     def environment(self) -> dict[str, str]:
@@ -60,7 +60,7 @@ class GridWorker(Worker):
     def affine_rows(self, batch: Batch, scale: float, shift: float) -> Batch:
         """y = x * scale + shift on the collect rank; -1 everywhere on the others (never collected)."""
         self.received_rows = batch["row"].tolist()
-        info = self.parallel_info()
+        info = self.rank_coord()
         y = batch["x"] * scale + shift if info.is_collect_rank else torch.full_like(batch["x"], -1.0)
         return Batch.from_dict({"y": y, "row": batch["row"].clone(),
                                 "dp_rank": torch.full((len(batch),), info.dp_rank)})
