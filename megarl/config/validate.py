@@ -333,6 +333,8 @@ def validate_config(cfg: DictConfig) -> None:
         if shaped:
             r.err(f"model.override_config sets {shaped} over the checkpoint in model.path: these change weight "
                   "shapes; set model.init_from_scratch: true to build a new model, or remove them")
+    if cfg.trainer.val_only and not data.val_files:
+        r.err("trainer.val_only = true needs data.val_files (there is nothing to validate on)")
     for step in cfg.trainer.profile_steps:
         if not isinstance(step, int) or step < 1:
             r.err(f"trainer.profile_steps: {step!r} is not a step number (integers >= 1)")

@@ -356,6 +356,11 @@ def test_override_config_cannot_reshape_a_checkpoint(tmp_path: Path) -> None:
     assert cfg.model.override_config.rope_theta == 500000.0
 
 
+def test_val_only_needs_validation_files(valid_file: Path) -> None:
+    assert "trainer.val_only = true needs data.val_files" in errors_of(valid_file, "trainer.val_only=true")
+    assert load_config(valid_file, ["trainer.val_only=true", "data.val_files=[val.parquet]"]).trainer.val_only
+
+
 def test_profile_steps_are_step_numbers(valid_file: Path) -> None:
     assert "trainer.profile_steps: 0 is not a step number" in errors_of(valid_file, "trainer.profile_steps=[0,2]")
     assert list(load_config(valid_file, ["trainer.profile_steps=[1,3]"]).trainer.profile_steps) == [1, 3]
