@@ -218,13 +218,12 @@ class RLTrainer:
         rollout = self.workers.rollout
         if self.rollout_version != self.weights_version:
             with self.phase("sync_weights"), self.onloaded(self.workers.actor, self.spec.actor):
-                rollout.call_all(RolloutRole.wake_up)
+                rollout.call_all(RolloutRole.wake_up, ("weights",))
                 per_rank = rollout.call_all(RolloutRole.sync_weights, self.weights_version)
             self.rollout_version = self.weights_version
             self.sync_metrics = {k: sum(r[k] for r in per_rank) for k in per_rank[0] if k.startswith("sync/bytes")}
             self.sync_metrics["sync/seconds_max"] = max(r["sync/seconds"] for r in per_rank)
-        else:
-            rollout.call_all(RolloutRole.wake_up)
+        rollout.call_all(RolloutRole.wake_up)  # the KV cache, after the sync's buffers are freed
         with self.phase("gen"):
             out = rollout.call_dp(RolloutRole.generate, prompts, sampling, dispatch_coords=self.workers.rollout_coords)
         rollout.call_all(RolloutRole.sleep)

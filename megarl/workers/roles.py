@@ -175,9 +175,11 @@ class RolloutRole:
         if self.spec.free_cache_engine and self.engine.state is EngineState.AWAKE:
             self.engine.sleep()
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        """Restore what `sleep` released: everything, or only `("weights",)` (before a weight sync,
+        so the KV cache is allocated after the sync's buffers are gone)."""
         if self.engine.state is not EngineState.AWAKE:
-            self.engine.wake_up()
+            self.engine.wake_up(tags)
 
 
 def set_torch_threads(n: int) -> int:

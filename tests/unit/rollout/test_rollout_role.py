@@ -51,6 +51,8 @@ def test_sleep_follows_free_cache_engine(model_dir: tuple[torch.nn.Module, Path]
     role = make_role(path)
     role.sleep()
     assert role.engine.state is EngineState.ASLEEP
+    role.wake_up(("weights",))  # before a weight sync: weights only
+    assert role.engine.state is EngineState.WEIGHTS_ONLY
     role.wake_up()
     assert role.engine.state is EngineState.AWAKE
     resident = make_role(path, free_cache_engine=False)
