@@ -52,10 +52,14 @@ PROXIED_MODULES: tuple[str, ...] = (
     "models.common.embeddings.rope_utils",
     "dist_checkpointing.strategies.filesystem_async",
     "dist_checkpointing.strategies.state_dict_saver",
-    # Not reached by the CPU configuration today (GPU initialisation, sequence parallel, fp16 loss
-    # scaling), proxied anyway so that a configuration change does not meet a CUDA call.
+    # Sequence parallelism: the gather and reduce-scatter buffers of tensor_parallel.layers and
+    # .mappings are made with device=torch.cuda.current_device(). The collectives themselves need
+    # nothing: gloo in the pinned torch (2.13) has all_gather_into_tensor and reduce_scatter_tensor
+    # (also async), which tests/distributed/test_engine_sp.py runs.
     "tensor_parallel.layers",
     "tensor_parallel.mappings",
+    # Not reached by the CPU configuration today (GPU initialisation, fp16 loss scaling), proxied
+    # anyway so that a configuration change does not meet a CUDA call.
     "tensor_parallel.utils",
     "models.gpt.gpt_model",
     "transformer.dot_product_attention",

@@ -18,6 +18,7 @@ SCANNED_FILES: tuple[str, ...] = (
     "tensor_parallel/random.py", "tensor_parallel/layers.py", "tensor_parallel/mappings.py",
     "tensor_parallel/utils.py", "models/common/embeddings/rotary_pos_embedding.py",
     "models/common/embeddings/rope_utils.py", "models/common/language_module/language_module.py",
+    "models/common/embeddings/language_model_embedding.py",
     "models/gpt/gpt_model.py", "transformer/module.py", "transformer/utils.py",
     "transformer/dot_product_attention.py", "transformer/attention.py", "transformer/mlp.py",
     "transformer/transformer_layer.py", "transformer/transformer_block.py", "utils.py",

@@ -17,6 +17,14 @@ tensors on every CP rank and keeps the convention above (`dp_size` is the pure D
 multiplies each loss by cp and DDP averages over DP x CP ranks; the output gather's backward keeps
 each rank's own slice, so the gradient equals that at cp=1. With `use_dynamic_bsz` the token
 budget `max_token_len_per_micro_batch` is per rank: a micro-batch holds up to cp times as many tokens.
+
+Sequence parallelism (`sequence_parallel`, tp > 1): Megatron splits each CP rank's share of the
+sequence axis over the TP ranks outside the TP regions, so the axis is padded to a multiple of
+2*cp*tp (tp at cp=1). All padding goes after the real tokens, where the causal mask hides it from
+them, and per-position outputs are cut back to the real positions: padding never changes results.
+
+Micro-batches: `micro_batch_size` rows in train_step, `log_prob_micro_batch_size` rows (0: the
+same) in the forward-only calls; with `use_dynamic_bsz` the token budget decides both.
 """
 
 from __future__ import annotations
@@ -29,11 +37,11 @@ import torch
 import torch.distributed as dist
 
 from megarl.algorithms.aggregation import LossNormalisers, mini_batch_normalisers
-from megarl.errors import CheckpointError, DataError
+from megarl.errors import CheckpointError, ConfigError, DataError
 from megarl.layout import ParallelLayout
 from megarl.megatron import checkpoint as ckpt
 from megarl.megatron import offload as off
-from megarl.megatron.context_parallel import SequenceShard, cp_alignment, padded_length
+from megarl.megatron.context_parallel import SequenceShard, cp_alignment
 from megarl.megatron.logprobs import vocab_parallel_logprobs_entropy
 from megarl.megatron.model import build_model_chunk, load_megatron_state, unwrap, wrap_for_training
 from megarl.megatron.optim import EngineConfig, build_optimizer, build_scheduler
@@ -63,6 +71,10 @@ def batch_tensors(batch: Any) -> dict[str, torch.Tensor]:
     raise DataError(f"expected a Batch or a dict of tensors, got {type(batch).__name__}")
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def _require(data: Mapping[str, torch.Tensor], keys: tuple[str, ...], what: str) -> None:
     missing = [k for k in keys if k not in data]
     if missing:
@@ -84,11 +96,18 @@ class MegatronEngine:
         self.ranks = current_ranks()
         self.role = self.cfg.role
         self.use_te = te_available() if use_te is None else use_te
+        if self.cfg.sequence_parallel and self.ranks.tp_size == 1:
+            raise ConfigError("engine config: sequence_parallel=True needs tensor parallel size > 1 "
+                              "(it splits the sequence over the TP ranks); this layout has tp=1")
+        # The sequence axis of every micro-batch is padded to a multiple of this (see module doc).
+        sp_split = self.ranks.tp_size if self.cfg.sequence_parallel else 1
+        self.seq_multiple = cp_alignment(self.ranks.cp_size) * sp_split
         torch.manual_seed(self.cfg.seed)
         model_parallel_cuda_manual_seed(self.cfg.seed)
         self.model = build_model_chunk(spec, self.role, self.cfg.torch_dtype, self.ranks.tp_size,
                                        self.ranks.pp_size, self.use_te, cp=self.ranks.cp_size,
-                                       ep=self.ranks.ep_size)
+                                       ep=self.ranks.ep_size, sequence_parallel=self.cfg.sequence_parallel,
+                                       recompute_granularity=self.cfg.recompute_granularity)
         self.ddp = wrap_for_training(self.model, self.cfg.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.cfg, [self.ddp])
         self.scheduler = build_scheduler(self.cfg, self.optimizer)
@@ -150,7 +169,7 @@ class MegatronEngine:
             yield name, p.detach()
 
     # ------------------------------------------------------------------ schedule
-    def _micro_batches(self, data: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+    def _micro_batches(self, data: dict[str, torch.Tensor], forward_only: bool = False) -> list[dict[str, Any]]:
         _require(data, ("input_ids", "attention_mask", "responses"), "engine")
         response_len = int(data["responses"].shape[1])
         rows = compact_rows(data["input_ids"], data["attention_mask"], response_len)
@@ -165,7 +184,8 @@ class MegatronEngine:
             plans = plan_micro_batches(rows.total_lens, max_tokens=self.cfg.max_token_len_per_micro_batch,
                                        packed=packing, cp=self.ranks.cp_size, pad_each=self.use_te)
         else:
-            plans = plan_micro_batches(rows.total_lens, micro_batch_size=self.cfg.micro_batch_size)
+            size = self.cfg.forward_micro_batch_size if forward_only else self.cfg.micro_batch_size
+            plans = plan_micro_batches(rows.total_lens, micro_batch_size=size)
         micro = []
         for idx in plans:
             width = int(rows.total_lens[idx].max())
@@ -177,15 +197,16 @@ class MegatronEngine:
         return micro
 
     def _padded_inputs(self, rows: CompactRows) -> dict[str, Any]:
-        """Model inputs of a padded micro-batch (b, T); at cp > 1 this CP rank's share of it.
-        "targets" (the next token of each position) are taken before the split."""
+        """Model inputs of a padded micro-batch (b, T), T padded to a multiple of `seq_multiple`;
+        at cp > 1 this CP rank's share of it. "targets" (the next token of each position) are taken
+        before the split."""
         tokens = rows.tokens
         b, width = tokens.shape
         cp = self.ranks.cp_size
+        full = torch.nn.functional.pad(tokens, (0, _round_up(width, self.seq_multiple) - width))
         if cp == 1:
-            positions = torch.arange(width, device=self.device).unsqueeze(0).expand(b, width)
-            return {"tokens": tokens, "positions": positions, "targets": torch.roll(tokens, -1, dims=1)}
-        full = torch.nn.functional.pad(tokens, (0, padded_length(width, cp) - width))
+            positions = torch.arange(full.shape[1], device=self.device).unsqueeze(0).expand(b, -1)
+            return {"tokens": full, "positions": positions, "targets": torch.roll(full, -1, dims=1)}
         shard = SequenceShard.contiguous(full.shape[1], cp, self.ranks.cp_rank, self.device)
         return {"tokens": shard.local(full), "positions": shard.index.unsqueeze(0).expand(b, -1),
                 "targets": shard.local(torch.roll(full, -1, dims=1)), "cp_shard": shard}
@@ -193,32 +214,38 @@ class MegatronEngine:
     def _packed_inputs(self, rows: CompactRows) -> dict[str, Any]:
         """Model inputs of a micro-batch packed into one row (1, S).
 
-        Local spec: a block-diagonal causal mask; at cp > 1 the packed row is padded to a multiple
-        of 2*cp and split as a whole, and the mask has this rank's query rows against all gathered
-        key columns (gathered order, see `ContextParallelAttention`). TransformerEngine: THD with
-        cu_seqlens; at cp > 1 each row is padded to a multiple of 2*cp and split on its own, the
-        layout TE's THD context parallelism and Megatron's THD RoPE expect (GPU only, not run on CPU).
+        Local spec: a block-diagonal causal mask; the packed row is padded at its end to a multiple
+        of `seq_multiple`; at cp > 1 it is split as a whole, and the mask has this rank's query rows
+        against all gathered key columns (gathered order, see `ContextParallelAttention`).
+        TransformerEngine: THD with cu_seqlens; when `seq_multiple` > 1 each row is padded to a
+        multiple of it on its own (at cp > 1 split on its own), the layout TE's THD context
+        parallelism and Megatron's THD RoPE expect (GPU only, not run on CPU).
         """
         cp, rank = self.ranks.cp_size, self.ranks.cp_rank
         te_cp = self.use_te and cp > 1
-        packed = pack_rows(rows, with_mask=not self.use_te and cp == 1, align=cp_alignment(cp) if te_cp else 1)
+        per_row_align = self.use_te and self.seq_multiple > 1
+        packed = pack_rows(rows, with_mask=False, align=self.seq_multiple if per_row_align else 1)
         tokens = packed.tokens
-        width = padded_length(tokens.shape[1], cp) if not te_cp else tokens.shape[1]
+        width = _round_up(tokens.shape[1], self.seq_multiple)
         tokens = torch.nn.functional.pad(tokens, (0, width - tokens.shape[1]))
         seq_ids = packed_seq_ids(packed, width)
         positions = (torch.arange(width, device=self.device) - packed.offsets[seq_ids.clamp(min=0)]).unsqueeze(0)
         positions = torch.where(seq_ids >= 0, positions, torch.zeros_like(positions))
         targets = torch.roll(tokens, -1, dims=1)
         out: dict[str, Any] = {"packed": packed, "tokens": tokens, "positions": positions, "targets": targets,
-                               "attention_mask": packed.attention_mask}
+                               "attention_mask": None}
+        shard = None
         if cp > 1:
             if te_cp:
                 shard = SequenceShard.per_sequence(packed.padded_lengths, cp, rank)
             else:
                 shard = SequenceShard.contiguous(width, cp, rank, self.device)
-                q, k = shard.index, shard.gathered
-                visible = (seq_ids[q].unsqueeze(1) == seq_ids[k].unsqueeze(0)) & (k.unsqueeze(0) <= q.unsqueeze(1))
-                out["attention_mask"] = (~visible).unsqueeze(0).unsqueeze(0)
+        if not self.use_te:
+            q = shard.index if shard is not None else torch.arange(width, device=self.device)
+            k = shard.gathered if shard is not None else q
+            visible = (seq_ids[q].unsqueeze(1) == seq_ids[k].unsqueeze(0)) & (k.unsqueeze(0) <= q.unsqueeze(1))
+            out["attention_mask"] = (~visible).unsqueeze(0).unsqueeze(0)
+        if shard is not None:
             out.update(tokens=shard.local(tokens), positions=shard.local(positions), targets=shard.local(targets),
                        cp_shard=shard)
         if self.use_te:
@@ -287,7 +314,7 @@ class MegatronEngine:
     def _forward_collect(self, batch: Any, temperature: float, with_entropy: bool) -> tuple[list[dict[str, Any]], list[Any]]:
         self._check_onloaded("forward")
         data = batch_tensors(batch)
-        micro = self._micro_batches(data)
+        micro = self._micro_batches(data, forward_only=True)
 
         def collect(mb: dict[str, Any], output: torch.Tensor, non_loss_data: bool = True) -> dict[str, Any]:
             out = self._head_outputs(mb, output, temperature, with_entropy)

@@ -9,8 +9,9 @@ import torch
 
 from megarl.errors import ConfigError
 
-LR_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("constant", "cosine", "linear")
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 
 
 @dataclass
@@ -26,16 +27,28 @@ class EngineConfig:
     eps: float = 1e-8
     weight_decay: float = 0.01
     clip_grad: float = 1.0
-    lr_schedule: str = "constant"  # constant | cosine (both after linear warmup)
+    # After a linear warmup from 0: constant `lr`, or cosine / linear decay from `lr` to `min_lr`
+    # over `total_training_steps` (Megatron's lr_decay_style).
+    lr_schedule: str = "constant"  # constant | cosine | linear
     lr_warmup_steps: int = 0
-    total_training_steps: int = 1  # optimizer steps, for the cosine decay
-    micro_batch_size: int = 4
+    total_training_steps: int = 1  # optimizer steps, for the decay
+    micro_batch_size: int = 4  # rows per micro-batch of train_step
+    # Rows per micro-batch of the forward-only calls (compute_log_prob, compute_values,
+    # compute_rm_score); 0: micro_batch_size. With use_dynamic_bsz the token budget decides instead.
+    log_prob_micro_batch_size: int = 0
     use_dynamic_bsz: bool = False
     max_token_len_per_micro_batch: int = 4096
     # Concatenate the rows of a micro-batch into one row (no padding tokens at all): a
     # block-diagonal causal mask with the local spec, THD cu_seqlens with TransformerEngine.
     use_sequence_packing: bool = False
     use_distributed_optimizer: bool = True
+    # Megatron sequence parallelism: outside the TP regions (norms, dropout, residuals) activations
+    # are split along the sequence over the TP ranks. Needs tensor parallel size > 1.
+    sequence_parallel: bool = False
+    # Activation recompute in the backward pass (Megatron's names): None; "full" recomputes every
+    # transformer layer from its input (recompute_method="uniform", recompute_num_layers=1);
+    # "selective" recomputes only the core attention (recompute_modules=["core_attn"]).
+    recompute_granularity: str | None = None
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any] | None) -> "EngineConfig":
@@ -65,16 +78,32 @@ class EngineConfig:
     def validate(self) -> None:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ConfigError(f"engine config: lr_schedule={self.lr_schedule!r}, valid: {LR_SCHEDULES}")
+        if self.dtype in ("fp16", "float16", "half"):
+            raise ConfigError(
+                f"engine config: dtype={self.dtype!r} is not supported: fp16 training needs loss scaling, "
+                f"which this engine does not run; use 'bf16' (same memory, no loss scaling) or 'fp32'"
+            )
         if self.dtype not in DTYPES:
             raise ConfigError(f"engine config: dtype={self.dtype!r}, valid: {sorted(DTYPES)}")
         if self.micro_batch_size < 1:
             raise ConfigError(f"engine config: micro_batch_size={self.micro_batch_size} must be >= 1")
+        if self.log_prob_micro_batch_size < 0:
+            raise ConfigError(f"engine config: log_prob_micro_batch_size={self.log_prob_micro_batch_size} "
+                              "must be >= 1, or 0 for micro_batch_size")
+        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+            raise ConfigError(f"engine config: recompute_granularity={self.recompute_granularity!r}, "
+                              f"valid: {RECOMPUTE_GRANULARITIES}")
         if self.lr_warmup_steps < 0 or self.total_training_steps < 1:
             raise ConfigError("engine config: lr_warmup_steps >= 0 and total_training_steps >= 1 required")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def forward_micro_batch_size(self) -> int:
+        """Rows per micro-batch of forward-only calls."""
+        return self.log_prob_micro_batch_size or self.micro_batch_size
 
 
 def build_optimizer(cfg: EngineConfig, model_chunks: list[torch.nn.Module]) -> Any:
@@ -98,7 +127,8 @@ def build_optimizer(cfg: EngineConfig, model_chunks: list[torch.nn.Module]) -> A
 
 
 def build_scheduler(cfg: EngineConfig, optimizer: Any) -> Any:
-    """Linear warmup from 0 to `lr` over `lr_warmup_steps`, then constant or cosine to `min_lr`."""
+    """Linear warmup from 0 to `lr` over `lr_warmup_steps`, then constant, or cosine or linear decay
+    to `min_lr` at step `total_training_steps` (`min_lr` after it)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     warmup = cfg.lr_warmup_steps
@@ -107,7 +137,7 @@ def build_scheduler(cfg: EngineConfig, optimizer: Any) -> Any:
         optimizer,
         init_lr=0.0 if warmup > 0 else cfg.lr,
         max_lr=cfg.lr,
-        min_lr=cfg.min_lr if cfg.lr_schedule == "cosine" else cfg.lr,
+        min_lr=cfg.lr if cfg.lr_schedule == "constant" else cfg.min_lr,
         lr_warmup_steps=warmup,
         lr_decay_steps=decay_steps,
         lr_decay_style=cfg.lr_schedule,

@@ -82,10 +82,15 @@ class ModelSpec:
 
     # ---------------------------------------------------------------- construction
     @classmethod
-    def from_hf_config(cls, hf_config: Any) -> "ModelSpec":
-        """Pick the family by `model_type` / `architectures` and map the config."""
+    def from_hf_config(cls, hf_config: Any, family: str | None = None) -> "ModelSpec":
+        """Map the config with the family named `family` (`model.spec`), or else the family whose
+        `model_types` / `architectures` list the config's."""
         cfg = _read_hf_config(hf_config)
         families = load_family_specs()
+        if family is not None:
+            if family not in families:
+                raise ConfigError(f"model spec {family!r}: no such family in {spec_dir()}; valid: {sorted(families)}")
+            return cls._from_family(families[family], cfg)
         model_type = cfg.get("model_type")
         archs = cfg.get("architectures") or []
         for fam in families.values():
@@ -198,10 +203,15 @@ class ModelSpec:
 
     # ---------------------------------------------------------------- Megatron objects
     def transformer_config(self, tp: int = 1, pp: int = 1, cp: int = 1, params_dtype: Any = None,
-                           ep: int = 1, **overrides: Any) -> Any:
+                           ep: int = 1, sequence_parallel: bool = False,
+                           recompute_granularity: str | None = None, **overrides: Any) -> Any:
         """A Megatron `TransformerConfig` for this model at the given layout.
 
         Fusions and CUDA-only features are switched off without CUDA. `ep`: expert parallel size.
+        `sequence_parallel`: Megatron's sequence parallelism (tp > 1; the local layer spec needs
+        norms that allow it, see `megarl.megatron.model`). `recompute_granularity`: None, "full"
+        (every layer recomputed from its input: method "uniform", one layer per unit) or
+        "selective" (core attention only, Megatron's default recompute_modules).
         """
         import torch
         import torch.nn.functional as F
@@ -232,12 +242,16 @@ class ModelSpec:
             bias_dropout_fusion=False,
             persist_layer_norm=False,
             apply_rope_fusion=False,
-            sequence_parallel=False,
+            sequence_parallel=sequence_parallel,
             # Micro-batches differ in length (padding is trimmed per micro-batch); PP then
             # exchanges shapes first. The MoE allgather dispatcher refuses this flag.
             variable_seq_lengths=True,
             moe_token_dispatcher_type="alltoall",
         )
+        if recompute_granularity == "full":
+            kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        elif recompute_granularity is not None:
+            kwargs.update(recompute_granularity=recompute_granularity)
         if self.num_experts:
             from megarl.megatron.cpu_compat import define_missing_te_symbols
 

@@ -1,7 +1,8 @@
 """Tiny HF models, batches and plain-PyTorch references shared by the engine tests.
 
 Everything here is independent of the engine under test: references are HF transformers forward
-passes in float64 and a hand-written AdamW step on the HF model.
+passes in float64 and a hand-written AdamW step on the HF model. Megatron is imported inside the
+functions that run in the rank processes, so that pytest's own process does not load it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,36 @@ import torch
 import torch.distributed as dist
 
 VOCAB = 200
+
+# Budget for comparing two float32 computations of one gradient (another micro-batch split, layout,
+# sequence parallelism, recompute) with each other or with the float64 reference, as a relative L2
+# error over the whole model (`relative_error`). Why it holds on any CPU: each entry is a chain of
+# float32 sums whose order the kernels choose (blocking, threads, vector width). A sum of n terms errs
+# by at most n*u times the sum of magnitudes (u = 2^-24 = 6e-8), and by about sqrt(n)*u when
+# rounding errors have random signs (Higham & Mary, SIAM J. Sci. Comput. 41(5), 2019). The longest
+# sums in these tiny models have n <= ~10^3 (hidden 64, MLP 96, vocab 200, < 100 tokens per weight
+# gradient): sqrt(n)*u ~ 2e-6 per reduction, and the ~10 reductions chained through forward and
+# backward add in quadrature to ~6e-6. Measured: 1-3e-7 between splits and against float64. Relative
+# to the whole gradient's norm, unlike entry by entry, the measure does not blow up on entries that
+# cancel to nearly zero. The faults these tests look for (a micro-batch lost or counted twice, a
+# wrong loss, DP, CP or TP scale) change the gradient by 1e-1 or more.
+GRAD_RTOL = 2e-5
+
+
+def adam_weight_atol(lr: float, eps: float, grad_norm: float, clip_grad: float) -> float:
+    """Largest weight difference after one of the first three Adam steps (betas 0.9, 0.999) when the
+    step's gradient differs by GRAD_RTOL (relative L2) and earlier steps were identical.
+
+    Clipping to `clip_grad` maps the gradient difference to at most GRAD_RTOL * min(|g|, clip_grad).
+    The update lr * m_hat / (sqrt(v_hat) + eps) changes by at most lr/eps per unit change of the
+    step's gradient g: at step 1 it is lr * g / (|g| + eps), slope lr * eps / (|g| + eps)^2; at step
+    t the slope is at most lr * (w_t / eps + sqrt(z_t) * C_t * sqrt(v_hat) / (sqrt(v_hat) + eps)^2)
+    <= lr/eps * (w_t + sqrt(z_t) * C_t / 4), with w_t = (1-b1)/(1-b1^t), z_t = (1-b2)/(1-b2^t) and
+    C_t >= |m_hat|/sqrt(v_hat) (Cauchy-Schwarz on the bias-corrected averages: 1.0014 at t=2,
+    1.0036 at t=3): 0.70 lr/eps at step 2, 0.51 lr/eps at step 3.
+    With eps << lr (1e-6 against 1e-3) a rounding difference in a near-zero gradient moves a weight
+    by up to lr: compare gradients there, not weights."""
+    return lr / eps * GRAD_RTOL * min(grad_norm, clip_grad)
 
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     # GQA: 4 query heads, 2 key/value groups.
@@ -45,6 +76,47 @@ def make_hf_model(kind: str, seed: int = 0, num_layers: int = 2) -> torch.nn.Mod
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
     return model
+
+
+def make_moe_model(kind: str, seed: int = 0) -> torch.nn.Module:
+    """A random tiny HF MoE causal LM: 4 experts of width 32, top-2, hidden 64, 4 heads (GQA 2)."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  tie_word_embeddings=False)
+    if kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**common, head_dim=16, norm_topk_prob=True)
+        cls = transformers.Qwen3MoeForCausalLM
+    elif kind == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(**common, shared_expert_intermediate_size=48, norm_topk_prob=False)
+        cls = transformers.Qwen2MoeForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = cls(config).float().eval()
+    # The plain per-expert loop: the grouped-GEMM kernel has no float64 (the reference runs in it).
+    model.set_experts_implementation("eager")
+    with torch.no_grad():  # non-trivial norms, biases and a router that prefers different experts
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn_like(p))
+    return model
+
+
+def with_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A copy of `model` holding `state` (e.g. reference weights or gradients under the in-memory
+    names; `save_hf_model` then writes them under the checkpoint's names, experts one by one)."""
+    import copy
+
+    out = copy.deepcopy(model)
+    out.load_state_dict(state)
+    return out
 
 
 def save_hf_model(model: torch.nn.Module) -> str:
@@ -115,10 +187,8 @@ def pg_loss_fn(outputs: dict[str, torch.Tensor], mb: dict[str, torch.Tensor], n:
     return pg - ENTROPY_COEF * ent, {"pg": pg.detach()}
 
 
-def reference_train_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], lr: float, eps: float,
-                         clip_grad: float, betas: tuple[float, float] = (0.9, 0.999)) -> tuple[dict[str, torch.Tensor], float]:
-    """One AdamW step (no weight decay) of the same loss on the HF model in float64, written out by
-    hand. Returns (new HF state dict in float32, grad norm before clipping)."""
+def _float64_backward(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A float64 copy of the HF model after backward of `pg_loss_fn`'s loss over the whole batch."""
     import copy
 
     ref = copy.deepcopy(model).double().train()
@@ -127,6 +197,20 @@ def reference_train_step(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     n = mask.sum()
     loss = (-(lp * batch["advantages"].double() * mask).sum() - ENTROPY_COEF * (ent * mask).sum()) / n
     loss.backward()
+    return ref
+
+
+def reference_gradients(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Float64 gradient of `pg_loss_fn`'s loss over the whole batch, by HF parameter name."""
+    ref = _float64_backward(model, batch)
+    return {name: p.grad.detach().clone() for name, p in ref.named_parameters() if p.grad is not None}
+
+
+def reference_train_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], lr: float, eps: float,
+                         clip_grad: float, betas: tuple[float, float] = (0.9, 0.999)) -> tuple[dict[str, torch.Tensor], float]:
+    """One AdamW step (no weight decay) of the same loss on the HF model in float64, written out by
+    hand. Returns (new HF state dict in float32, grad norm before clipping)."""
+    ref = _float64_backward(model, batch)
     params = [p for p in ref.parameters() if p.grad is not None]
     norm = float(torch.sqrt(sum((p.grad**2).sum() for p in params)))
     scale = min(1.0, clip_grad / (norm + 1e-6))
@@ -141,11 +225,40 @@ def reference_train_step(model: torch.nn.Module, batch: dict[str, torch.Tensor],
 
 def gather_hf_state(engine: Any) -> dict[str, torch.Tensor]:
     """All ranks' shards -> one HF state dict (every rank returns it)."""
+    return _gather_hf({n: t.detach().float().cpu().clone() for n, t in engine.get_named_weights()}, engine)
+
+
+def gather_hf_grads(engine: Any) -> dict[str, torch.Tensor]:
+    """The gradient of the engine's last optimizer step, by HF name (every rank returns it).
+
+    Megatron DDP accumulates each parameter's gradient in its fp32 `main_grad` buffer; after
+    `train_step` that buffer holds the DP-reduced (and TP/SP-finalised) gradient until the next
+    step zeroes it. Pass clip_grad large enough not to clip: clipping scales the buffer in place.
+    The distributed optimizer shards the reduced gradient over the DP x CP ranks, so this needs
+    dp = cp = 1 or use_distributed_optimizer=False."""
+    from megarl.megatron.model import unwrap
+
+    if engine.ranks.dp_size * engine.ranks.cp_size > 1 and engine.cfg.use_distributed_optimizer:
+        raise ValueError("gather_hf_grads: the distributed optimizer shards the gradient over DP x CP ranks; "
+                         "build the engine with use_distributed_optimizer=False")
+    grads = {n: p.main_grad.detach().float().cpu().clone() for n, p in unwrap(engine.ddp).named_parameters()}
+    return _gather_hf(grads, engine)
+
+
+def relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """||got - want|| / ||want|| over all tensors together (L2, in float64); same keys required."""
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    diff = sum(float(((got[k].double() - want[k].double()) ** 2).sum()) for k in want)
+    norm = sum(float((want[k].double() ** 2).sum()) for k in want)
+    return (diff / norm) ** 0.5
+
+
+def _gather_hf(local: dict[str, torch.Tensor], engine: Any) -> dict[str, torch.Tensor]:
+    """Every rank's {Megatron name: local shard} -> one HF state dict (every rank returns it)."""
     from megatron.core import parallel_state as ps
 
     from megarl.models.weight_map import megatron_to_hf_state_dict
 
-    local = {n: t.detach().float().cpu().clone() for n, t in engine.get_named_weights()}
     mine = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
             ps.get_data_parallel_rank(), local)
     everyone: list[Any] = [None] * dist.get_world_size()

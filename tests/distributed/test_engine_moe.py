@@ -2,7 +2,8 @@
 dispatcher, sequential experts): log-probs equal HF transformers with the same weights (Qwen3-MoE
 with renormalised top-k, Qwen2-MoE with unnormalised top-k and a gated shared expert), at TP=2
 and with the experts split over two expert-parallel ranks; one optimizer step at EP=2 gives the
-weights of a float64 hand-written AdamW step on the HF model."""
+weights of a float64 hand-written AdamW step on the HF model. (TP=2 training, which Megatron
+allows only with sequence parallelism: test_engine_sp.)"""
 
 from __future__ import annotations
 
@@ -13,43 +14,21 @@ import torch
 import torch.distributed as dist
 
 from _launch import run_distributed
-from engine_helpers import VOCAB, hf_logprobs, make_batch, pg_loss_fn, reference_train_step, save_hf_model
+from engine_helpers import (
+    adam_weight_atol,
+    hf_logprobs,
+    make_batch,
+    make_moe_model,
+    pg_loss_fn,
+    reference_train_step,
+    save_hf_model,
+    with_state,
+)
 
 pytestmark = pytest.mark.distributed
 
 # A large eps keeps the Adam update proportional to the gradient, so gradient errors show.
 LR, EPS, CLIP = 1e-2, 1e-2, 1.0
-
-
-def make_moe_model(kind: str, seed: int = 0) -> torch.nn.Module:
-    """A random tiny HF MoE causal LM: 4 experts of width 32, top-2, hidden 64, 4 heads (GQA 2)."""
-    import transformers
-
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                  rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                  tie_word_embeddings=False)
-    if kind == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(**common, head_dim=16, norm_topk_prob=True)
-        cls = transformers.Qwen3MoeForCausalLM
-    elif kind == "qwen2_moe":
-        config = transformers.Qwen2MoeConfig(**common, shared_expert_intermediate_size=48, norm_topk_prob=False)
-        cls = transformers.Qwen2MoeForCausalLM
-    else:
-        raise ValueError(kind)
-    torch.manual_seed(seed)
-    model = cls(config).float().eval()
-    # The plain per-expert loop: the grouped-GEMM kernel has no float64 (the reference runs in it).
-    model.set_experts_implementation("eager")
-    with torch.no_grad():  # non-trivial norms, biases and a router that prefers different experts
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
-                p.copy_(torch.randn_like(p))
-    return model
 
 
 def _engine(hf_dir: str, cfg: dict) -> Any:
@@ -148,7 +127,7 @@ def test_one_step_with_experts_split_over_two_ranks_equals_float64_adamw() -> No
     # HF keeps experts fused in memory; its checkpoint (what the engine reads) has them one by one.
     from safetensors.torch import load_file
 
-    ref_dir = save_hf_model(_with_state(model, want))
+    ref_dir = save_hf_model(with_state(model, want))
     want_files = load_file(f"{ref_dir}/model.safetensors")
     start = load_file(f"{hf_dir}/model.safetensors")
     got = run_distributed(_one_step, 2, hf_dir, {"ep": 2}, batch)
@@ -157,19 +136,12 @@ def test_one_step_with_experts_split_over_two_ranks_equals_float64_adamw() -> No
         state = per_rank["state"]
         assert set(state) == set(want_files)
         moved = 0
+        atol = adam_weight_atol(LR, EPS, want_norm, CLIP)  # 2e-5: see engine_helpers
         for name, w in want_files.items():
             err = (state[name] - w).abs().max().item()
-            assert err < 2e-5, f"{name}: {err}"
+            assert err < atol, f"{name}: {err}"
             moved += int((w - start[name]).abs().max() > 1e-4)
         assert moved > len(want_files) // 2, "the step should change most tensors"
-
-
-def _with_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    import copy
-
-    out = copy.deepcopy(model)
-    out.load_state_dict(state)
-    return out
 
 
 def _save_ep2_resume_dp2(rank: int, world: int, port: int, hf_dir: str, batches: list, ckpt_dir: str) -> dict:
@@ -222,8 +194,10 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1_exactly() -> None:
     assert res["steps"] == (3, 3)
     for key, value in res["saved"].items():
         assert torch.equal(res["loaded"][key], value), f"loaded {key} differs from saved"
+        # The third step's gradient is summed in another order at ep=1 (float32: within
+        # GRAD_RTOL), Adam's state before it is the same: bound from engine_helpers.adam_weight_atol.
         err = (res["got"][key] - res["want"][key]).abs().max().item()
-        assert err <= 1e-6, f"resumed step: {key} differs by {err}"
+        assert err <= adam_weight_atol(LR, EPS, CLIP, CLIP), f"resumed step: {key} differs by {err}"
 
 
 def _converted_log_probs(rank: int, world: int, port: int, hf_dir: str, ckpt: str, batch: dict) -> list:
@@ -267,7 +241,8 @@ def _sync_moe(rank: int, world: int, port: int, hf_dir: str, batch: dict) -> dic
     from megarl.rollout.base import EngineOptions
     from megarl.rollout.hf_engine import HFRolloutEngine
 
-    # PP=2: Megatron trains MoE with TP > 1 only under sequence parallelism (not on gloo).
+    # PP=2: the training shards are pipeline stages (TP=2 training needs sequence parallelism,
+    # tested in test_engine_sp).
     init_distributed(rank, world, "127.0.0.1", port, ParallelLayout(pp=2))
     engine = _engine(hf_dir, {"micro_batch_size": 2, "lr": LR, "eps": EPS, "clip_grad": CLIP, "weight_decay": 0.0})
     engine.load_hf_weights(hf_dir)

@@ -154,18 +154,22 @@ def test_config_accepts_cp_and_checks_layout_and_budget(tmp_path: Path) -> None:
           "actor.megatron.context_parallel_size=4")
 
 
-def _inputs(use_te: bool, cp_rank: int) -> dict:
-    """The engine's packed-input builder for a micro-batch of two rows (3 and 5 tokens) at cp=2.
-    It reads only the layout, the TE flag and the device from the engine."""
+def _inputs(use_te: bool, cp_rank: int, cp: int = 2, seq_multiple: int = 4, packed: bool = True,
+            rows: CompactRows | None = None) -> dict:
+    """The engine's input builder for a micro-batch of two rows (3 and 5 tokens), packed or padded.
+    It reads only the layout, the TE flag, the sequence multiple (2*cp, times tp under sequence
+    parallelism) and the device from the engine."""
     from types import SimpleNamespace
 
     from megarl.megatron.engine import MegatronEngine
 
-    rows = CompactRows(torch.tensor([[5, 6, 7, 0, 0], [1, 2, 3, 4, 9]]), torch.tensor([1, 2]),
-                       torch.tensor([3, 5]), response_len=3)
-    engine = SimpleNamespace(ranks=SimpleNamespace(cp_size=2, cp_rank=cp_rank), use_te=use_te,
-                             device=torch.device("cpu"))
-    return MegatronEngine._packed_inputs(engine, rows)  # type: ignore[arg-type]
+    if rows is None:
+        rows = CompactRows(torch.tensor([[5, 6, 7, 0, 0], [1, 2, 3, 4, 9]]), torch.tensor([1, 2]),
+                           torch.tensor([3, 5]), response_len=3)
+    engine = SimpleNamespace(ranks=SimpleNamespace(cp_size=cp, cp_rank=cp_rank), use_te=use_te,
+                             device=torch.device("cpu"), seq_multiple=seq_multiple)
+    build = MegatronEngine._packed_inputs if packed else MegatronEngine._padded_inputs
+    return build(engine, rows)  # type: ignore[arg-type]
 
 
 def test_thd_inputs_for_transformer_engine_split_each_sequence() -> None:
@@ -193,3 +197,23 @@ def test_local_packed_inputs_mask_gathered_keys_by_row_and_global_position() -> 
     for i, q in enumerate([0, 1, 6, 7]):
         for j, k in enumerate(keys):
             assert bool(mask[i, j]) == (not (row[q] == row[k] and k <= q)), (q, k)
+
+
+def test_sequence_parallel_pads_at_the_end_to_the_sequence_multiple() -> None:
+    # cp=1, tp=2 with sequence parallelism: the padded micro-batch (width 5) and the packed row
+    # (8 tokens + 0) grow to even lengths; the padding is zeros after every real token.
+    padded = _inputs(use_te=False, cp_rank=0, cp=1, seq_multiple=2, packed=False)
+    assert padded["tokens"].tolist() == [[5, 6, 7, 0, 0, 0], [1, 2, 3, 4, 9, 0]]
+    assert padded["positions"].tolist() == [list(range(6))] * 2
+    packed = _inputs(use_te=False, cp_rank=0, cp=1, seq_multiple=2)
+    assert packed["tokens"].tolist() == [[5, 6, 7, 1, 2, 3, 4, 9]]  # already even: no padding
+    odd = CompactRows(torch.tensor([[5, 6, 7, 0, 0], [1, 2, 3, 4, 0]]), torch.tensor([1, 2]),
+                      torch.tensor([3, 4]), response_len=2)
+    out = _inputs(use_te=False, cp_rank=0, cp=1, seq_multiple=2, rows=odd)
+    assert out["tokens"].tolist() == [[5, 6, 7, 1, 2, 3, 4, 0]]
+    mask = out["attention_mask"][0, 0]
+    # Real tokens never see the pad (it comes last and belongs to no row); the pad sees only itself.
+    assert bool(mask[:7, 7].all()) and mask[7].tolist() == [True] * 7 + [False]
+    # cp=2, tp=2: a multiple of 2*cp*tp = 8; each CP rank keeps 4 positions, 2 per TP rank.
+    cp_sp = _inputs(use_te=False, cp_rank=1, cp=2, seq_multiple=8, packed=False)
+    assert cp_sp["tokens"].shape == (2, 4) and cp_sp["cp_shard"].width == 8

@@ -48,6 +48,18 @@ def test_transformer_config_for_cpu() -> None:
     assert tc.use_cpu_initialization and not tc.gradient_accumulation_fusion
 
 
+def test_sequence_parallel_and_recompute_map_to_megatron_settings() -> None:
+    spec = ModelSpec.from_hf_config(_cfg("Qwen2"))
+    plain = spec.transformer_config(tp=2)
+    assert not plain.sequence_parallel and plain.recompute_granularity is None
+    full = spec.transformer_config(tp=2, sequence_parallel=True, recompute_granularity="full")
+    assert full.sequence_parallel
+    assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == ("full", "uniform", 1)
+    selective = spec.transformer_config(recompute_granularity="selective")
+    assert selective.recompute_granularity == "selective" and selective.recompute_method is None
+    assert selective.recompute_modules == ["core_attn"]
+
+
 def test_padded_vocab() -> None:
     spec = ModelSpec.from_hf_config(_cfg("Llama"))
     assert spec.padded_vocab_size(1) == 384 and spec.padded_vocab_size(2) == 512
