@@ -109,6 +109,8 @@ def main() -> None:
     import transformers
 
     from megarl.megatron.engine import MegatronEngine
+
+    from megarl.megatron.optim import EngineConfig
     from megarl.layout import ParallelLayout
     from megarl.megatron.parallel import destroy_distributed, init_distributed
     from megarl.models.spec import ModelSpec
@@ -141,9 +143,9 @@ def main() -> None:
         port = s.getsockname()[1]
     layout = init_distributed(0, 1, "127.0.0.1", port, ParallelLayout())
     def build(packed: bool) -> MegatronEngine:
-        eng = MegatronEngine(ModelSpec.from_hf_config(hf_dir), layout, {
-            "micro_batch_size": args.micro_batch_size, "dtype": args.dtype, "lr": 1e-5, "clip_grad": 1.0,
-            "use_sequence_packing": packed})
+        eng = MegatronEngine(ModelSpec.from_hf_config(hf_dir), layout, EngineConfig(
+            micro_batch_size=args.micro_batch_size, dtype=args.dtype, lr=1e-5, clip_grad=1.0,
+            use_sequence_packing=packed))
         eng.load_hf_weights(hf_dir)
         return eng
 

@@ -94,6 +94,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
     from megarl.layout import ParallelLayout
     from megarl.megatron.engine import MegatronEngine
+    from megarl.megatron.optim import EngineConfig
     from megarl.megatron.parallel import destroy_distributed, init_distributed
     from megarl.models.spec import ModelSpec
 
@@ -109,9 +110,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         port = s.getsockname()[1]
     layout = init_distributed(0, 1, "127.0.0.1", port, ParallelLayout())
     granularity = None if args.worker == "none" else args.worker
-    engine = MegatronEngine(ModelSpec.from_hf_config(hf_config), layout, {
-        "micro_batch_size": args.micro_batch_size, "lr": 1e-5, "clip_grad": 1.0,
-        "recompute_granularity": granularity})
+    engine = MegatronEngine(ModelSpec.from_hf_config(hf_config), layout, EngineConfig(
+        micro_batch_size=args.micro_batch_size, lr=1e-5, clip_grad=1.0, recompute_granularity=granularity))
     batch = make_batch(args)
 
     def step() -> dict[str, Any]:

@@ -19,3 +19,7 @@ class CheckpointError(MegarlError, RuntimeError):
 
 class WorkerError(MegarlError, RuntimeError):
     """A distributed worker failed; the message names the role and rank."""
+
+
+class EngineStateError(MegarlError, RuntimeError):
+    """An engine was asked to compute while its state is elsewhere (offloaded, asleep)."""

@@ -84,13 +84,13 @@ def _require(data: Mapping[str, torch.Tensor], keys: tuple[str, ...], what: str)
 class MegatronEngine:
     """One rank's share of a Megatron model in training (policy, value or reward role)."""
 
-    def __init__(self, spec: ModelSpec, layout: ParallelLayout, engine_config: Any = None,
+    def __init__(self, spec: ModelSpec, layout: ParallelLayout, engine_config: EngineConfig,
                  use_te: bool | None = None) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        self.cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.from_mapping(engine_config)
+        self.cfg = engine_config
         self.spec = spec
         self.layout = layout
         self.ranks = current_ranks()
@@ -371,6 +371,12 @@ class MegatronEngine:
     def _check_role(self, call: str, *allowed: str) -> None:
         if self.role not in allowed:
             raise DataError(f"{call} needs an engine of role {allowed}, this engine's role is {self.role!r}")
+        self._check_resident(call)
+
+    def _check_resident(self, call: str) -> None:
+        if self.offloaded is not None:
+            raise EngineStateError(f"{self.role} engine: {call} while its state is offloaded to host memory "
+                                   f"({self.offloaded.num_bytes / 2**20:.1f} MiB); onload() first")
 
     # ------------------------------------------------------------------ training
     def train_step(self, batch: Any, loss_fn: LossFn, mini_batch_size: int, epochs: int = 1,
@@ -383,6 +389,7 @@ class MegatronEngine:
         metrics as lists, one value per optimizer step: loss, grad_norm, lr, and loss_fn's metrics
         (mean over micro-batches).
         """
+        self._check_resident("train_step")
         data = batch_tensors(batch)
         _require(data, ("response_mask",), "train_step")
         n = len(data["responses"])

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from megarl.dtypes import ALIASES, torch_dtype
 from megarl.errors import ConfigError
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+# Training dtypes (megarl.dtypes names; fp16 is refused in `validate`).
+TRAIN_DTYPES = ("fp32", "bf16")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 
 
@@ -50,30 +52,9 @@ class EngineConfig:
     # "selective" recomputes only the core attention (recompute_modules=["core_attn"]).
     recompute_granularity: str | None = None
 
-    @classmethod
-    def from_mapping(cls, cfg: Mapping[str, Any] | None) -> "EngineConfig":
-        """Accepts flat keys or verl-style nesting under `optim` (lr, betas, weight_decay, ...)."""
-        cfg = dict(cfg or {})
-        optim = dict(cfg.pop("optim", {}) or {})
-        if "warmup_style" in optim:  # verl's name
-            optim["lr_schedule"] = optim.pop("warmup_style")
-        ratio = optim.pop("lr_warmup_steps_ratio", None)
-        steps = optim.get("lr_warmup_steps")
-        if steps is None or steps < 0:  # verl: -1 means "use the ratio"
-            total = int(optim.get("total_training_steps", cfg.get("total_training_steps", 1)) or 1)
-            optim["lr_warmup_steps"] = int(float(ratio or 0.0) * total)
-        min_ratio = optim.pop("min_lr_ratio", None)
-        if min_ratio is not None:
-            optim["min_lr"] = float(min_ratio) * float(optim.get("lr", cfg.get("lr", cls.lr)))
-        merged = {**optim, **cfg}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(merged) - known)
-        if unknown:
-            raise ConfigError(f"engine config: unknown keys {unknown}; valid: {sorted(known)}")
-        out = cls(**merged)
-        out.betas = tuple(out.betas)  # type: ignore[assignment]
-        out.validate()
-        return out
+    def __post_init__(self) -> None:
+        self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
+        self.validate()
 
     def validate(self) -> None:
         if self.lr_schedule not in LR_SCHEDULES:
@@ -83,8 +64,8 @@ class EngineConfig:
                 f"engine config: dtype={self.dtype!r} is not supported: fp16 training needs loss scaling, "
                 f"which this engine does not run; use 'bf16' (same memory, no loss scaling) or 'fp32'"
             )
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"engine config: dtype={self.dtype!r}, valid: {sorted(DTYPES)}")
+        if self.dtype not in TRAIN_DTYPES and ALIASES.get(self.dtype) not in TRAIN_DTYPES:
+            raise ConfigError(f"engine config: dtype={self.dtype!r}, valid: {TRAIN_DTYPES}")
         if self.micro_batch_size < 1:
             raise ConfigError(f"engine config: micro_batch_size={self.micro_batch_size} must be >= 1")
         if self.log_prob_micro_batch_size < 0:
@@ -98,7 +79,7 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
     @property
     def forward_micro_batch_size(self) -> int:

@@ -21,12 +21,13 @@ CFG = dict(lr=1e-2, eps=1e-2, weight_decay=0.0, clip_grad=1.0, micro_batch_size=
 
 def _engine(rank: int, world: int, port: int, hf_dir: str, layout_kw: dict, dtype: str) -> Any:
     from megarl.megatron.engine import MegatronEngine
+    from megarl.megatron.optim import EngineConfig
     from megarl.layout import ParallelLayout
     from megarl.megatron.parallel import init_distributed
     from megarl.models.spec import ModelSpec
 
     layout = init_distributed(rank, world, "127.0.0.1", port, ParallelLayout(**layout_kw))
-    engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), layout, {**CFG, "dtype": dtype})
+    engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), layout, EngineConfig(**{**CFG, "dtype": dtype}))
     engine.load_hf_weights(hf_dir)
     return engine
 

@@ -19,10 +19,11 @@ KINDS = ["llama", "llama_tied", "qwen2", "qwen3", "mistral"]
 
 def _engine(hf_dir: str, cfg: dict) -> Any:
     from megarl.megatron.engine import MegatronEngine
+    from megarl.megatron.optim import EngineConfig
     from megarl.layout import ParallelLayout
     from megarl.models.spec import ModelSpec
 
-    return MegatronEngine(ModelSpec.from_hf_config(hf_dir), ParallelLayout(), cfg)
+    return MegatronEngine(ModelSpec.from_hf_config(hf_dir), ParallelLayout(), EngineConfig(**cfg))
 
 
 def _log_probs_per_family(rank: int, world: int, port: int, dirs: dict, batch: dict) -> dict:

@@ -33,10 +33,11 @@ LR, EPS, CLIP = 1e-2, 1e-2, 1.0
 
 def _engine(hf_dir: str, cfg: dict) -> Any:
     from megarl.megatron.engine import MegatronEngine
+    from megarl.megatron.optim import EngineConfig
     from megarl.layout import ParallelLayout
     from megarl.models.spec import ModelSpec
 
-    return MegatronEngine(ModelSpec.from_hf_config(hf_dir), ParallelLayout(), cfg)
+    return MegatronEngine(ModelSpec.from_hf_config(hf_dir), ParallelLayout(), EngineConfig(**cfg))
 
 
 def _hf_state(engine: Any) -> dict[str, torch.Tensor]:

@@ -48,9 +48,10 @@ TRAIN_CFG = dict(lr=1e-2, eps=1e-2, weight_decay=0.0, clip_grad=1e9, micro_batch
 
 def _engine(hf_dir: str, layout: Any, cfg: dict, hf_sd: dict | None = None) -> Any:
     from megarl.megatron.engine import MegatronEngine
+    from megarl.megatron.optim import EngineConfig
     from megarl.models.spec import ModelSpec
 
-    engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), layout, cfg)
+    engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), layout, EngineConfig(**cfg))
     if hf_sd is None:
         engine.load_hf_weights(hf_dir)
     else:

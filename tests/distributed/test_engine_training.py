@@ -32,10 +32,11 @@ BASE = dict(lr=1e-3, eps=1e-6, weight_decay=0.0, clip_grad=1e9)
 
 def _engine(hf_dir: str, **cfg: Any) -> Any:
     from megarl.megatron.engine import MegatronEngine
+    from megarl.megatron.optim import EngineConfig
     from megarl.layout import ParallelLayout
     from megarl.models.spec import ModelSpec
 
-    engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), ParallelLayout(), {**BASE, **cfg})
+    engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), ParallelLayout(), EngineConfig(**{**BASE, **cfg}))
     engine.load_hf_weights(hf_dir)
     return engine
 
@@ -195,6 +196,7 @@ def _snapshot(engine: Any) -> dict[str, torch.Tensor]:
 
 
 def _offload(rank: int, world: int, port: int, hf_dir: str, batches: list) -> dict:
+    from megarl.errors import EngineStateError
     from megarl.layout import ParallelLayout
     from megarl.megatron.parallel import init_distributed
 
@@ -212,11 +214,18 @@ def _offload(rank: int, world: int, port: int, hf_dir: str, batches: list) -> di
     same = {k: torch.equal(before[k], after[k]) for k in before}
     lp_plain = plain.compute_log_prob(batches[1])["log_probs"]
     moved.offload_to_cpu()
+    refused = []
+    for call in (lambda: moved.compute_log_prob(batches[1]),
+                 lambda: moved.train_step(batches[1], pg_loss_fn, mini_batch_size=4)):
+        try:
+            call()
+        except EngineStateError as err:
+            refused.append(str(err))
     moved.onload()
     lp_moved = moved.compute_log_prob(batches[1])["log_probs"]
     m_plain = plain.train_step(batches[1], pg_loss_fn, mini_batch_size=4, calculate_entropy=True)
     m_moved = moved.train_step(batches[1], pg_loss_fn, mini_batch_size=4, calculate_entropy=True)
-    return {"same": same, "released": released, "bytes": offloaded_bytes, "n": len(before),
+    return {"same": same, "released": released, "bytes": offloaded_bytes, "n": len(before), "refused": refused,
             "lp": (lp_plain, lp_moved), "metrics": (m_plain, m_moved),
             "final": (gather_hf_state(plain), gather_hf_state(moved))}
 
@@ -227,6 +236,8 @@ def test_offload_onload_round_trip_is_exact_and_training_continues_identically()
     res = run_distributed(_offload, 1, hf_dir, batches)[0]
     assert res["n"] > 10 and all(res["same"].values()), [k for k, v in res["same"].items() if not v]
     assert res["released"] == 0 and res["bytes"] > 0  # every offloaded storage had been freed
+    # Computing with an offloaded engine is refused by name, not a crash on freed storage.
+    assert len(res["refused"]) == 2 and all("while its state is offloaded to host memory" in m for m in res["refused"])
     assert torch.equal(*res["lp"])
     m_plain, m_moved = res["metrics"]
     assert m_plain == m_moved

@@ -39,6 +39,7 @@ def _world() -> int:
 
 def _engine(rank: int, world: int, port: int, hf_dir: str, layout_kw: dict, cfg: dict) -> Any:
     from megarl.megatron.engine import MegatronEngine
+    from megarl.megatron.optim import EngineConfig
     from megarl.layout import ParallelLayout
     from megarl.megatron.parallel import init_distributed
     from megarl.models.spec import ModelSpec
@@ -46,7 +47,7 @@ def _engine(rank: int, world: int, port: int, hf_dir: str, layout_kw: dict, cfg:
     torch.backends.cuda.matmul.allow_tf32 = False  # exact fp32 comparisons
     torch.backends.cudnn.allow_tf32 = False
     layout = init_distributed(rank, world, "127.0.0.1", port, ParallelLayout(**layout_kw))
-    engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), layout, cfg)
+    engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), layout, EngineConfig(**cfg))
     engine.load_hf_weights(hf_dir)
     return engine
 

@@ -34,13 +34,14 @@ LAYOUTS = [dict(tp=2), dict(pp=2)]
 def _engine(rank: int, world: int, port: int, hf_dir: str, layout_kw: dict, role: str = "policy",
             lr: float = 1e-6) -> Any:
     from megarl.megatron.engine import MegatronEngine
+    from megarl.megatron.optim import EngineConfig
     from megarl.layout import ParallelLayout
     from megarl.megatron.parallel import init_distributed
     from megarl.models.spec import ModelSpec
 
     layout = init_distributed(rank, world, "127.0.0.1", port, ParallelLayout(**layout_kw))
     return MegatronEngine(ModelSpec.from_hf_config(hf_dir), layout,
-                          dict(role=role, lr=lr, eps=1e-2, weight_decay=0.0, micro_batch_size=2))
+                          EngineConfig(role=role, lr=lr, eps=1e-2, weight_decay=0.0, micro_batch_size=2))
 
 
 def _logprobs_per_layout(rank: int, world: int, port: int, hf_dir: str, ckpt: str, batch: dict) -> list:

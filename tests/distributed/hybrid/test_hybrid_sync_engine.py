@@ -29,6 +29,7 @@ def _sync_all(rank: int, world: int, port: int, hf_dirs: dict[str, str], batch: 
 
     from megarl.hybrid.sync import WeightSync
     from megarl.megatron.engine import MegatronEngine
+    from megarl.megatron.optim import EngineConfig
     from megarl.layout import ParallelLayout
     from megarl.megatron.parallel import init_distributed
     from megarl.models.spec import ModelSpec
@@ -39,7 +40,7 @@ def _sync_all(rank: int, world: int, port: int, hf_dirs: dict[str, str], batch: 
     for i, (name, (kind, layout_kw)) in enumerate(CASES.items()):
         hf_dir = hf_dirs[kind]
         layout = init_distributed(rank, world, "127.0.0.1", port + 1 + i, ParallelLayout(**layout_kw))
-        engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), layout, TRAIN_CFG)
+        engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), layout, EngineConfig(**TRAIN_CFG))
         engine.load_hf_weights(hf_dir)
         torch.manual_seed(1000 + rank)  # a different random model: only the sync can make it right
         rollout = HFRolloutEngine.from_config(AutoConfig.from_pretrained(hf_dir),
