@@ -110,6 +110,14 @@ class EngineOptions:
         gpu_memory_utilization: fraction of GPU memory for vLLM.
         enforce_eager: no CUDA graphs (vLLM on GPU).
         enable_sleep_mode: let vLLM free its KV cache / weights between rollouts where supported.
+        sleep_level: what ``sleep`` does with the weights (the KV cache is always freed).
+            1: keep them, in host memory when they live on an accelerator, so a wake-up restores
+            them unchanged (on CPU the HF engine keeps them where they are: nothing is freed).
+            2 (default): discard them; ``wake_up`` re-allocates them with undefined contents and
+            the engine refuses to generate until a weight sync has rewritten every weight
+            (``update_weights`` naming all of them, or in-place copies + ``mark_weights_updated``).
+            The hybrid engine rewrites the weights before every rollout anyway, so 2 saves a
+            host copy of the model. vLLM applies it only where its sleep mode is available.
         extra: passed through to the engine constructor (``vllm.LLM(**extra)``).
     """
 
@@ -125,6 +133,7 @@ class EngineOptions:
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
     enable_sleep_mode: bool = True
+    sleep_level: int = 2
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -134,6 +143,11 @@ class EngineOptions:
             raise ConfigError(f"rollout logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"rollout tensor_model_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.sleep_level not in (1, 2):
+            raise ConfigError(
+                f"rollout sleep_level must be 1 or 2, got {self.sleep_level!r} "
+                "(1: keep the weights while asleep, 2: discard them until the next weight sync)"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -160,7 +174,9 @@ class RolloutEngine(abc.ABC):
 
     State machine: AWAKE --sleep()--> ASLEEP --wake_up(("weights",))--> WEIGHTS_ONLY
     --wake_up()--> AWAKE; ``generate`` needs AWAKE, ``update_weights`` needs AWAKE or WEIGHTS_ONLY,
-    ``release()`` ends the engine. Misuse raises :class:`RolloutStateError`.
+    ``release()`` ends the engine. When ``sleep_discards_weights``, waking the weights re-allocates
+    them with undefined contents and ``needs_weight_sync`` stays True, refusing ``generate``, until
+    a weight sync has rewritten all of them. Misuse raises :class:`RolloutStateError`.
     """
 
     name: str = "base"
@@ -169,6 +185,7 @@ class RolloutEngine(abc.ABC):
     def __init__(self, options: EngineOptions) -> None:
         self.options = options
         self._state = EngineState.AWAKE
+        self._weights_discarded = False  # woken after a discarding sleep, not yet rewritten
 
     @property
     def state(self) -> EngineState:
@@ -178,6 +195,17 @@ class RolloutEngine(abc.ABC):
     def sleep_frees_memory(self) -> bool:
         """Whether ``sleep`` really frees memory here (False: it only changes the state)."""
         return False
+
+    @property
+    def sleep_discards_weights(self) -> bool:
+        """Whether ``sleep`` loses the weights here (``sleep_level`` 2 where the engine can free
+        them), so a weight sync must follow every wake-up before ``generate``."""
+        return False
+
+    @property
+    def needs_weight_sync(self) -> bool:
+        """True from a wake-up that re-allocated discarded weights until they are all rewritten."""
+        return self._weights_discarded
 
     # -- the contract ---------------------------------------------------------------------------
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
@@ -190,6 +218,8 @@ class RolloutEngine(abc.ABC):
             a ``Batch`` of B * n rows; see :func:`megarl.rollout.output.assemble_rollout_batch`.
         """
         self._require(EngineState.AWAKE, "generate")
+        if self._weights_discarded:
+            raise RolloutStateError(self._discarded_weights_message())
         return self._generate(prompts, params)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -198,17 +228,23 @@ class RolloutEngine(abc.ABC):
         Names are HuggingFace parameter names (``model.layers.0.self_attn.q_proj.weight``) and
         tensors are full (unsharded) HF tensors; a tensor-parallel vLLM engine slices its own shard
         from them. Every name must be known and every shape must match, else
-        :class:`WeightUpdateError` names the parameter. Parameters not named keep their values.
+        :class:`WeightUpdateError` names the parameter. Parameters not named keep their values;
+        after a discarding sleep the engine generates again once every weight has been named
+        (over one or several calls).
         """
         if self._state not in (EngineState.AWAKE, EngineState.WEIGHTS_ONLY):
             raise RolloutStateError(
                 f"{self.name} engine cannot update weights while {self._state.value}; "
                 "call wake_up() (or wake_up(('weights',))) first"
             )
-        return self._update_weights(named_tensors)
+        loaded = self._update_weights(named_tensors)
+        if self._weights_discarded and not self._missing_weights():
+            self._weights_discarded = False
+        return loaded
 
     def sleep(self) -> None:
-        """Free the KV cache and, where the engine allows, the weights (until ``wake_up``)."""
+        """Free the KV cache and, per ``options.sleep_level``, move the weights to host memory (1)
+        or discard them (2) until ``wake_up``."""
         self._require_not_released("sleep")
         if self._state is EngineState.ASLEEP:
             return
@@ -227,7 +263,10 @@ class RolloutEngine(abc.ABC):
             raise RolloutStateError("wake up the weights before (or together with) the KV cache")
         if self._state is EngineState.AWAKE:
             return
-        self._wake_up(tuple(t for t in WAKE_TAGS if t in wanted and not self._holds(t)))
+        woken = tuple(t for t in WAKE_TAGS if t in wanted and not self._holds(t))
+        self._wake_up(woken)
+        if "weights" in woken and self.sleep_discards_weights:
+            self._weights_discarded = True
         self._state = EngineState.AWAKE if "kv_cache" in wanted else EngineState.WEIGHTS_ONLY
 
     def release(self) -> None:
@@ -245,7 +284,10 @@ class RolloutEngine(abc.ABC):
 
     def mark_weights_updated(self) -> None:
         """Call after copying into ``engine_model()`` parameters directly (not through
-        ``update_weights``): drops anything the engine computed with the old weights."""
+        ``update_weights``): every weight counts as rewritten, and anything the engine computed
+        with the old weights is dropped."""
+        self._weights_discarded = False
+        self._weights_rewritten()
 
     # -- engine-specific parts ------------------------------------------------------------------
     @abc.abstractmethod
@@ -263,6 +305,14 @@ class RolloutEngine(abc.ABC):
     def _release(self) -> None:
         """Free everything (default: nothing held outside Python objects)."""
 
+    def _weights_rewritten(self) -> None:
+        """Forget what was computed with the old weights (default: nothing is kept)."""
+
+    def _missing_weights(self) -> list[str]:
+        """Names an update must still give before a discarded model is whole again (default: the
+        engine cannot tell, so any update counts as complete)."""
+        return []
+
     # -- helpers --------------------------------------------------------------------------------
     def _holds(self, tag: str) -> bool:
         if tag == "weights":
@@ -275,6 +325,16 @@ class RolloutEngine(abc.ABC):
                 f"{self.name} engine cannot {action} while {self._state.value}; it must be {state.value}"
                 + (" (call wake_up())" if self._state is not EngineState.RELEASED else "")
             )
+
+    def _discarded_weights_message(self) -> str:
+        missing = self._missing_weights()
+        shown = ", ".join(missing[:8]) + (f", ... ({len(missing) - 8} more)" if len(missing) > 8 else "")
+        return (
+            f"{self.name} engine cannot generate: its weights were discarded by sleep "
+            f"(sleep_level={self.options.sleep_level}) and a weight sync must run first "
+            "(update_weights naming every weight, or copies into engine_model() and then "
+            "mark_weights_updated())" + (f"; still missing {len(missing)}: {shown}" if missing else "")
+        )
 
     def _require_not_released(self, action: str) -> None:
         if self._state is EngineState.RELEASED:

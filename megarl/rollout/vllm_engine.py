@@ -39,17 +39,13 @@ class VLLMRolloutEngine(RolloutEngine):
 
     name = "vllm"
 
-    def __init__(self, model_path: str | Path, options: EngineOptions, sleep_level: int = 1) -> None:
+    def __init__(self, model_path: str | Path, options: EngineOptions) -> None:
         """Start the engine on a HF model directory (config.json + safetensors; no tokenizer needed).
 
-        Args:
-            sleep_level: 1 keeps a host copy of the weights while asleep; 2 discards them (use it
-                when every wake-up is followed by a full ``update_weights``).
+        ``options.sleep_level`` is vLLM's own sleep level (1 keeps a host copy of the weights,
+        2 discards them), used where sleep mode is available.
         """
         super().__init__(options)
-        if sleep_level not in (1, 2):
-            raise ConfigError(f"vllm sleep_level must be 1 or 2, got {sleep_level}")
-        self.sleep_level = sleep_level
         self.model_path = str(model_path)
         if options.tensor_parallel_size > 1:
             _check_spmd_group(options.tensor_parallel_size)
@@ -103,6 +99,10 @@ class VLLMRolloutEngine(RolloutEngine):
     @property
     def sleep_frees_memory(self) -> bool:
         return self._sleep_supported
+
+    @property
+    def sleep_discards_weights(self) -> bool:
+        return self._sleep_supported and self.options.sleep_level == 2
 
     # -- generation -----------------------------------------------------------------------------
     def _generate(self, prompts: Batch, params: SamplingParams) -> Batch:
@@ -165,10 +165,10 @@ class VLLMRolloutEngine(RolloutEngine):
         checked = self._checked(named_tensors, counter)
         # vLLM's loaders fuse q/k/v and gate/up and take this rank's tensor-parallel slice.
         self.engine_model().load_weights(checked)
-        self.mark_weights_updated()
+        self._weights_rewritten()
         return counter[0]
 
-    def mark_weights_updated(self) -> None:
+    def _weights_rewritten(self) -> None:
         # Cached prefix blocks were computed with the old weights (a stale block gives wrong tokens).
         self.llm.reset_prefix_cache()
 
@@ -192,7 +192,7 @@ class VLLMRolloutEngine(RolloutEngine):
     # -- memory ---------------------------------------------------------------------------------
     def _sleep(self) -> None:
         if self._sleep_supported:
-            self.llm.sleep(level=self.sleep_level)
+            self.llm.sleep(level=self.options.sleep_level)
 
     def _wake_up(self, tags: tuple[str, ...]) -> None:
         if self._sleep_supported and tags:

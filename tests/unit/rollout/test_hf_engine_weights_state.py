@@ -87,7 +87,8 @@ def test_unknown_name_and_wrong_shape_name_the_parameter() -> None:
 
 
 def test_sleep_wake_state_machine() -> None:
-    engine = HFRolloutEngine(tiny_model(seed=0), OPTIONS)
+    # Level 1 keeps the weights (level 2 is covered in test_hf_engine_sleep_levels.py).
+    engine = HFRolloutEngine(tiny_model(seed=0), EngineOptions(pad_token_id=PAD, eos_token_ids=(), sleep_level=1))
     expected = engine.generate(prompt_batch(PROMPTS), GREEDY)
     assert engine.state is EngineState.AWAKE and not engine.sleep_frees_memory  # CPU: nothing to free
     engine.sleep()
