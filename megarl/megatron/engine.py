@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.algorithms.aggregation import LossNormalisers, mini_batch_normalisers
-from megarl.errors import CheckpointError, ConfigError, DataError
+from megarl.errors import CheckpointError, ConfigError, DataError, EngineStateError
 from megarl.layout import ParallelLayout
 from megarl.megatron import checkpoint as ckpt
 from megarl.megatron import offload as off
