@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from megarl.cluster.worker import Worker, WorkerContext
+from megarl.tracking.memory import memory_stats
 from megarl.tracking.profiling import StepProfiler
 
 RoleSpecs = dict[str, tuple[type, dict[str, Any]]]
@@ -82,3 +83,7 @@ class HostWorker(Worker):
         path = self.profiler.stop() if self.profiler is not None else None
         self.profiler = None
         return None if path is None else str(path)
+
+    def memory_stats(self) -> dict[str, float]:
+        """This process's memory now and its peaks since the last call (GiB; see tracking.memory)."""
+        return memory_stats(reset=True)

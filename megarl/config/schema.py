@@ -206,6 +206,9 @@ class RolloutConfig:
     # The engine sleeps (KV cache and weight copy released) from the end of generation to the next
     # weight sync; the HF engine on CPU has nothing to release and only changes state.
     free_cache_engine: bool = True
+    # What sleeping releases: 2 = KV cache and the weights (the next sync rewrites them; the driver
+    # syncs again after a sleep), 1 = KV cache only, the weights kept (in host memory on GPU).
+    sleep_level: int = 2
     enforce_eager: bool = True
     dtype: Optional[str] = None  # null: model.dtype
     # Keep the log-probs of the sampled tokens (rollout_log_probs, and the rollout-vs-trainer gap metric)

@@ -143,6 +143,14 @@ def plot_throughput(table: MetricTable, path: Path) -> bool:
     return _line_plot(table, path, "Throughput", "tokens/s per device", ["perf/throughput"])
 
 
+def plot_memory(table: MetricTable, path: Path) -> bool:
+    """Peak memory of the workers in each phase (device memory with CUDA, else resident set)."""
+    device = sorted(n for n in table.names if n.startswith("memory/") and n.endswith("/max_allocated_gb"))
+    keys = device or sorted(n for n in table.names if n.startswith("memory/") and n.endswith("/peak_rss_gb"))
+    what = "device memory allocated" if device else "resident set"
+    return _line_plot(table, path, f"Peak {what} per phase (largest worker)", "GiB", keys)
+
+
 def plot_timing(table: MetricTable, path: Path) -> bool:
     """Seconds per phase per step, stacked (the largest phases; the rest summed as "other")."""
     phases = [n for n in table.names if n.startswith("timing_s/") and n != "timing_s/step"]
@@ -188,6 +196,7 @@ PLOTS: dict[str, Callable[[MetricTable, Path], bool]] = {
     "kl": plot_kl,
     "throughput": plot_throughput,
     "timing": plot_timing,
+    "memory": plot_memory,
     "entropy": plot_entropy,
 }
 

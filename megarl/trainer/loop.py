@@ -12,12 +12,16 @@ One step (see `RLTrainer.train_step`):
   7. metrics, validation every `test_freq` steps, checkpoint every `save_freq` steps
 
 Memory phases are lines of this file: a role whose `*_offload` keys are set is onloaded right
-before the phase that computes with it (`self.onloaded(...)`) and offloaded right after.
+before the phase that computes with it (`self.onloaded(...)`) and offloaded right after; the rollout
+engine sleeps once a step's generation is done (`self.rollout_sleep()`) and wakes its weights first,
+then its KV cache, around the next weight sync. Each step's transitions are written to
+`<run>/memory_phases.jsonl`, and every phase's memory peak is logged as `memory/<phase>/...`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -47,6 +51,8 @@ from megarl.trainer.setup import RunContext
 from megarl.trainer.timing import Timer
 from megarl.trainer.validation import validate, validation_batches
 from megarl.trainer.workers import Workers
+from megarl.tracking.memory import phase_metrics as memory_phase_metrics
+from megarl.tracking.memory import step_metrics as memory_step_metrics
 from megarl.tracking.metrics import compute_data_metrics, compute_throughput, compute_timing_metrics, count_tokens
 from megarl.workers.roles import ActorRole, CriticRole, EngineRole, RefRole, RolloutRole
 from megarl.workers.specs import EngineRoleSpec
@@ -73,6 +79,9 @@ class RLTrainer:
         self.weights_version = 0  # bumped by every actor update; the rollout syncs when behind
         self.rollout_version = -1
         self.sync_metrics: dict[str, float] = {}  # bytes moved by the last weight sync, all ranks
+        self.memory_trace: list[tuple[str, str, str]] = []  # (phase, role, transition) of this step
+        self.memory_metrics: dict[str, float] = {}  # memory/<phase>/<stat> of this step
+        self.current_phase = "setup"
         trained = {"actor": workers.actor}
         if workers.critic is not None:
             trained["critic"] = workers.critic
@@ -140,6 +149,7 @@ class RLTrainer:
             # 1-3. prompts -> responses -> scores (DAPO: until enough groups carry a signal)
             batch, gen_metrics = self.collect_scored_batch(step)
             metrics.update(gen_metrics)
+            self.rollout_sleep()  # training needs the memory: the KV cache (and weights) go
 
             # 4. log-probs of the behaviour policy, the reference, and the critic's values
             with self.phase("old_log_prob"), self.onloaded(actor, self.spec.actor):
@@ -176,14 +186,23 @@ class RLTrainer:
         metrics.update(compute_timing_metrics(timings, total_tokens, response_tokens))
         metrics.update(compute_throughput(total_tokens, timings["step"], self.n_devices))
         metrics.update(self.sync_metrics)
+        metrics.update(self.memory_metrics)
+        metrics.update(memory_step_metrics(self.memory_metrics))
+        self.write_memory_trace(step)
         if alg.use_kl_in_reward:
             metrics["actor/reward_kl_coef"] = self.kl_ctrl.value
         return metrics
 
     # ------------------------------------------------------------------ phases
-    def phase(self, name: str) -> Any:
-        """Time `name` and show it in the progress display."""
-        return _Both(self.timer(name), self.progress.phase(name))
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time `name`, show it in the progress display, and record the workers' memory peak in it."""
+        self.current_phase = name
+        with self.timer(name), self.progress.phase(name):
+            yield
+        per_rank = [stats for group in self.workers.groups for stats in group.call_all(HostWorker.memory_stats)]
+        for key, value in memory_phase_metrics(name, per_rank).items():
+            self.memory_metrics[key] = max(value, self.memory_metrics.get(key, value))
 
     @contextlib.contextmanager
     def onloaded(self, role: RoleView, spec: Optional[EngineRoleSpec]) -> Iterator[None]:
@@ -192,10 +211,29 @@ class RLTrainer:
             yield
             return
         role.call_all(EngineRole.onload)
+        self.memory_trace.append((self.current_phase, spec.name, "onload"))
         try:
             yield
         finally:
             role.call_all(EngineRole.offload)
+            self.memory_trace.append((self.current_phase, spec.name, "offload"))
+
+    def rollout_sleep(self, after: str = "gen") -> None:
+        """Put the rollout engines to sleep (`rollout.free_cache_engine`) once the generation of
+        `after` is done; when that discards their weights, the next generation syncs them again."""
+        if not self.spec.rollout.free_cache_engine:
+            return
+        discarded = self.workers.rollout.call_all(RolloutRole.sleep)
+        self.memory_trace.append((after, "rollout", "sleep"))
+        if any(discarded):
+            self.rollout_version = -1
+
+    def write_memory_trace(self, step: int) -> None:
+        """This step's memory transitions as one line of `<run>/memory_phases.jsonl`."""
+        with open(self.run.run_dir / "memory_phases.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "transitions": [list(t) for t in self.memory_trace]}) + "\n")
+        self.memory_trace = []
+        self.memory_metrics = {}
 
     @contextlib.contextmanager
     def profiled(self, step: int) -> Iterator[None]:
@@ -218,15 +256,16 @@ class RLTrainer:
         rollout = self.workers.rollout
         if self.rollout_version != self.weights_version:
             with self.phase("sync_weights"), self.onloaded(self.workers.actor, self.spec.actor):
-                rollout.call_all(RolloutRole.wake_up, ("weights",))
+                if rollout.call_all(RolloutRole.wake_up, ("weights",))[0]:
+                    self.memory_trace.append((self.current_phase, "rollout", "wake_up:weights"))
                 per_rank = rollout.call_all(RolloutRole.sync_weights, self.weights_version)
             self.rollout_version = self.weights_version
             self.sync_metrics = {k: sum(r[k] for r in per_rank) for k in per_rank[0] if k.startswith("sync/bytes")}
             self.sync_metrics["sync/seconds_max"] = max(r["sync/seconds"] for r in per_rank)
-        rollout.call_all(RolloutRole.wake_up)  # the KV cache, after the sync's buffers are freed
+        if rollout.call_all(RolloutRole.wake_up)[0]:  # the KV cache, after the sync's buffers are freed
+            self.memory_trace.append((self.current_phase, "rollout", "wake_up"))
         with self.phase("gen"):
             out = rollout.call_dp(RolloutRole.generate, prompts, sampling, dispatch_coords=self.workers.rollout_coords)
-        rollout.call_all(RolloutRole.sleep)
         return out
 
     def sampling(self, step: int, validation: bool = False) -> SamplingParams:
@@ -318,6 +357,7 @@ class RLTrainer:
             {k: rows[k] for k in ("uid", "data_source", "ground_truth", "extra_info") if k in rows},
         )
         greedy = self.generate(prompts, SamplingParams.make_greedy(self.response_length))
+        self.rollout_sleep(after="remax_baseline")
         scored, _ = self.score(greedy)
         by_uid = dict(zip(scored["uid"].tolist(), scored["token_level_scores"].sum(-1).tolist()))
         return torch.tensor([by_uid[u] for u in batch["uid"].tolist()], dtype=torch.float32)
@@ -329,6 +369,7 @@ class RLTrainer:
         with self.phase("val"):
             metrics, scored = validate(batches, lambda prompts: self.generate(prompts, sampling),
                                        lambda gen: self.score(gen)[0], sampling.n)
+            self.rollout_sleep(after="val")
         if self.cfg.trainer.validation_data_dir:
             dump_validation(scored, self.run.tokenizer, self.global_step, self.cfg.trainer.validation_data_dir)
         return metrics
@@ -349,18 +390,3 @@ def rollout_logprob_gap(batch: Batch) -> dict[str, float]:
     if diff.numel() == 0:
         return {}
     return {"training/rollout_probs_diff_mean": float(diff.mean()), "training/rollout_probs_diff_max": float(diff.max())}
-
-
-class _Both:
-    """Enter two context managers as one."""
-
-    def __init__(self, first: Any, second: Any) -> None:
-        self.first, self.second = first, second
-
-    def __enter__(self) -> None:
-        self.first.__enter__()
-        self.second.__enter__()
-
-    def __exit__(self, *exc: Any) -> Optional[bool]:
-        self.second.__exit__(*exc)
-        return self.first.__exit__(*exc)

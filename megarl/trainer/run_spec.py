@@ -174,6 +174,7 @@ def resolve_run_spec(cfg: DictConfig, model_dir: str, pad_token_id: int, eos_tok
             gpu_memory_utilization=float(ro.gpu_memory_utilization),
             enforce_eager=bool(ro.enforce_eager),
             enable_sleep_mode=bool(ro.free_cache_engine),
+            sleep_level=int(ro.sleep_level),
         ),
         tensor_parallel_size=int(ro.tensor_model_parallel_size),
         free_cache_engine=bool(ro.free_cache_engine),

@@ -170,16 +170,21 @@ class RolloutRole:
             out.pop("rollout_log_probs")
         return out
 
-    def sleep(self) -> None:
-        """Release the KV cache and the weight copy until the next sync (`spec.free_cache_engine`)."""
-        if self.spec.free_cache_engine and self.engine.state is EngineState.AWAKE:
+    def sleep(self) -> bool:
+        """Release the KV cache and the weight copy until the next sync (`spec.free_cache_engine`).
+        Returns whether the weights are lost (a sync must follow the next wake-up)."""
+        if self.spec.free_cache_engine and self.engine.state is not EngineState.ASLEEP:
             self.engine.sleep()
+            return self.engine.sleep_discards_weights
+        return False
 
-    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> bool:
         """Restore what `sleep` released: everything, or only `("weights",)` (before a weight sync,
-        so the KV cache is allocated after the sync's buffers are gone)."""
-        if self.engine.state is not EngineState.AWAKE:
-            self.engine.wake_up(tags)
+        so the KV cache is allocated after the sync's buffers are gone). Returns whether it woke."""
+        if self.engine.state is EngineState.AWAKE:
+            return False
+        self.engine.wake_up(tags)
+        return True
 
 
 def set_torch_threads(n: int) -> int:

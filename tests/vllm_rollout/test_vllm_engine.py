@@ -81,7 +81,8 @@ def engine(hf_model: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory) 
     model_dir: Path = tmp_path_factory.mktemp("vllm_model")
     hf_model.save_pretrained(model_dir)
     options = EngineOptions(
-        pad_token_id=PAD, eos_token_ids=(), seed=0, max_model_len=128, max_num_seqs=64, kv_cache_memory_gb=0.25
+        pad_token_id=PAD, eos_token_ids=(), seed=0, max_model_len=128, max_num_seqs=64, kv_cache_memory_gb=0.25,
+        sleep_level=1,  # these tests generate after a wake-up without a weight sync
     )
     engine = VLLMRolloutEngine(model_dir, options)
     yield engine
@@ -250,7 +251,7 @@ def test_sleep_frees_memory_and_wakes_with_updated_weights(engine: VLLMRolloutEn
     assert torch.equal(engine.generate(prompt_batch(PROMPTS), SamplingParams.make_greedy(R))["responses"], before["responses"])
 
 
-def test_vllm_engine_refuses_a_bad_sleep_level(tmp_path: Path) -> None:
+def test_a_bad_sleep_level_is_refused() -> None:
     with pytest.raises(ConfigError, match="sleep_level must be 1 or 2"):
-        VLLMRolloutEngine(tmp_path, EngineOptions(pad_token_id=PAD, eos_token_ids=()), sleep_level=3)
+        EngineOptions(pad_token_id=PAD, eos_token_ids=(), sleep_level=3)
 

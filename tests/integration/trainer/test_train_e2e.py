@@ -117,21 +117,57 @@ def test_grpo_runs_and_logs_verl_metrics(tmp_path: Path, task_dir: Path) -> None
     assert not (tmp_path / "run" / "profile" / "step_1").exists()
 
 
-def test_offloaded_roles_train_exactly_like_resident_ones(tmp_path: Path, task_dir: Path) -> None:
-    """Memory phases: with every *_offload key on, the roles move to host memory between phases and
-    the run's numbers are those of a run that keeps everything resident (same seed)."""
-    kl = {"use_kl_loss": True, "kl_loss_coef": 0.01}
+def read_memory_trace(run_dir: Path) -> dict[int, list[tuple[str, str, str]]]:
+    lines = (run_dir / "memory_phases.jsonl").read_text().splitlines()
+    return {rec["step"]: [tuple(t) for t in rec["transitions"]] for rec in map(json.loads, lines)}
+
+
+SYNC_AND_GEN = [("sync_weights", "rollout", "wake_up:weights"), ("sync_weights", "rollout", "wake_up"),
+                ("gen", "rollout", "sleep")]
+OFFLOAD_CASES = {
+    # GRPO with a KL loss: actor and reference offloaded.
+    "grpo": (dict(actor={"use_kl_loss": True, "kl_loss_coef": 0.01}),
+             dict(actor={"param_offload": True, "grad_offload": True, "optimizer_offload": True},
+                  ref={"param_offload": True}),
+             ("actor/kl_loss",), ["sync_weights:actor", "old_log_prob:actor", "ref:ref", "update_actor:actor"]),
+    # PPO with a colocated critic: actor and critic offloaded.
+    "ppo": (dict(algorithm={"adv_estimator": "gae", "lam": 0.95}, rollout={"n": 1}, actor={"ppo_micro_batch_size_per_gpu": 2},
+                 critic={"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2}),
+            dict(actor={"param_offload": True, "grad_offload": True, "optimizer_offload": True},
+                 critic={"param_offload": True, "optimizer_offload": True}),
+            ("critic/vf_loss", "critic/values/mean"),
+            ["sync_weights:actor", "old_log_prob:actor", "values:critic", "update_critic:critic", "update_actor:actor"]),
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(OFFLOAD_CASES))
+def test_offloaded_roles_train_exactly_like_resident_ones(tmp_path: Path, task_dir: Path, algorithm: str) -> None:
+    """Memory phases: with the *_offload keys on, the roles live in host memory between the phases that
+    use them, the rollout engine sleeps after generation, and the run's numbers are bit-identical to
+    a run that keeps everything resident (same seed)."""
+    base, offload, extra_keys, onloads = OFFLOAD_CASES[algorithm]
     resident_dir, offload_dir = tmp_path / "resident", tmp_path / "offload"
     resident_dir.mkdir()
     offload_dir.mkdir()
-    assert run_train(write_config(resident_dir, task_dir, actor=kl)).returncode == 0
-    offload = {**kl, "param_offload": True, "grad_offload": True, "optimizer_offload": True}
-    config = write_config(offload_dir, task_dir, actor=offload, ref={"param_offload": True})
-    assert run_train(config).returncode == 0
+    assert run_train(write_config(resident_dir, task_dir, **base)).returncode == 0
+    sections = {k: {**base.get(k, {}), **v} for k, v in offload.items()}
+    assert run_train(write_config(offload_dir, task_dir, **{**base, **sections})).returncode == 0
     want, got = read_metrics(resident_dir / "run"), read_metrics(offload_dir / "run")
     for step in (1, 2):
-        for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "response_length/mean"):
-            assert got[step][key] == pytest.approx(want[step][key], rel=1e-6, abs=1e-9), (step, key)
+        for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean", *extra_keys):
+            assert got[step][key] == want[step][key], (step, key)
+    # The order of the transitions in a steady step (step 2): each offloaded role comes in for its
+    # phase and goes out after it; the rollout wakes its weights, syncs, wakes its cache, sleeps.
+    assert read_memory_trace(resident_dir / "run")[2] == SYNC_AND_GEN
+    expected = []
+    for phase_role in onloads:
+        phase, role = phase_role.split(":")
+        if phase == "sync_weights":
+            expected += [(phase, role, "onload"), SYNC_AND_GEN[0], (phase, role, "offload"), *SYNC_AND_GEN[1:]]
+        else:
+            expected += [(phase, role, "onload"), (phase, role, "offload")]
+    assert read_memory_trace(offload_dir / "run")[2] == expected
+    assert "memory/update_actor/peak_rss_gb" in got[2] and "perf/cpu_memory_used_gb" in got[2]
 
 
 def test_val_only_validates_and_stops(tmp_path: Path, task_dir: Path) -> None:

@@ -361,6 +361,10 @@ def test_val_only_needs_validation_files(valid_file: Path) -> None:
     assert load_config(valid_file, ["trainer.val_only=true", "data.val_files=[val.parquet]"]).trainer.val_only
 
 
+def test_sleep_level_is_1_or_2(valid_file: Path) -> None:
+    assert "rollout.sleep_level = 3: must be 1 (keep the weights) or 2 (discard them)" in errors_of(valid_file, "rollout.sleep_level=3")
+
+
 def test_profile_steps_are_step_numbers(valid_file: Path) -> None:
     assert "trainer.profile_steps: 0 is not a step number" in errors_of(valid_file, "trainer.profile_steps=[0,2]")
     assert list(load_config(valid_file, ["trainer.profile_steps=[1,3]"]).trainer.profile_steps) == [1, 3]

@@ -35,6 +35,8 @@ def _write_run(run_dir: Path, n_steps: int = 20) -> None:
                 "timing_s/update_actor": 1.5,
                 "timing_s/reward": 0.5,
                 "timing_s/step": 5.0,
+                "memory/gen/peak_rss_gb": 1.5 + 0.01 * step,
+                "memory/update_actor/peak_rss_gb": 2.5,
             }
             if step % 10 == 0:
                 metrics["val-core/arith/reward/mean@1"] = 0.05 * step
@@ -46,7 +48,7 @@ def test_report_writes_plots_and_summary(tmp_path: Path) -> None:
 
     _write_run(tmp_path)
     paths = write_report(tmp_path, k=5)
-    assert set(paths) == {"reward", "response_length", "kl", "throughput", "timing", "entropy", "summary"}
+    assert set(paths) == {"reward", "response_length", "kl", "throughput", "timing", "entropy", "memory", "summary"}
     for name, path in paths.items():
         assert path.parent == tmp_path / "report"
         if name != "summary":
