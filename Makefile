@@ -57,3 +57,4 @@ clean:
 
 include mk/vllm.mk
 include mk/bench.mk
+include mk/gpu_bundle.mk

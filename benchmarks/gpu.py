@@ -24,11 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO_ROOT, RESULTS_DIR, load_average, machine_info, write_json  # noqa: E402
 
 # Peak dense bf16 tensor-core FLOP/s by device-name fragment (vendor data sheets, no sparsity).
+# The longest fragment found in the name wins ("H100 PCIe" over "H100", "L40S" and "L40" over "L4").
 PEAK_BF16_FLOPS: dict[str, float] = {
     "H200": 989e12,
-    "H100": 989e12,
+    "H200 NVL": 835e12,
+    "H100": 989e12,  # SXM
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
     "A100": 312e12,
     "L40S": 362e12,
+    "L40": 181e12,
     "A10": 125e12,
     "L4": 121e12,
 }
@@ -40,10 +45,9 @@ ROLLOUT_ARGS = ["--num-prompts", "64", "--n", "8", "--max-new-tokens", "256", "-
 
 
 def peak_flops(device_name: str) -> float | None:
-    for fragment, flops in PEAK_BF16_FLOPS.items():
-        if fragment in device_name:
-            return flops
-    return None
+    """Peak dense bf16 FLOP/s of a device named like torch.cuda.get_device_name(); None if unknown."""
+    found = [fragment for fragment in PEAK_BF16_FLOPS if fragment in device_name]
+    return PEAK_BF16_FLOPS[max(found, key=len)] if found else None
 
 
 def mfu(params: int, tokens_per_s: float, flops_peak: float | None) -> float | None:
