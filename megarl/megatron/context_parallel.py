@@ -23,8 +23,6 @@ the CP size and DDP averages over DP x CP ranks; the two cancel, so gradients eq
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -291,28 +289,12 @@ def with_context_parallel_attention(layer_spec: Any) -> Any:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    spec = copy.deepcopy(layer_spec)
-    replaced = 0
+    from megarl.megatron.spec_rewrite import replace_modules
 
     def is_dpa(node: Any) -> bool:
         return node is DotProductAttention or (isinstance(node, ModuleSpec) and node.module is DotProductAttention)
 
-    def visit(node: Any) -> Any:
-        nonlocal replaced
-        if is_dpa(node):
-            replaced += 1
-            return ContextParallelAttention
-        if isinstance(node, ModuleSpec):
-            node.submodules = visit(node.submodules)
-            return node
-        if isinstance(node, (list, tuple)):
-            return type(node)(visit(n) for n in node)
-        if dataclasses.is_dataclass(node) and not isinstance(node, type):
-            for f in dataclasses.fields(node):
-                setattr(node, f.name, visit(getattr(node, f.name)))
-        return node
-
-    spec = visit(spec)
+    spec, replaced = replace_modules(layer_spec, is_dpa, ContextParallelAttention)
     if not replaced:
         raise ConfigError(
             "context_parallel_size > 1 without TransformerEngine needs the local layer spec's "

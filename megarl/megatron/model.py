@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from typing import Any
 
 import torch
@@ -19,6 +17,7 @@ from torch import nn
 
 from megarl.errors import CheckpointError, ConfigError
 from megarl.megatron.context_parallel import with_context_parallel_attention
+from megarl.megatron.spec_rewrite import replace_modules
 from megarl.models.spec import ModelSpec, te_available
 
 ROLES = ("policy", "value", "reward")
@@ -75,24 +74,7 @@ def with_local_norms(layer_spec: Any, config: Any) -> Any:
     """The local layer spec with `LocalNorm` for every `WrappedTorchNorm`, as block submodules whose
     final norm is `LocalNorm` too (GPTModel otherwise builds the final norm from Megatron's
     module-level default). Raises ConfigError if the spec has no torch norm to replace."""
-    replaced = 0
-
-    def visit(node: Any) -> Any:
-        nonlocal replaced
-        if node is WrappedTorchNorm:
-            replaced += 1
-            return LocalNorm
-        if isinstance(node, ModuleSpec):
-            node.submodules = visit(node.submodules)
-            return node
-        if isinstance(node, (list, tuple)):
-            return type(node)(visit(n) for n in node)
-        if dataclasses.is_dataclass(node) and not isinstance(node, type):
-            for f in dataclasses.fields(node):
-                setattr(node, f.name, visit(getattr(node, f.name)))
-        return node
-
-    spec = visit(copy.deepcopy(layer_spec))
+    spec, replaced = replace_modules(layer_spec, lambda node: node is WrappedTorchNorm, LocalNorm)
     if not replaced:
         raise ConfigError("the local layer spec has no torch norm (WrappedTorchNorm) to replace")
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=LocalNorm)
