@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +65,10 @@ def _prod(shape: list[int]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--work-dir", default="/tmp/megarl_bench_memory")
+    parser.add_argument("--work-dir", type=Path, default=None, help="runs and data (default: a temporary folder)")
     parser.add_argument("--out", default=str(RESULTS_DIR / "memory_phases.json"))
     args = parser.parse_args(argv)
-    work = Path(args.work_dir)
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="megarl_bench_memory_"))
     task = prepare_task(work)
     results: dict[str, Any] = {}
     for name, extra in VARIANTS.items():
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         out = run_megarl(run_dir, base_overrides(task, run_dir, args.steps) + MODEL + SHAPE + extra,
                          prompts=8, n=8, timeout_s=1800)
         results[name] = {"phase_peak_rss_gb": phase_peaks(run_dir), "step_s_mean": out["summary"]["step_s_mean"],
-                         "phase_seconds_mean": out["summary"]["phase_seconds_mean"], "command": out["command"]}
+                         "phase_seconds_mean": out["summary"]["phase_seconds_mean"],
+                         "overrides": MODEL + SHAPE + extra}
         print(f"{name:9s} step {results[name]['step_s_mean']:.2f} s  " +
               "  ".join(f"{p} {v:.3f} GiB" for p, v in results[name]["phase_peak_rss_gb"].items() if v is not None))
     params = model_parameters(work / "resident")
