@@ -125,16 +125,15 @@ def read_memory_trace(run_dir: Path) -> dict[int, list[tuple[str, str, str]]]:
 SYNC_AND_GEN = [("sync_weights", "rollout", "wake_up:weights"), ("sync_weights", "rollout", "wake_up"),
                 ("gen", "rollout", "sleep")]
 OFFLOAD_CASES = {
-    # GRPO with a KL loss: actor and reference offloaded.
+    # Every offload key is on in one of the two cases, and each case offloads a different subset of
+    # the actor's state. GRPO with a KL loss: actor parameters and gradients, the reference.
     "grpo": (dict(actor={"use_kl_loss": True, "kl_loss_coef": 0.01}),
-             dict(actor={"param_offload": True, "grad_offload": True, "optimizer_offload": True},
-                  ref={"param_offload": True}),
+             dict(actor={"param_offload": True, "grad_offload": True}, ref={"param_offload": True}),
              ("actor/kl_loss",), ["sync_weights:actor", "old_log_prob:actor", "ref:ref", "update_actor:actor"]),
-    # PPO with a colocated critic: actor and critic offloaded.
+    # PPO with a colocated critic: the actor's optimizer state only, the critic's parameters and optimizer.
     "ppo": (dict(algorithm={"adv_estimator": "gae", "lam": 0.95}, rollout={"n": 1}, actor={"ppo_micro_batch_size_per_gpu": 2},
                  critic={"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2}),
-            dict(actor={"param_offload": True, "grad_offload": True, "optimizer_offload": True},
-                 critic={"param_offload": True, "optimizer_offload": True}),
+            dict(actor={"optimizer_offload": True}, critic={"param_offload": True, "optimizer_offload": True}),
             ("critic/vf_loss", "critic/values/mean"),
             ["sync_weights:actor", "old_log_prob:actor", "values:critic", "update_critic:critic", "update_actor:actor"]),
 }
@@ -142,7 +141,7 @@ OFFLOAD_CASES = {
 
 @pytest.mark.parametrize("algorithm", sorted(OFFLOAD_CASES))
 def test_offloaded_roles_train_exactly_like_resident_ones(tmp_path: Path, task_dir: Path, algorithm: str) -> None:
-    """Memory phases: with the *_offload keys on, the roles live in host memory between the phases that
+    """Memory phases: with *_offload keys on, the roles live in host memory between the phases that
     use them, the rollout engine sleeps after generation, and the run's numbers are bit-identical to
     a run that keeps everything resident (same seed)."""
     base, offload, extra_keys, onloads = OFFLOAD_CASES[algorithm]
