@@ -152,11 +152,8 @@ class RefConfig:
 @dataclass
 class RewardModelConfig:
     # Reward-model workers are not available yet: `enable: true` is refused by validation; score with
-    # the rule scorers or reward.custom_reward_function.
+    # the rule scorers or reward.custom_reward_function. (Its other verl keys are refused by name.)
     enable: bool = False
-    model_path: Optional[str] = None
-    megatron: ParallelConfig = field(default_factory=ParallelConfig)
-    micro_batch_size_per_gpu: int = 8
 
 
 @dataclass
@@ -296,7 +293,6 @@ class ResourcesConfig:
     # Separate pools: null shares the actor pool (colocated).
     critic_pool: Optional[PoolConfig] = None
     ref_pool: Optional[PoolConfig] = None
-    reward_model_pool: Optional[PoolConfig] = None
 
 
 @dataclass

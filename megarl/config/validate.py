@@ -317,8 +317,6 @@ def validate_config(cfg: DictConfig) -> None:
     if cfg.reward_model.enable:
         r.err("reward_model.enable = true: reward-model workers are not available yet; score with the rule "
               "scorers (by data_source) or reward.custom_reward_function")
-    if cfg.resources.reward_model_pool is not None:
-        r.err("resources.reward_model_pool: reward-model workers are not available yet; leave it null")
     if cfg.model.spec is not None:
         families = model_families()
         if cfg.model.spec not in families:

@@ -24,10 +24,6 @@ SOURCES = [p for p in (Path(schema.__file__).parents[1]).rglob("*.py") if "confi
 # Keys read nowhere, each with the reason it is allowed to stay.
 ALLOWED_UNREAD = {
     "reward_model.enable": "refused by validation until reward-model workers exist",
-    "reward_model.model_path": "reward-model workers: refused with reward_model.enable",
-    "reward_model.megatron": "reward-model workers: refused with reward_model.enable",
-    "reward_model.micro_batch_size_per_gpu": "reward-model workers: refused with reward_model.enable",
-    "resources.reward_model_pool": "refused by validation until reward-model workers exist",
     # Read through helpers in megarl.config that the run-spec resolver and the driver call.
     "ref.enable": "read by megarl.config.ref_enabled (used by megarl.trainer.run_spec)",
     "critic.megatron": "read by megarl.config.validate.role_parallel (used by megarl.trainer.run_spec)",
