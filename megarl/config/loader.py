@@ -97,10 +97,6 @@ REMOVED_KEYS: dict[str, str] = {
     "critic.optim.warmup_style": "use critic.optim.lr_scheduler (constant | cosine | linear)",
     "trainer.n_gpus_per_node": "use resources.actor_pool.devices_per_node",
     "trainer.nnodes": "use resources.actor_pool.nnodes",
-    **{key: "reward-model workers are not available yet; score with the rule scorers or "
-            "reward.custom_reward_function" for key in ("reward_model.model_path", "reward_model.megatron",
-                                                        "reward_model.micro_batch_size_per_gpu",
-                                                        "resources.reward_model_pool")},
 }
 
 

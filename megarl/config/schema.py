@@ -151,9 +151,21 @@ class RefConfig:
 
 @dataclass
 class RewardModelConfig:
-    # Reward-model workers are not available yet: `enable: true` is refused by validation; score with
-    # the rule scorers or reward.custom_reward_function. (Its other verl keys are refused by name.)
+    # A Megatron reward model scores each response (its value head at the last valid token); the
+    # score goes to the last response token, with or instead of the rule scorers (see `combine`).
     enable: bool = False
+    # A HF sequence-classification directory with one label (e.g. Qwen2ForSequenceClassification,
+    # its `score` head) and, when its vocabulary differs from the actor's, its own tokenizer.
+    model_path: Optional[str] = None
+    megatron: Optional[ParallelConfig] = None  # null: the actor's layout
+    micro_batch_size_per_gpu: int = 8  # sequences per forward pass on one DP rank
+    param_offload: bool = False  # host memory except while scoring
+    # How a row's score is made, per row by its dataset column `reward_model.style`:
+    #   by_style: style "rule" -> the rule scorer's score, style "model" -> the reward model's
+    #   weighted_sum: rule_weight * rule score (rows of style "rule") + model_weight * model score (all rows)
+    combine: str = "by_style"
+    rule_weight: float = 1.0
+    model_weight: float = 1.0
 
 
 @dataclass
@@ -268,6 +280,9 @@ class TrainerConfig:
     critic_warmup: int = 0  # steps that train only the critic
     resume_mode: str = "auto"  # auto | disable | resume_path
     resume_from_path: Optional[str] = None
+    # When the checkpoint to resume from fails verification: resume from the newest earlier one that
+    # passes (true) or stop, naming the damaged file and that earlier checkpoint (false)
+    resume_fallback: bool = False
     max_ckpt_to_keep: int = 2
     default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"
     seed: int = 1
@@ -293,6 +308,7 @@ class ResourcesConfig:
     # Separate pools: null shares the actor pool (colocated).
     critic_pool: Optional[PoolConfig] = None
     ref_pool: Optional[PoolConfig] = None
+    reward_model_pool: Optional[PoolConfig] = None
 
 
 @dataclass

@@ -252,6 +252,34 @@ def _check_token_budget(r: _Rules, role: str, sec: Any, par: Any, seq_len: int) 
         )
 
 
+def _check_reward_model(r: _Rules, cfg: DictConfig) -> None:
+    """`reward_model.*`: its checkpoint (score head, one label, vocabulary), layout and pool."""
+    # Imported here: the checkpoint checks read safetensors headers and tokenizers (torch,
+    # transformers), which `megarl config` otherwise does not load.
+    from megarl.rewards.model_checkpoint import reward_model_problems
+    from megarl.rewards.model_scores import COMBINES
+
+    rm, res = cfg.reward_model, cfg.resources
+    if rm.combine not in COMBINES:
+        r.err(f"reward_model.combine = {rm.combine!r}; valid: {list(COMBINES)}")
+    r.positive("reward_model.micro_batch_size_per_gpu")
+    if not rm.model_path:
+        r.err("reward_model.enable = true needs reward_model.model_path (a HF sequence-classification directory "
+              "with one label)")
+        return
+    for problem in reward_model_problems(str(rm.model_path), cfg.data.tokenizer or cfg.model.path or None):
+        r.err(problem)
+    config_file = Path(rm.model_path) / "config.json"
+    hf = json.loads(config_file.read_text()) if config_file.is_file() else None
+    world = pool_size(res.reward_model_pool) if res.reward_model_pool is not None else pool_size(res.actor_pool)
+    pool_key = "resources.reward_model_pool" if res.reward_model_pool is not None else "resources.actor_pool"
+    _check_layout(r, "reward_model", role_parallel(cfg, "reward_model"), world, pool_key, hf)
+    if res.reward_model_pool is None and rm.megatron is not None and _as_dict(rm.megatron) != _as_dict(cfg.actor.megatron):
+        r.err("reward_model.megatron differs from actor.megatron, but the reward model shares the actor's processes "
+              "(resources.reward_model_pool is null); set reward_model.megatron to null (the actor's layout) or "
+              "give the reward model its own pool")
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Raise ConfigError listing every rule ``cfg`` breaks."""
     r = _Rules(cfg)
@@ -315,8 +343,7 @@ def validate_config(cfg: DictConfig) -> None:
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         r.err("trainer.resume_mode = 'resume_path' needs trainer.resume_from_path")
     if cfg.reward_model.enable:
-        r.err("reward_model.enable = true: reward-model workers are not available yet; score with the rule "
-              "scorers (by data_source) or reward.custom_reward_function")
+        _check_reward_model(r, cfg)
     if cfg.model.spec is not None:
         families = model_families()
         if cfg.model.spec not in families:

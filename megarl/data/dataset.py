@@ -288,7 +288,8 @@ class RLDataset:
 
     def get_rows(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """Fetch and tokenise rows. Each row: ``input_ids`` (list[int], truncated, unpadded),
-        ``raw_prompt``, ``data_source``, ``ground_truth``, ``extra_info`` (dict), ``ability``,
+        ``raw_prompt``, ``data_source``, ``ground_truth``, ``reward_style`` (the row's
+        ``reward_model.style``: "rule", "model" or None), ``extra_info`` (dict), ``ability``,
         ``index`` (dataset index) and ``row`` (global row over the files)."""
         rows = [self._global_row(int(i)) for i in indices]
         columns = self._table[rows]
@@ -320,6 +321,7 @@ class RLDataset:
                     "ground_truth": reward_model.get(GROUND_TRUTH)
                     if isinstance(reward_model, dict)
                     else None,
+                    "reward_style": reward_model.get("style") if isinstance(reward_model, dict) else None,
                     "extra_info": extra_info or {},
                     "ability": ability,
                     "index": int(indices[k]) % len(self),
@@ -332,7 +334,7 @@ class RLDataset:
         """Left-pad examples from :meth:`get_rows` into a Batch.
 
         Tensors (B, P) int64: ``input_ids``, ``attention_mask``, ``position_ids``. Object columns:
-        ``uid`` (default: the global row number as a string), ``data_source``, ``ground_truth``,
+        ``uid`` (default: the global row number as a string), ``data_source``, ``ground_truth``, ``reward_style``,
         ``extra_info``, ``raw_prompt``, ``ability``, ``index``.
         """
         if uids is not None and len(uids) != len(examples):
@@ -345,7 +347,8 @@ class RLDataset:
             "uid": list(uids) if uids is not None else [str(e["row"]) for e in examples],
             **{
                 key: [e[key] for e in examples]
-                for key in ("data_source", "ground_truth", "extra_info", "raw_prompt", "ability", "index")
+                for key in ("data_source", "ground_truth", "reward_style", "extra_info", "raw_prompt", "ability",
+                            "index")
             },
         }
         return Batch.from_dict(

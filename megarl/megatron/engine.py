@@ -132,7 +132,8 @@ class MegatronEngine:
         spec = self._role_spec()
         names = {h for _, _, hf in stage_entries(spec, self.ranks.pp_rank, self.ranks.pp_size, self.use_te,
                                   self.ranks.ep_rank, self.ranks.ep_size) for h in hf}
-        optional = {n for n in names if n in OPTIONAL_HF_WEIGHTS}
+        # A reward model's score head is its output: never optional.
+        optional = {n for n in names if n in OPTIONAL_HF_WEIGHTS} if self.role == "value" else set()
         hf_sd = read_hf_tensors(hf_dir, names - optional)
         try:
             hf_sd.update(read_hf_tensors(hf_dir, optional))
@@ -147,7 +148,7 @@ class MegatronEngine:
         optional = tuple(
             name for e, name, hf in stage_entries(spec, self.ranks.pp_rank, self.ranks.pp_size, self.use_te,
                                   self.ranks.ep_rank, self.ranks.ep_size)
-            if any(h in OPTIONAL_HF_WEIGHTS and h not in present for h in hf)
+            if self.role == "value" and any(h in OPTIONAL_HF_WEIGHTS and h not in present for h in hf)
         )
         skip_entries = set(optional)
         state = hf_to_megatron_state_dict(

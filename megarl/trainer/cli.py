@@ -23,6 +23,8 @@ def ray_cpus_needed(cfg: DictConfig) -> int:
         total += pool_size(res.ref_pool)
     if critic_enabled(cfg) and res.critic_pool is not None:
         total += pool_size(res.critic_pool)
+    if cfg.reward_model.enable and res.reward_model_pool is not None:
+        total += pool_size(res.reward_model_pool)
     return int(total * per_worker + 0.999) + 1
 
 
@@ -31,7 +33,6 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # Imported here, not at the top: `megarl config` and `megarl data` start without torch, Ray
     # and Megatron.
     from megarl.cluster.ray_cluster import start_or_connect
-    from megarl.trainer.checkpoint_dirs import CheckpointDirs
     from megarl.trainer.loop import RLTrainer
     from megarl.trainer.run_spec import resolve_run_spec
     from megarl.trainer.setup import prepare_run
@@ -45,8 +46,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else eos
     spec = resolve_run_spec(cfg, str(run.model_dir), pad_token_id=pad, eos_token_ids=[eos],
                             total_steps=run.total_steps)
-    resume = CheckpointDirs(run.run_dir / "checkpoints").resolve_resume(cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
-    resume_step = resume[0] if resume else None
+    resume_step = run.resume[0] if run.resume else None
     res = cfg.resources
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Without a terminal the console backend already prints a line per step: the progress line

@@ -17,6 +17,7 @@ from megarl.config.validate import role_parallel
 from megarl.dtypes import long_name, short_name
 from megarl.layout import ParallelLayout
 from megarl.megatron.optim import EngineConfig
+from megarl.rewards.model_scores import RewardCombine
 from megarl.rollout.base import EngineOptions, SamplingParams
 from megarl.workers.losses import ActorLossSpec, CriticLossSpec
 from megarl.workers.specs import EngineRoleSpec, OffloadSpec, RolloutSpec, UpdateSpec
@@ -36,6 +37,8 @@ class RunSpec:
     train_sampling: SamplingParams
     val_sampling: SamplingParams
     response_length: int
+    reward_model: Optional[EngineRoleSpec] = None
+    reward_combine: RewardCombine = RewardCombine()
 
 
 def response_length(cfg: DictConfig) -> int:
@@ -157,6 +160,22 @@ def resolve_run_spec(cfg: DictConfig, model_dir: str, pad_token_id: int, eos_tok
             family=family,
         )
 
+    rm_spec = None
+    rm = cfg.reward_model
+    if rm.enable:
+        par = role_parallel(cfg, "reward_model")
+        micro = int(rm.micro_batch_size_per_gpu)
+        rm_spec = EngineRoleSpec(
+            name="reward_model",
+            model_dir=str(rm.model_path),
+            layout=parallel_layout(par),
+            # Frozen: the optimizer settings only shape the (unused) optimizer it is built with.
+            engine=_engine_config(cfg, actor.optim, "reward", par, total_steps, micro=micro, log_prob_micro=micro,
+                                  use_dynamic_bsz=False, max_tokens=actor.ppo_max_token_len_per_gpu),
+            offload=OffloadSpec(params=bool(rm.param_offload)),
+            max_response_length=resp,
+        )
+
     ro = cfg.rollout
     rollout_spec = RolloutSpec(
         model_dir=str(model_dir),
@@ -194,6 +213,8 @@ def resolve_run_spec(cfg: DictConfig, model_dir: str, pad_token_id: int, eos_tok
                                     top_p=float(val.top_p), top_k=int(val.top_k), max_new_tokens=resp,
                                     greedy=not val.do_sample),
         response_length=resp,
+        reward_model=rm_spec,
+        reward_combine=RewardCombine(str(rm.combine), float(rm.rule_weight), float(rm.model_weight)),
     )
 
 

@@ -2,7 +2,8 @@
 
 Placement follows `resources`: the hybrid actor (actor + rollout, and the reference unless it has
 its own pool) takes `resources.actor_pool`; the critic shares the actor's processes when it has no
-pool of its own and the same Megatron layout, otherwise it takes `resources.critic_pool`.
+pool of its own and the same Megatron layout, otherwise it takes `resources.critic_pool`; so does the
+reward model (`resources.reward_model_pool`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from megarl.cluster.resource_pool import ResourcePool
 from megarl.cluster.worker_group import RoleView, WorkerGroup
 from megarl.layout import ParallelLayout, RankCoord
 from megarl.trainer.run_spec import RunSpec
-from megarl.workers.roles import ActorRole, CriticRole, RefRole, RolloutRole
+from megarl.workers.roles import ActorRole, CriticRole, RefRole, RewardModelRole, RolloutRole
 from megarl.workers.specs import EngineRoleSpec
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class Workers:
     hybrid: WorkerGroup  # the processes of actor + rollout (+ colocated ref / critic)
     ref: Optional[RoleView] = None
     critic: Optional[RoleView] = None
+    reward_model: Optional[RoleView] = None
     groups: list[WorkerGroup] = field(default_factory=list)
     rollout_engine: str = ""
 
@@ -74,6 +76,8 @@ def start_workers(cfg: DictConfig, spec: RunSpec) -> Workers:
         hybrid_roles["ref"] = (RefRole, {"spec": spec.ref})
     if spec.critic is not None and res.critic_pool is None:  # same layout: checked by validate_config
         hybrid_roles["critic"] = (CriticRole, {"spec": spec.critic})
+    if spec.reward_model is not None and res.reward_model_pool is None:  # same layout: checked by validate_config
+        hybrid_roles["reward_model"] = (RewardModelRole, {"spec": spec.reward_model})
 
     groups: list[WorkerGroup] = []
     try:
@@ -98,8 +102,11 @@ def start_workers(cfg: DictConfig, spec: RunSpec) -> Workers:
             workers.ref = hybrid.for_role("ref")
         if "critic" in hybrid_roles:
             workers.critic = hybrid.for_role("critic")
+        if "reward_model" in hybrid_roles:
+            workers.reward_model = hybrid.for_role("reward_model")
         own_pools: list[tuple[Any, type, Optional[EngineRoleSpec]]] = [
-            (res.ref_pool, RefRole, spec.ref), (res.critic_pool, CriticRole, spec.critic)]
+            (res.ref_pool, RefRole, spec.ref), (res.critic_pool, CriticRole, spec.critic),
+            (res.reward_model_pool, RewardModelRole, spec.reward_model)]
         for pool_cfg, role_cls, role_spec in own_pools:
             if role_spec is None or pool_cfg is None:
                 continue

@@ -1,4 +1,4 @@
-"""The role objects hosted in SPMD worker processes: actor, reference, rollout, critic.
+"""The role objects hosted in SPMD worker processes: actor, reference, rollout, critic, reward model.
 
 A `megarl.cluster.host_worker.HostWorker` builds them as `RoleClass(context, **kwargs)` and the
 driver reaches them through `WorkerGroup.for_role(name)`. The hybrid actor process holds
@@ -125,6 +125,21 @@ class CriticRole(EngineRole):
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
         return self._train(batch, make_critic_loss(self.spec.loss))
+
+
+class RewardModelRole(EngineRole):
+    """A frozen reward model: a sequence-classification checkpoint's `score` head read at each
+    sequence's last valid token."""
+
+    def compute_rm_score(self, batch: Batch) -> Batch:
+        """`rm_scores` (B,) float32 for rows of `input_ids`/`attention_mask`/`responses`."""
+        return Batch.from_dict({"rm_scores": self.engine.compute_rm_score(batch)})
+
+    def save_checkpoint(self, path: str) -> None:  # frozen: rebuilt from its checkpoint on resume
+        return None
+
+    def load_checkpoint(self, path: str) -> None:
+        return None
 
 
 class RolloutRole:

@@ -322,13 +322,6 @@ def test_model_spec_must_name_a_family(valid_file: Path) -> None:
     assert load_config(valid_file, ["model.spec=llama"]).model.spec == "llama"
 
 
-def test_reward_model_workers_are_refused_until_they_exist(valid_file: Path) -> None:
-    msg = errors_of(valid_file, "reward_model.enable=true")
-    assert "reward_model.enable = true: reward-model workers are not available yet" in msg
-    for key in ("resources.reward_model_pool.nnodes=1", "reward_model.model_path=/models/rm"):
-        assert "is not a megarl key: reward-model workers are not available yet" in errors_of(valid_file, key)
-
-
 def test_removed_verl_keys_say_what_to_use(valid_file: Path, tmp_path: Path) -> None:
     msg = errors_of(valid_file, "data.dataloader_num_workers=4")
     assert "'data.dataloader_num_workers' is not a megarl key: megarl reads prompts from parquet in the driver" in msg

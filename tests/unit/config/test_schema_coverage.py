@@ -23,17 +23,18 @@ SOURCES = [p for p in (Path(schema.__file__).parents[1]).rglob("*.py") if "confi
     Path(schema.__file__).parents[1]).parts]
 # Keys read nowhere, each with the reason it is allowed to stay.
 ALLOWED_UNREAD = {
-    "reward_model.enable": "refused by validation until reward-model workers exist",
     # Read through helpers in megarl.config that the run-spec resolver and the driver call.
     "ref.enable": "read by megarl.config.ref_enabled (used by megarl.trainer.run_spec)",
     "critic.megatron": "read by megarl.config.validate.role_parallel (used by megarl.trainer.run_spec)",
     "ref.megatron": "read by megarl.config.validate.role_parallel (used by megarl.trainer.run_spec)",
+    "reward_model.megatron": "read by megarl.config.validate.role_parallel (used by megarl.trainer.run_spec)",
 }
 # Variable names the code gives a section besides its own name (`ro = cfg.rollout`).
 SECTION_ALIASES = {
     "rollout": ("ro",), "algorithm": ("alg",), "resources": ("res",), "val_kwargs": ("val",),
     "overlong_buffer": ("overlong",), "custom_reward_function": ("custom",), "filter_groups": ("fg",),
     "actor_pool": ("pool_cfg",), "critic_pool": ("pool_cfg",), "ref_pool": ("pool_cfg",), "megatron": ("par",),
+    "reward_model_pool": ("pool_cfg",), "reward_model": ("rm",),
 }
 
 

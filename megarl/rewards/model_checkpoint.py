@@ -1,0 +1,86 @@
+"""Checks of a reward-model checkpoint (`reward_model.model_path`) before any worker starts.
+
+A reward model is a HF sequence-classification directory with one label: its `score` head, of
+shape (1, hidden), is the engine's scalar head, and its score is the head at the last valid token.
+Every problem is reported with the file it was found in and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from megarl.convert.hf_files import HFCheckpoint
+from megarl.data.tokenizer import load_tokenizer
+from megarl.errors import MegarlError
+
+HEAD = "score.weight"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def has_own_tokenizer(model_dir: str | Path) -> bool:
+    """Whether the reward model's directory carries a tokenizer of its own."""
+    return any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def num_labels(config: dict[str, Any]) -> int:
+    """Labels of a HF config: `num_labels` when written, else the size of `id2label` (transformers
+    writes only the latter), else transformers' default of 2."""
+    if "num_labels" in config:
+        return int(config["num_labels"])
+    if config.get("id2label"):
+        return len(config["id2label"])
+    return 2
+
+
+def reward_model_problems(model_dir: str, actor_tokenizer_dir: Optional[str]) -> list[str]:
+    """What is wrong with the reward model in `model_dir` ([] when nothing).
+
+    The tokenizer whose ids reach the model is its own when the directory has one, else the actor's
+    (`actor_tokenizer_dir`; None skips the vocabulary check): its ids must fit the embedding.
+    """
+    root = Path(model_dir)
+    config_file = root / "config.json"
+    if not config_file.is_file():
+        return [f"reward_model.model_path = {model_dir!r}: no config.json there (a HF sequence-classification "
+                "directory is expected)"]
+    try:
+        config = json.loads(config_file.read_text())
+    except ValueError as err:
+        return [f"{config_file}: not valid JSON ({err})"]
+    problems = []
+    arch = (config.get("architectures") or [None])[0]
+    if not (arch or "").endswith("ForSequenceClassification"):
+        problems.append(f"{config_file}: architectures = {config.get('architectures')}; a reward model is a "
+                        "<Family>ForSequenceClassification checkpoint (e.g. Qwen2ForSequenceClassification)")
+    labels = num_labels(config)
+    if labels != 1:
+        problems.append(f"{config_file}: the model has {labels} labels; a reward model has num_labels = 1 "
+                        "(one score per sequence)")
+    hidden = config.get("hidden_size")
+    try:
+        weights = HFCheckpoint(root)
+    except MegarlError as err:
+        problems.append(str(err))
+        return problems
+    head = weights.tensors.get(HEAD)
+    if head is None:
+        problems.append(f"{root}: no '{HEAD}' tensor in its safetensors files; a reward model needs its score "
+                        f"head, of shape [1, hidden_size = {hidden}]")
+    elif hidden is not None and head.shape != (1, int(hidden)):
+        problems.append(f"{root / head.file}: '{HEAD}' has shape {list(head.shape)}; a reward model's head is "
+                        f"[1, hidden_size = {hidden}]")
+    vocab = config.get("vocab_size")
+    tokenizer_dir = str(root) if has_own_tokenizer(root) else actor_tokenizer_dir
+    tokenizer_vocab = None
+    if tokenizer_dir is not None:
+        try:
+            tokenizer_vocab = len(load_tokenizer(tokenizer_dir))
+        except MegarlError as err:
+            problems.append(str(err))
+    if tokenizer_vocab is not None and vocab is not None and tokenizer_vocab > int(vocab):
+        source = "its own tokenizer" if has_own_tokenizer(root) else "the actor's tokenizer (it has none of its own)"
+        problems.append(f"{config_file}: vocab_size = {vocab}, but {source} has {tokenizer_vocab} token ids; "
+                        "the embedding must cover every id (give the reward model its own tokenizer)")
+    return problems
