@@ -18,6 +18,7 @@ EPILOG = """examples:
   megarl config validate configs/quickstart_cpu.yaml rollout.n=8
   megarl config show configs/quickstart_cpu.yaml actor.optim.lr=1e-5
   megarl train configs/quickstart_cpu.yaml trainer.total_training_steps=20
+  megarl checkpoint verify runs/exp/checkpoints
 """
 
 # Subsystems that contribute subcommands: (command, module, help line shown while the module is missing).
@@ -25,6 +26,7 @@ _PLUGINS: list[tuple[str, str, str]] = [
     ("train", "megarl.trainer.cli", "run an experiment (PPO, GRPO, DAPO, ...) from a YAML config"),
     ("data", "megarl.data.cli", "make synthetic datasets, inspect parquet files"),
     ("convert", "megarl.convert.cli", "convert checkpoints between HF and Megatron formats"),
+    ("checkpoint", "megarl.trainer.checkpoint_cli", "verify that a checkpoint is complete"),
     ("report", "megarl.tracking.cli", "write the report (plots and summary) of a run directory"),
     ("bench", "megarl.bench", "run the benchmarks and write JSON + markdown"),
 ]

@@ -108,6 +108,7 @@ def save(engine: Any, path: str | os.PathLike[str]) -> None:
         "format_version": FORMAT_VERSION,
         "family": engine.spec.family,
         "role": engine.role,
+        "hf_config": dict(engine.spec.hf_config),  # lets `megarl checkpoint verify` list the expected tensors
         "adam_step": adam_step(engine.optimizer),
         "scheduler": engine.scheduler.state_dict(),
     }

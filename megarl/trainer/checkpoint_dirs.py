@@ -26,6 +26,7 @@ import random
 import re
 import shutil
 import time
+import zlib
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "COMPLETE"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
+STATE_FILE = "trainer_state.pt"  # the driver's state (step, data-loader position, KL controller, RNG)
 STEP_DIR_PREFIX = "global_step_"
 TMP_PREFIX = ".tmp-"
 RESUME_MODES = ("auto", "disable", "resume_path")
@@ -109,18 +111,23 @@ class CheckpointDirs:
     def commit(self, tmp: Union[str, Path], step: int, fsync_files: bool = True) -> Path:
         """Mark ``tmp`` complete, rename it to ``global_step_<step>``, update the latest file, prune.
 
-        Returns the final path. ``fsync_files`` flushes every file in ``tmp`` to disk first, so that
+        The marker lists every file with its size and CRC-32 (what `megarl checkpoint verify` and a
+        resume check against). Returns the final path. ``fsync_files`` flushes every file in ``tmp`` to disk first, so that
         the checkpoint is also complete after a power loss (not only after a process kill).
         """
         tmp = Path(tmp)
         expected = self.root / f"{TMP_PREFIX}step_{step}-{os.getpid()}"
         if tmp.resolve() != expected.resolve() or not tmp.is_dir():
             raise CheckpointError(f"commit({tmp}, step={step}): not the dir begin({step}) returned ({expected})")
-        if fsync_files:
-            for dirpath, _, filenames in os.walk(tmp):
-                for name in filenames:
-                    _fsync_path(Path(dirpath) / name)
-        marker = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "unix_time": time.time()}
+        files: dict[str, dict[str, int]] = {}
+        for dirpath, _, filenames in os.walk(tmp):
+            for name in filenames:
+                path = Path(dirpath) / name
+                if fsync_files:
+                    _fsync_path(path)
+                files[str(path.relative_to(tmp))] = {"size": path.stat().st_size, "crc32": crc32_of_file(path)}
+        marker = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "unix_time": time.time(),
+                  "files": files}
         with open(tmp / COMPLETE_MARKER, "w", encoding="utf-8") as f:
             json.dump(marker, f)
             f.flush()
@@ -230,6 +237,15 @@ class CheckpointDirs:
         if not complete:
             return f" (no complete checkpoint under {self.root})"
         return f" (complete checkpoints under {self.root}: {', '.join(p.name for _, p in complete)})"
+
+
+def crc32_of_file(path: Path) -> int:
+    """CRC-32 of a file's bytes, read in 16 MiB pieces."""
+    crc = 0
+    with open(path, "rb") as f:
+        while piece := f.read(16 * 2**20):
+            crc = zlib.crc32(piece, crc)
+    return crc
 
 
 def _remove(path: Path) -> None:

@@ -13,11 +13,10 @@ import torch
 
 from megarl.cluster.worker_group import RoleView
 from megarl.errors import CheckpointError
-from megarl.trainer.checkpoint_dirs import CheckpointDirs
+from megarl.trainer.checkpoint_dirs import STATE_FILE, CheckpointDirs
 from megarl.workers.roles import EngineRole
 
 logger = logging.getLogger(__name__)
-STATE_FILE = "trainer_state.pt"
 
 
 class TrainerCheckpointer:
@@ -44,7 +43,11 @@ class TrainerCheckpointer:
     def resume(self, mode: str, path: Optional[str]) -> Optional[dict[str, Any]]:
         """Load the engines of the checkpoint `mode`/`path` name (see `CheckpointDirs.resolve_resume`)
         and return the driver state saved with them; None when there is nothing to resume."""
-        found = self.dirs.resolve_resume(mode, path)
+        return self.load(self.dirs.resolve_resume(mode, path))
+
+    def load(self, found: Optional[tuple[int, Path]]) -> Optional[dict[str, Any]]:
+        """Load the engines of checkpoint `found` = (step, dir) and return the driver state saved
+        with them; None (nothing loaded) when `found` is None."""
         if found is None:
             return None
         step, ckpt = found

@@ -18,6 +18,8 @@ from megarl.data.loader import RLDataLoader
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import ConfigError
 from megarl.rewards.manager import RewardManager
+from megarl.trainer.checkpoint_dirs import CheckpointDirs
+from megarl.trainer.resume import select_resume
 from megarl.trainer.run_spec import response_length
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ class RunContext:
     val_dataset: Optional[Any]
     reward_manager: Any
     total_steps: int
+    resume: Optional[tuple[int, Path]] = None  # the verified checkpoint (step, dir) the run resumes from
 
 
 def _config_digest(data: dict) -> str:
@@ -149,6 +152,9 @@ def prepare_run(cfg: DictConfig) -> RunContext:
     reward_manager.check_data_sources(train_loader.dataset.data_sources())
     if val_dataset is not None:
         reward_manager.check_data_sources(val_dataset.data_sources())
+    # Verified before the run directory is written to (initial model, config) and before Ray starts.
+    resume = select_resume(CheckpointDirs(run_dir / "checkpoints"), run_dir, cfg.trainer.resume_mode,
+                           cfg.trainer.resume_from_path, bool(cfg.trainer.resume_fallback))
     model_dir = materialize_model(cfg, tokenizer, run_dir / "initial_model")
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     return RunContext(
@@ -160,4 +166,5 @@ def prepare_run(cfg: DictConfig) -> RunContext:
         val_dataset=val_dataset,
         reward_manager=reward_manager,
         total_steps=total_training_steps(cfg, len(train_loader)),
+        resume=resume,
     )

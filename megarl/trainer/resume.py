@@ -1,0 +1,88 @@
+"""Which checkpoint a run resumes from, decided and verified before anything of the run is written
+and before Ray and the workers start.
+
+- `trainer.resume_mode=auto`: the checkpoint `latest_checkpointed_iteration.txt` names (the newest
+  complete one when that file is absent); `resume_path`: `trainer.resume_from_path`; `disable`:
+  none, and a directory that already holds a run (metrics or checkpoints) is refused rather than
+  overwritten.
+- The chosen checkpoint is verified (`checkpoint_verify.verify_trainer_checkpoint`). When it is not
+  usable the error names the file and what is wrong, and the newest earlier checkpoint that passes;
+  the run resumes from that one only when `trainer.resume_fallback` is true (and never for a
+  checkpoint named by path).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+from megarl.errors import CheckpointError, ConfigError
+from megarl.trainer.checkpoint_dirs import LATEST_FILE, CheckpointDirs
+from megarl.trainer.checkpoint_verify import tracked_step, verified_steps, verify_trainer_checkpoint
+
+logger = logging.getLogger(__name__)
+METRICS_FILE = "metrics.jsonl"
+
+
+def refuse_reused_run_dir(run_dir: Path, dirs: CheckpointDirs) -> None:
+    """`resume_mode=disable` starts a new run: refused where an earlier run left metrics or checkpoints."""
+    metrics = run_dir / METRICS_FILE
+    held = []
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        held.append(str(metrics))
+    held += [str(p) for _, p in dirs.complete_checkpoints()]
+    if held:
+        raise ConfigError(
+            f"trainer.resume_mode=disable starts a new run, but trainer.default_local_dir={str(run_dir)!r} holds an "
+            f"earlier run ({', '.join(held[:3])}{' ...' if len(held) > 3 else ''}); nothing was written. Choose "
+            "another trainer.default_local_dir, resume it (trainer.resume_mode=auto), or remove the directory"
+        )
+
+
+def _auto_candidate(dirs: CheckpointDirs) -> Optional[tuple[int, Path]]:
+    complete = dirs.complete_checkpoints()
+    step = tracked_step(dirs.root)
+    if step is None:
+        return complete[-1] if complete else None
+    newer = [p.name for s, p in complete if s > step]
+    if newer:
+        logger.warning("checkpoint: %s names step %d; newer checkpoint dirs %s are not resumed from",
+                       dirs.root / LATEST_FILE, step, newer)
+    return step, dirs.step_dir(step)
+
+
+def select_resume(dirs: CheckpointDirs, run_dir: Path, mode: str, path: Optional[str], fallback: bool,
+                  checksums: bool = True) -> Optional[tuple[int, Path]]:
+    """The verified checkpoint `(step, path)` to resume from, or None for a fresh start.
+
+    Raises `CheckpointError` naming the damaged file, and the earlier complete checkpoint if any,
+    when the chosen checkpoint is not usable and `fallback` is false.
+    """
+    if mode == "disable":
+        dirs.resolve_resume(mode, path)  # checks the mode's value
+        refuse_reused_run_dir(run_dir, dirs)
+        return None
+    chosen = dirs.resolve_resume(mode, path) if mode != "auto" else _auto_candidate(dirs)
+    if chosen is None:
+        return None
+    step, ckpt = chosen
+    report = verify_trainer_checkpoint(ckpt, checksums)
+    if report.ok:
+        logger.info("resuming from %s (step %d, verified)", ckpt, step)
+        return step, ckpt
+    earlier = sorted((s for s, _ in dirs.complete_checkpoints() if s < step), reverse=True)
+    good = next(((s, r) for s, r in verified_steps(dirs.root, earlier, checksums) if r.ok), None)
+    if good is not None and fallback and mode == "auto":
+        logger.warning("%s\ncheckpoint: trainer.resume_fallback=true: resuming from %s (step %d) instead",
+                       report.message(), good[1].path, good[0])
+        return good[0], good[1].path
+    if good is None:
+        hint = f"no earlier complete checkpoint under {dirs.root} passes the check"
+    elif mode == "auto":
+        hint = (f"the earlier checkpoint {good[1].path} (step {good[0]}) is complete: set trainer.resume_fallback=true "
+                f"to resume from it, or trainer.resume_mode=resume_path trainer.resume_from_path={good[1].path}")
+    else:
+        hint = f"the earlier checkpoint {good[1].path} (step {good[0]}) is complete: name it in trainer.resume_from_path"
+    raise CheckpointError(f"cannot resume: {report.message()}\n{hint}")
+
