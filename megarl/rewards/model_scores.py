@@ -135,7 +135,8 @@ def combine_scores(rule: Optional[RewardResult], rule_rows: np.ndarray, model_sc
     """One RewardResult for the whole batch (B rows) from the rule scorers' result on the rows
     `rule_rows` (B,) bool (None when there are none) and the reward model's (B,) scores.
 
-    `reward_info` keeps the rule scorers' keys (0 on rows they did not judge) and adds `rm_score`;
+    `reward_info` keeps the rule scorers' keys (`score` is theirs, 0 on rows they did not judge) and
+    adds `rm_score`;
     `metrics` adds `reward_model/score/{mean,max,min}`.
     """
     size = len(styles)
@@ -153,7 +154,6 @@ def combine_scores(rule: Optional[RewardResult], rule_rows: np.ndarray, model_sc
     model_scores = model_scores.float()
     scores = combine.combine(rule_scores, model_scores, styles)
     info["rm_score"] = model_scores.double().numpy()
-    info["score"] = scores.double().numpy()
     last = last_valid_positions(response_mask)
     token_level = torch.zeros(response_mask.shape, dtype=torch.float32)
     has_tokens = torch.nonzero(last >= 0).flatten()

@@ -1,0 +1,121 @@
+"""End-to-end runs with a Megatron reward model: PPO with the reward model in its own pool (and the
+critic started from the reward model's checkpoint), and GRPO with a colocated, offloaded reward
+model mixed with the rule scorer. Each response's reward-model score, as dumped by the run, is
+checked against transformers' sequence-classification output on the same text (float64)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_train_e2e import read_metrics, run_train, task_dir, write_config  # noqa: E402,F401
+
+from megarl.data.tokenizer import load_tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+
+def make_reward_model(task: Path, out: Path) -> transformers.PreTrainedModel:
+    """A random tiny Qwen2 sequence-classification model over the task's tokenizer (no tokenizer of
+    its own: it reads the actor's token ids)."""
+    tokenizer = load_tokenizer(task / "tokenizer")
+    config = transformers.Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                      max_position_embeddings=32, tie_word_embeddings=False, num_labels=1,
+                                      pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(5)
+    model = transformers.Qwen2ForSequenceClassification(config).eval()
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 1.0)  # scores of order 1 that differ between responses
+    model.save_pretrained(out, safe_serialization=True)
+    return model
+
+
+def reference_scores(model: transformers.PreTrainedModel, tokenizer, rows: list[dict]) -> torch.Tensor:
+    """transformers' score (float64) of each dumped prompt + response text, one sequence at a time."""
+    ref = model.double()
+    out = []
+    with torch.no_grad():
+        for row in rows:
+            ids = tokenizer(row["input"] + row["output"], add_special_tokens=False, return_tensors="pt")["input_ids"]
+            out.append(ref(input_ids=ids).logits[0, 0])
+    return torch.stack(out)
+
+
+def dumped(rollouts: Path, step: int) -> list[dict]:
+    return [json.loads(line) for line in (rollouts / f"{step}.jsonl").read_text().splitlines()]
+
+
+def test_ppo_with_reward_model_in_its_own_pool_and_critic_from_it(tmp_path: Path, task_dir: Path) -> None:
+    rm = make_reward_model(task_dir, tmp_path / "rm")
+    rollouts = tmp_path / "rollouts"
+    config = write_config(
+        tmp_path, task_dir,
+        algorithm={"adv_estimator": "gae"},
+        critic={"model_path": str(tmp_path / "rm"), "ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 8},
+        reward_model={"enable": True, "model_path": str(tmp_path / "rm"), "combine": "weighted_sum",
+                      "rule_weight": 0.0, "model_weight": 1.0, "micro_batch_size_per_gpu": 4,
+                      "megatron": {"tensor_model_parallel_size": 1}},
+        resources={"reward_model_pool": {"nnodes": 1, "devices_per_node": 1}},
+        trainer={"total_training_steps": 2, "rollout_data_dir": str(rollouts)},
+        rollout={"n": 2},
+    )
+    proc = run_train(config)
+    assert proc.returncode == 0
+    metrics = read_metrics(tmp_path / "run")
+    assert sorted(metrics) == [1, 2]
+    for step, m in metrics.items():
+        for key in ("reward_model/score/mean", "reward_model/score/max", "reward_model/score/min",
+                    "critic/vf_loss", "critic/values/mean"):
+            assert key in m and math.isfinite(m[key]), f"step {step}: {key} missing or not finite"
+        # The reward is the reward model's score alone (rule_weight 0).
+        assert m["critic/score/mean"] == pytest.approx(m["reward_model/score/mean"], abs=1e-6)
+        rows = dumped(rollouts, step)
+        assert len(rows) == 8
+        got = torch.tensor([r["rm_score"] for r in rows], dtype=torch.float64)
+        want = reference_scores(rm, load_tokenizer(task_dir / "tokenizer"), rows)
+        err = (got - want).abs().max().item()
+        assert err < 1e-5, f"step {step}: reward-model scores differ from transformers by {err}"
+        assert torch.allclose(torch.tensor([r["score"] for r in rows], dtype=torch.float64), got, atol=1e-6)
+        assert m["reward_model/score/max"] == pytest.approx(float(got.max()), abs=1e-6)
+    # The reward model ran in its own process group, beside the hybrid actor's two processes.
+    assert "reward_model" in proc.stderr + proc.stdout
+
+
+def test_grpo_with_colocated_reward_model_mixed_with_rule_scorer(tmp_path: Path, task_dir: Path) -> None:
+    rm = make_reward_model(task_dir, tmp_path / "rm")
+    rollouts = tmp_path / "rollouts"
+    config = write_config(
+        tmp_path, task_dir,
+        reward_model={"enable": True, "model_path": str(tmp_path / "rm"), "combine": "weighted_sum",
+                      "rule_weight": 1.0, "model_weight": 0.5, "param_offload": True},
+        reward={"reward_kwargs": {"arithmetic": {"mode": "startswith"}}},
+        trainer={"total_training_steps": 2, "rollout_data_dir": str(rollouts)},
+    )
+    proc = run_train(config)
+    assert proc.returncode == 0
+    metrics = read_metrics(tmp_path / "run")
+    assert sorted(metrics) == [1, 2]
+    for step in (1, 2):
+        rows = dumped(rollouts, step)
+        assert len(rows) == 16
+        rm_scores = torch.tensor([r["rm_score"] for r in rows], dtype=torch.float64)
+        want = reference_scores(rm, load_tokenizer(task_dir / "tokenizer"), rows)
+        err = (rm_scores - want).abs().max().item()
+        assert err < 1e-5, f"step {step}: reward-model scores differ from transformers by {err}"
+        # Rows of style "rule" (every arithmetic row): rule score + 0.5 x reward-model score.
+        for r in rows:
+            assert r["score"] == pytest.approx(r["reward_info/score"] + 0.5 * r["rm_score"], abs=1e-5)
+        assert metrics[step]["reward_model/score/mean"] == pytest.approx(float(rm_scores.mean()), abs=1e-5)
+    # Colocated and offloaded: onloaded for the reward phase only.
+    trace = [json.loads(line) for line in (tmp_path / "run" / "memory_phases.jsonl").read_text().splitlines()]
+    transitions = [tuple(t) for t in trace[0]["transitions"] if t[1] == "reward_model"]
+    assert transitions[:2] == [("reward", "reward_model", "onload"), ("reward", "reward_model", "offload")]
