@@ -2,7 +2,9 @@
 
 A reward model is a HF sequence-classification directory with one label: its `score` head, of
 shape (1, hidden), is the engine's scalar head, and its score is the head at the last valid token.
-Every problem is reported with the file it was found in and what was expected.
+The same model converted by `megarl convert hf-to-mcore` (a Megatron checkpoint whose `hf/` folder
+keeps the config and tokenizer) is accepted too. Every problem is reported with the file it was
+found in and what was expected.
 """
 
 from __future__ import annotations
@@ -11,17 +13,48 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from megarl.convert.dcp_io import CheckpointReader
 from megarl.convert.hf_files import HFCheckpoint
+from megarl.convert.hf_to_mcore import HF_FILES_DIR
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import MegarlError
 
 HEAD = "score.weight"
+MEGATRON_HEAD = "output_layer.weight"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
+def is_converted(model_dir: str | Path) -> bool:
+    """Whether `model_dir` is a Megatron distributed checkpoint (e.g. from `megarl convert`)."""
+    return (Path(model_dir) / "metadata.json").is_file()
+
+
+def hf_files_dir(model_dir: str | Path) -> Path:
+    """Where the reward model's config.json and tokenizer are: the directory itself, or the `hf/`
+    folder of a converted checkpoint."""
+    return Path(model_dir) / HF_FILES_DIR if is_converted(model_dir) else Path(model_dir)
+
+
 def has_own_tokenizer(model_dir: str | Path) -> bool:
-    """Whether the reward model's directory carries a tokenizer of its own."""
-    return any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES)
+    """Whether the reward model carries a tokenizer of its own."""
+    return any((hf_files_dir(model_dir) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def _head_shape(root: Path) -> tuple[Optional[tuple[int, ...]], str, Optional[str]]:
+    """(shape of the score head or None, the file it is in, a problem reading the weights or None)."""
+    try:
+        if is_converted(root):
+            reader = CheckpointReader(root)
+            size = reader.metadata.state_dict_metadata.get(MEGATRON_HEAD)
+            role = (reader.common().get("megarl") or {}).get("role")
+            if role == "policy":  # its output layer is the LM head, not a score head
+                return None, str(root), None
+            return (tuple(size.size) if size is not None else None), str(root), None
+        weights = HFCheckpoint(root)
+    except MegarlError as err:
+        return None, str(root), str(err)
+    head = weights.tensors.get(HEAD)
+    return (head.shape if head is not None else None), str(root / head.file) if head else str(root), None
 
 
 def num_labels(config: dict[str, Any]) -> int:
@@ -41,7 +74,7 @@ def reward_model_problems(model_dir: str, actor_tokenizer_dir: Optional[str]) ->
     (`actor_tokenizer_dir`; None skips the vocabulary check): its ids must fit the embedding.
     """
     root = Path(model_dir)
-    config_file = root / "config.json"
+    config_file = hf_files_dir(root) / "config.json"
     if not config_file.is_file():
         return [f"reward_model.model_path = {model_dir!r}: no config.json there (a HF sequence-classification "
                 "directory is expected)"]
@@ -59,20 +92,19 @@ def reward_model_problems(model_dir: str, actor_tokenizer_dir: Optional[str]) ->
         problems.append(f"{config_file}: the model has {labels} labels; a reward model has num_labels = 1 "
                         "(one score per sequence)")
     hidden = config.get("hidden_size")
-    try:
-        weights = HFCheckpoint(root)
-    except MegarlError as err:
-        problems.append(str(err))
+    shape, where, unreadable = _head_shape(root)
+    name = MEGATRON_HEAD if is_converted(root) else HEAD
+    if unreadable is not None:
+        problems.append(unreadable)
         return problems
-    head = weights.tensors.get(HEAD)
-    if head is None:
-        problems.append(f"{root}: no '{HEAD}' tensor in its safetensors files; a reward model needs its score "
-                        f"head, of shape [1, hidden_size = {hidden}]")
-    elif hidden is not None and head.shape != (1, int(hidden)):
-        problems.append(f"{root / head.file}: '{HEAD}' has shape {list(head.shape)}; a reward model's head is "
+    if shape is None:
+        problems.append(f"{where}: no '{name}' score head in its weights; a reward model needs one, of shape "
+                        f"[1, hidden_size = {hidden}]")
+    elif hidden is not None and tuple(shape) != (1, int(hidden)):
+        problems.append(f"{where}: '{name}' has shape {list(shape)}; a reward model's head is "
                         f"[1, hidden_size = {hidden}]")
     vocab = config.get("vocab_size")
-    tokenizer_dir = str(root) if has_own_tokenizer(root) else actor_tokenizer_dir
+    tokenizer_dir = str(hf_files_dir(root)) if has_own_tokenizer(root) else actor_tokenizer_dir
     tokenizer_vocab = None
     if tokenizer_dir is not None:
         try:

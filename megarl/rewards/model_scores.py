@@ -18,7 +18,7 @@ from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import ConfigError, DataError
 from megarl.protocol import Batch
 from megarl.rewards.manager import RewardResult, last_valid_positions
-from megarl.rewards.model_checkpoint import has_own_tokenizer
+from megarl.rewards.model_checkpoint import has_own_tokenizer, hf_files_dir
 
 STYLES = ("rule", "model")
 COMBINES = ("by_style", "weighted_sum")
@@ -126,7 +126,7 @@ def reward_model_tokenizer(model_dir: str, actor_tokenizer: Any) -> Optional[Any
     model reads the actor's token ids (no tokenizer of its own, or the same vocabulary)."""
     if not has_own_tokenizer(model_dir):
         return None
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(hf_files_dir(model_dir))
     return None if same_vocabulary(actor_tokenizer, tokenizer) else tokenizer
 
 

@@ -18,10 +18,12 @@ from typing import Any
 
 import torch
 
+from megarl.convert.engine_load import load_converted_weights
 from megarl.hybrid.sync import WeightSync
 from megarl.megatron.engine import MegatronEngine
 from megarl.models.spec import ModelSpec
 from megarl.protocol import Batch
+from megarl.rewards.model_checkpoint import hf_files_dir, is_converted
 from megarl.rollout.base import EngineState, SamplingParams
 from megarl.rollout.factory import create_rollout_engine
 from megarl.workers.losses import make_actor_loss, make_critic_loss
@@ -130,6 +132,17 @@ class CriticRole(EngineRole):
 class RewardModelRole(EngineRole):
     """A frozen reward model: a sequence-classification checkpoint's `score` head read at each
     sequence's last valid token."""
+
+    def init_model(self) -> None:
+        """From a HF directory, or from a `megarl convert hf-to-mcore` checkpoint (any layout)."""
+        if not is_converted(self.spec.model_dir):
+            super().init_model()
+            return
+        model = ModelSpec.from_hf_config(str(hf_files_dir(self.spec.model_dir)), family=self.spec.family)
+        self.engine = MegatronEngine(model, self.spec.layout, self.spec.engine)
+        load_converted_weights(self.engine, self.spec.model_dir)
+        if self.spec.offload.any:
+            self.offload()
 
     def compute_rm_score(self, batch: Batch) -> Batch:
         """`rm_scores` (B,) float32 for rows of `input_ids`/`attention_mask`/`responses`."""

@@ -81,7 +81,7 @@ def test_checkpoint_without_a_score_head(tmp_path: Path, tokenizer_dir: Path) ->
     del weights["score.weight"]
     save_file(weights, rm / "model.safetensors")
     msg = _errors(_experiment(tmp_path, rm, tokenizer_dir))
-    assert f"{rm}: no 'score.weight' tensor in its safetensors files" in msg and "[1, hidden_size = 32]" in msg
+    assert f"{rm}: no 'score.weight' score head in its weights" in msg and "[1, hidden_size = 32]" in msg
 
 
 def test_checkpoint_with_two_labels(tmp_path: Path, tokenizer_dir: Path) -> None:
