@@ -1,4 +1,5 @@
-"""Run the component benchmarks (algorithms, engine, reshard, rollout, convert), each in its own
+"""Run the component benchmarks (algorithms, engine, reshard, rollout, convert, recompute, memory
+phases), each in its own
 process with its own time limit, and collect the JSON each one writes.
 
 A component that is missing, fails or runs out of time is recorded with its error; the others
@@ -26,7 +27,7 @@ from common import REPO_ROOT, RESULTS_DIR, load_average, machine_info, write_jso
 
 BENCH_DIR = REPO_ROOT / "benchmarks"
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
-COMPONENTS = ("algorithms", "engine", "reshard", "rollout", "convert")
+COMPONENTS = ("algorithms", "engine", "reshard", "rollout", "convert", "recompute", "memory_phases")
 
 # Small sizes for a smoke run, used when a component has no --quick of its own.
 QUICK_ARGS: dict[str, list[str]] = {
@@ -37,12 +38,16 @@ QUICK_ARGS: dict[str, list[str]] = {
     "reshard": ["--sizes", "10M", "--repeats", "1"],
     "rollout": ["--num-prompts", "4", "--n", "2", "--max-new-tokens", "8", "--repeats", "1", "--engines", "hf"],
     "convert": ["--hidden", "256", "--layers", "2", "--vocab", "4096"],
+    "recompute": ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vocab", "512",
+                  "--batch", "4", "--prompt-len", "16", "--response-len", "32", "--micro-batch-size", "4",
+                  "--repeats", "1"],
+    "memory_phases": ["--steps", "2"],
 }
 # Full runs: sizes that finish in minutes on a 2-core machine (each script's defaults otherwise).
 FULL_ARGS: dict[str, list[str]] = {
     "algorithms": ["--responses", "65536", "--length", "256"],
 }
-THREADS = {"algorithms": 2, "engine": 2, "rollout": 2, "reshard": 1, "convert": 2}
+THREADS = {"algorithms": 2, "engine": 2, "rollout": 2, "reshard": 1, "convert": 2, "recompute": 2, "memory_phases": 1}
 
 
 def _help_text(python: str, script: Path) -> str:

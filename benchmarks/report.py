@@ -178,6 +178,20 @@ def _convert(r: dict[str, Any]) -> str:
             f"+{fmt(s['peak_over_base_mib'])} MiB peak; load-all {fmt(a['seconds'])} s, +{fmt(a['peak_over_base_mib'])} MiB")
 
 
+def _recompute(r: dict[str, Any]) -> str:
+    return f"{fmt(r['results']['none']['params'])} params: " + "; ".join(
+        f"{name} step peak {fmt(x['step_alloc_peak_mib'])} MiB (x{fmt(x['step_alloc_peak_ratio'])}), "
+        f"time x{fmt(x['step_time_ratio'])}" for name, x in r["results"].items())
+
+
+def _memory_phases(r: dict[str, Any]) -> str:
+    s = r["summary"]
+    return (f"{fmt(s['parameters'])} params: update-phase peak RSS drops {fmt(s['update_peak_drop_gb'])} GiB when the "
+            f"rollout sleeps ({fmt(s['drop_over_weight_copy'])}x its {fmt(s['rollout_weight_copy_gb'])} GiB weight "
+            f"copy); step time sleep/resident {fmt(s['step_time_sleep_over_resident'])}, "
+            f"offload/resident {fmt(s['step_time_offload_over_resident'])}")
+
+
 def _generic(r: dict[str, Any]) -> str:
     numbers = [(k, v) for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
     return "; ".join(f"{k} {fmt(v)}" for k, v in numbers[:8]) or "(see JSON)"
@@ -185,6 +199,7 @@ def _generic(r: dict[str, Any]) -> str:
 
 COMPONENT_HEADLINES: dict[str, Callable[[dict[str, Any]], str]] = {
     "algorithms": _algorithms, "engine": _engine, "reshard": _reshard, "rollout": _rollout, "convert": _convert,
+    "recompute": _recompute, "memory_phases": _memory_phases,
 }
 
 

@@ -5,7 +5,7 @@
     python tools/gpu_check.py imports                                import every megarl module
     python tools/gpu_check.py ray [--gpus N]                         local Ray cluster, tasks, actor
     python tools/gpu_check.py train-overrides --device cuda ...      the `megarl train` overrides
-    python tools/gpu_check.py metrics RUN_DIR --steps N --probs-diff-tol X
+    python tools/gpu_check.py metrics RUN_DIR --steps N --probs-diff-tol X [--memory-out FILE]
     python tools/gpu_check.py bench-result FILE [--cuda]             benchmarks/gpu.py's JSON
     python tools/gpu_check.py reference-env DIR                      stand-in for the GPU image (CPU dry run)
 
@@ -53,6 +53,9 @@ REWARD_KEY = "critic/score/mean"
 LOSS_KEYS = ("actor/pg_loss", "actor/grad_norm")
 SYNC_RECEIVED, SYNC_MINIMUM = "sync/bytes_received", "sync/bytes_minimum"
 PROBS_DIFF_MAX = "training/rollout_probs_diff_max"
+# The step's peak allocated device memory over the larger of its training-phase and rollout-phase
+# peaks (megarl.tracking.memory.colocated_peak_ratio); logged with CUDA only.
+PEAK_RATIO, PEAK_RATIO_MAX = "perf/colocated_peak_ratio", 1.1
 BENCH_PARTS = ("train_step", "rollout", "sync")
 
 
@@ -234,9 +237,13 @@ def train_overrides(device: str, data_dir: str, run_dir: str, steps: int, device
               "trainer.val_before_train=false", "trainer.progress_bar=false", "trainer.experiment_name=gpu-check",
               f"trainer.default_local_dir={run_dir}", "trainer.resume_mode=disable"]
     if device == "cuda":
+        # Colocated memory phases: the actor's state in host memory outside its phases, the rollout
+        # engine asleep outside generation (its default), so the step's peak can be checked.
         return common + ["resources.device=cuda", "model.dtype=bf16",
                          f"actor.megatron.tensor_model_parallel_size={devices}",
-                         f"resources.actor_pool.devices_per_node={devices}", f"trainer.save_freq={steps}"]
+                         f"resources.actor_pool.devices_per_node={devices}", f"trainer.save_freq={steps}",
+                         "actor.param_offload=true", "actor.grad_offload=true", "actor.optimizer_offload=true",
+                         "rollout.free_cache_engine=true"]
     return common + ["resources.device=cpu", "model.dtype=fp32", "actor.megatron.tensor_model_parallel_size=2",
                      "resources.actor_pool.devices_per_node=2", "trainer.save_freq=-1"]
 
@@ -279,9 +286,21 @@ def metric_problems(metrics: dict[int, dict[str, Any]], steps: int, probs_diff_t
         elif diff > probs_diff_tol:
             problems.append(f"step {step}: {PROBS_DIFF_MAX} = {diff:.3g} > {probs_diff_tol:g} (rollout and trainer "
                             "disagree on the same weights: a sync or numerics problem)")
+        ratio = m.get(PEAK_RATIO)
+        if ratio is not None and ratio > PEAK_RATIO_MAX:
+            problems.append(f"step {step}: {PEAK_RATIO} = {ratio:.3f} > {PEAK_RATIO_MAX} (training and rollout "
+                            "state on the device together outside their phases)")
     if metrics and not synced:
         problems.append(f"no step logged {SYNC_RECEIVED}: the weight sync did not run")
     return problems
+
+
+def memory_summary(metrics: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Per step: the colocated peak ratio and each phase's peak allocated device memory (GiB)."""
+    return {str(step): {"colocated_peak_ratio": m.get(PEAK_RATIO),
+                        "max_allocated_gb": {k.split("/")[1]: v for k, v in m.items()
+                                             if k.startswith("memory/") and k.endswith("/max_allocated_gb")}}
+            for step, m in sorted(metrics.items())}
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
@@ -292,7 +311,10 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     for step, m in sorted(metrics.items()):
         print(f"step {step}: reward {m.get(REWARD_KEY)}, pg_loss {m.get('actor/pg_loss')}, "
               f"grad_norm {m.get('actor/grad_norm')}, sync {m.get(SYNC_RECEIVED)}/{m.get(SYNC_MINIMUM)} bytes, "
-              f"probs_diff_max {m.get(PROBS_DIFF_MAX)}")
+              f"probs_diff_max {m.get(PROBS_DIFF_MAX)}, colocated peak ratio {m.get(PEAK_RATIO)}")
+    if args.memory_out is not None:
+        args.memory_out.parent.mkdir(parents=True, exist_ok=True)
+        args.memory_out.write_text(json.dumps({"limit": PEAK_RATIO_MAX, "steps": memory_summary(metrics)}, indent=1))
     return _fail(metric_problems(metrics, args.steps, args.probs_diff_tol))
 
 
@@ -319,7 +341,7 @@ def cmd_bench_result(args: argparse.Namespace) -> int:
     for part in BENCH_PARTS:
         if part in result:
             print(f"{part}: {result[part].get('status')}")
-    print("memory phases: not measured here (the memory-phase benchmark is another issue)")
+    print("memory phases: the colocated peak ratio of the train step is in memory_phases.json beside this file")
     return _fail(bench_problems(result, args.cuda))
 
 
@@ -363,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("run_dir", type=Path)
     s.add_argument("--steps", type=int, required=True)
     s.add_argument("--probs-diff-tol", type=float, required=True)
+    s.add_argument("--memory-out", type=Path, default=None, help="write the per-phase device memory here (JSON)")
     s = sub.add_parser("bench-result")
     s.add_argument("file", type=Path)
     s.add_argument("--cuda", action="store_true")

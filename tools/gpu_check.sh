@@ -226,7 +226,8 @@ step_train() {
     [ "${#overrides[@]}" -gt 0 ] || return 1
     echo "megarl train ${src}/configs/quickstart_cpu.yaml ${overrides[*]}"
     "${python_abs}" -m megarl.cli train "${src}/configs/quickstart_cpu.yaml" "${overrides[@]}" || return 1
-    "${python_abs}" "${check}" metrics "${run}" --steps "${steps}" --probs-diff-tol "${probs_diff_tol}"
+    "${python_abs}" "${check}" metrics "${run}" --steps "${steps}" --probs-diff-tol "${probs_diff_tol}" \
+        --memory-out "${out}/bench/memory_phases.json"
 }
 
 # shellcheck disable=SC2329 # run by run_step

@@ -308,12 +308,12 @@ class MegatronEngine:
             out["entropys"] = gather_response(per_row(ent), rows)
         return out
 
-    def _check_onloaded(self, call: str) -> None:
-        if self.offloaded is not None:
+    def _check_onloaded(self, call: str, needs: tuple[str, ...] = off.GROUPS) -> None:
+        if self.offloaded is not None and self.offloaded.groups & set(needs):
             raise RuntimeError(f"{call} called while the engine is offloaded to CPU: call onload() first")
 
     def _forward_collect(self, batch: Any, temperature: float, with_entropy: bool) -> tuple[list[dict[str, Any]], list[Any]]:
-        self._check_onloaded("forward")
+        self._check_onloaded("forward", needs=("params",))
         data = batch_tensors(batch)
         micro = self._micro_batches(data, forward_only=True)
 
@@ -372,12 +372,15 @@ class MegatronEngine:
     def _check_role(self, call: str, *allowed: str) -> None:
         if self.role not in allowed:
             raise DataError(f"{call} needs an engine of role {allowed}, this engine's role is {self.role!r}")
-        self._check_resident(call)
+        self._check_resident(call, needs=("params",))
 
-    def _check_resident(self, call: str) -> None:
-        if self.offloaded is not None:
-            raise EngineStateError(f"{self.role} engine: {call} while its state is offloaded to host memory "
-                                   f"({self.offloaded.num_bytes / 2**20:.1f} MiB); onload() first")
+    def _check_resident(self, call: str, needs: tuple[str, ...] = off.GROUPS) -> None:
+        """A forward pass needs the parameters on the device; an optimizer step needs everything."""
+        missing = self.offloaded.groups & set(needs) if self.offloaded is not None else set()
+        if missing:
+            raise EngineStateError(f"{self.role} engine: {call} while its {', '.join(sorted(missing))} are "
+                                   f"offloaded to host memory ({self.offloaded.num_bytes / 2**20:.1f} MiB); "
+                                   f"onload() first")
 
     # ------------------------------------------------------------------ training
     def train_step(self, batch: Any, loss_fn: LossFn, mini_batch_size: int, epochs: int = 1,
@@ -456,14 +459,19 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ memory and checkpoints
     def offload_to_cpu(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
-        """Move parameters, gradient buffers and optimizer state to CPU memory (see offload.py)."""
-        self.offloaded = off.offload(self.ddp, self.optimizer, params, grads, optimizer)
-
-    def onload(self) -> None:
-        """Bring back what `offload_to_cpu` moved."""
-        if self.offloaded is not None:
-            off.onload(self.offloaded, self.device)
+        """Move parameters, gradient buffers and optimizer state to CPU memory (see offload.py);
+        what is in host memory already stays there."""
+        self.offloaded = off.offload(self.ddp, self.optimizer, params, grads, optimizer, state=self.offloaded)
+        if not self.offloaded.entries:
             self.offloaded = None
+
+    def onload(self, groups: tuple[str, ...] | None = None) -> None:
+        """Bring back what `offload_to_cpu` moved: everything, or only `groups` (e.g. ("params",)
+        for a forward pass or a weight sync, leaving the gradients and optimizer state in host memory)."""
+        if self.offloaded is not None:
+            off.onload(self.offloaded, self.device, groups)
+            if not self.offloaded.entries:
+                self.offloaded = None
 
     def save_checkpoint(self, path: str) -> None:
         """Model, optimizer, scheduler and RNG state with Megatron distributed checkpointing."""

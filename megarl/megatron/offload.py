@@ -14,19 +14,30 @@ from typing import Any, Iterable
 import torch
 
 
+# The groups of engine state that offload separately: a forward pass (log-probs, values, a weight
+# sync) needs only "params"; an optimizer step needs all three.
+GROUPS = ("params", "grads", "optimizer")
+
+
 @dataclass
 class OffloadState:
-    """Tensors whose storage was released, with their CPU copies."""
+    """Tensors whose storage was released, with their CPU copies and the group each belongs to."""
 
-    entries: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    entries: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)
 
     @property
     def num_bytes(self) -> int:
-        return sum(cpu.numel() * cpu.element_size() for _, cpu in self.entries)
+        return sum(cpu.numel() * cpu.element_size() for _, cpu, _ in self.entries)
+
+    @property
+    def groups(self) -> set[str]:
+        """The groups with at least one tensor still in host memory."""
+        return {group for _, _, group in self.entries}
 
 
-def _release(tensor: torch.Tensor, state: OffloadState, seen: set[int]) -> None:
-    """Copy a tensor that owns (the start of) its storage to CPU and free the storage."""
+def _release(tensor: torch.Tensor, group: str, state: OffloadState, seen: set[int]) -> None:
+    """Copy a tensor that owns (the start of) its storage to CPU and free the storage. A storage
+    released before (size 0, by an earlier offload of another group) is left as it is."""
     storage = tensor.untyped_storage()
     if storage.size() == 0 or storage.data_ptr() in seen:
         return
@@ -39,7 +50,7 @@ def _release(tensor: torch.Tensor, state: OffloadState, seen: set[int]) -> None:
     cpu.copy_(tensor.detach(), non_blocking=pin)
     if pin:
         torch.cuda.synchronize()
-    state.entries.append((tensor, cpu))
+    state.entries.append((tensor, cpu, group))
     storage.resize_(0)
 
 
@@ -61,31 +72,38 @@ def _optimizer_tensors(optimizer: Any) -> Iterable[torch.Tensor]:
 
 
 def offload(ddp: Any, optimizer: Any, params: bool = True, grads: bool = True,
-            optimizer_state: bool = True) -> OffloadState:
-    """Release the chosen groups of tensors to CPU memory. Returns what `onload` needs."""
-    state = OffloadState()
+            optimizer_state: bool = True, state: OffloadState | None = None) -> OffloadState:
+    """Release the chosen groups of tensors to CPU memory, adding to `state` when given (tensors
+    already released stay where they are). Returns what `onload` needs."""
+    state = state if state is not None else OffloadState()
     seen: set[int] = set()
     with torch.no_grad():
         for buf in _ddp_buffers(ddp):
             if params and getattr(buf, "param_data", None) is not None:
-                _release(buf.param_data, state, seen)
+                _release(buf.param_data, "params", state, seen)
             if grads and getattr(buf, "grad_data", None) is not None:
-                _release(buf.grad_data, state, seen)
+                _release(buf.grad_data, "grads", state, seen)
         if params:  # parameters outside DDP buffers (no distributed optimizer)
             for p in ddp.parameters():
-                _release(p.data, state, seen)
+                _release(p.data, "params", state, seen)
         if optimizer_state:
             for t in _optimizer_tensors(optimizer):
-                _release(t.data if isinstance(t, torch.nn.Parameter) else t, state, seen)
+                _release(t.data if isinstance(t, torch.nn.Parameter) else t, "optimizer", state, seen)
     return state
 
 
-def onload(state: OffloadState, device: torch.device | None = None) -> None:
-    """Grow every released storage back and copy its contents in."""
+def onload(state: OffloadState, device: torch.device | None = None, groups: Iterable[str] | None = None) -> None:
+    """Grow the released storages of `groups` (all when None) back and copy their contents in;
+    the other groups stay in `state`."""
+    wanted = set(GROUPS if groups is None else groups)
+    unknown = wanted - set(GROUPS)
+    if unknown:
+        raise ValueError(f"unknown offload group(s) {sorted(unknown)}; valid: {list(GROUPS)}")
+    back = [e for e in state.entries if e[2] in wanted]
     with torch.no_grad():
-        for tensor, cpu in state.entries:
+        for tensor, cpu, _ in back:
             tensor.untyped_storage().resize_(cpu.numel() * cpu.element_size())
             tensor.copy_(cpu, non_blocking=cpu.is_pinned())
-        if any(t.is_cuda for t, _ in state.entries):
+        if any(t.is_cuda for t, _, _ in back):
             torch.cuda.synchronize()
-    state.entries.clear()
+    state.entries[:] = [e for e in state.entries if e[2] not in wanted]

@@ -55,8 +55,32 @@ def phase_metrics(phase: str, per_rank: list[dict[str, float]]) -> dict[str, flo
     return {f"memory/{phase}/{k}": max(stats.get(k, 0.0) for stats in per_rank) for k in keys}
 
 
+# The phases that compute with the training state, and the one that generates (loop.py's names).
+TRAINING_PHASES = ("old_log_prob", "ref", "values", "update_critic", "update_actor")
+ROLLOUT_PHASES = ("gen",)
+
+
+def colocated_peak_ratio(phases: dict[str, float], stat: str = "max_allocated_gb") -> float | None:
+    """The step's peak of `stat` over the larger of its training-phase and rollout-phase peaks.
+
+    Near 1 when training and rollout really take turns on the device: the transitions between them
+    (the weight sync, when both the actor's parameters and the rollout's weights are there) stay
+    under the larger phase. Above 1 by a rollout weight copy or a training state when they overlap.
+    None without the stat (no CUDA) or without both kinds of phase."""
+    def peak(names: tuple[str, ...] | None) -> float | None:
+        values = [v for k, v in phases.items() if k.endswith(f"/{stat}")
+                  and (names is None or k.split("/")[1] in names)]
+        return max(values) if values else None
+
+    step, train, rollout = peak(None), peak(TRAINING_PHASES), peak(ROLLOUT_PHASES)
+    if step is None or train is None or rollout is None or max(train, rollout) <= 0:
+        return None
+    return step / max(train, rollout)
+
+
 def step_metrics(phases: dict[str, float]) -> dict[str, float]:
-    """verl's per-step names from the per-phase metrics: the step's peaks over its phases."""
+    """verl's per-step names from the per-phase metrics: the step's peaks over its phases; with CUDA
+    also `perf/colocated_peak_ratio` (see `colocated_peak_ratio`)."""
     def peak(stat: str) -> float | None:
         values = [v for k, v in phases.items() if k.endswith(f"/{stat}")]
         return max(values) if values else None
@@ -68,4 +92,7 @@ def step_metrics(phases: dict[str, float]) -> dict[str, float]:
         value = peak(stat)
         if value is not None:
             out[name] = value
+    ratio = colocated_peak_ratio(phases)
+    if ratio is not None:
+        out["perf/colocated_peak_ratio"] = ratio
     return out

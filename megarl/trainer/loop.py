@@ -12,7 +12,8 @@ One step (see `RLTrainer.train_step`):
   7. metrics, validation every `test_freq` steps, checkpoint every `save_freq` steps
 
 Memory phases are lines of this file: a role whose `*_offload` keys are set is onloaded right
-before the phase that computes with it (`self.onloaded(...)`) and offloaded right after; the rollout
+before the phase that computes with it (`self.onloaded(...)`: its parameters only for a forward pass
+or a weight sync, everything for an update) and offloaded right after; the rollout
 engine sleeps once a step's generation is done (`self.rollout_sleep()`) and wakes its weights first,
 then its KV cache, around the next weight sync. Each step's transitions are written to
 `<run>/memory_phases.jsonl`, and every phase's memory peak is logged as `memory/<phase>/...`.
@@ -152,14 +153,14 @@ class RLTrainer:
             self.rollout_sleep()  # training needs the memory: the KV cache (and weights) go
 
             # 4. log-probs of the behaviour policy, the reference, and the critic's values
-            with self.phase("old_log_prob"), self.onloaded(actor, self.spec.actor):
+            with self.phase("old_log_prob"), self.onloaded(actor, self.spec.actor, params_only=True):
                 batch = batch.union(actor.call_dp(ActorRole.compute_log_prob, batch))
             metrics.update(rollout_logprob_gap(batch))
             if ref is not None:
-                with self.phase("ref"), self.onloaded(ref, self.spec.ref):
+                with self.phase("ref"), self.onloaded(ref, self.spec.ref, params_only=True):
                     batch = batch.union(ref.call_dp(RefRole.compute_ref_log_prob, batch))
             if critic is not None:
-                with self.phase("values"), self.onloaded(critic, self.spec.critic):
+                with self.phase("values"), self.onloaded(critic, self.spec.critic, params_only=True):
                     batch = batch.union(critic.call_dp(CriticRole.compute_values, batch))
 
             # 5. rewards (with KL when configured) and advantages, on the driver's CPU
@@ -205,13 +206,14 @@ class RLTrainer:
             self.memory_metrics[key] = max(value, self.memory_metrics.get(key, value))
 
     @contextlib.contextmanager
-    def onloaded(self, role: RoleView, spec: Optional[EngineRoleSpec]) -> Iterator[None]:
-        """The role's offloaded state (per its `*_offload` keys) on the device for the body only."""
-        if spec is None or not spec.offload.any:
+    def onloaded(self, role: RoleView, spec: Optional[EngineRoleSpec], params_only: bool = False) -> Iterator[None]:
+        """The role's offloaded state (per its `*_offload` keys) on the device for the body only:
+        all of it for an update, the parameters only (`params_only`) for a forward pass or a sync."""
+        if spec is None or not (spec.offload.params if params_only else spec.offload.any):
             yield
             return
-        role.call_all(EngineRole.onload)
-        self.memory_trace.append((self.current_phase, spec.name, "onload"))
+        role.call_all(EngineRole.onload, params_only)
+        self.memory_trace.append((self.current_phase, spec.name, "onload:params" if params_only else "onload"))
         try:
             yield
         finally:
@@ -255,7 +257,7 @@ class RLTrainer:
         """Responses for `prompts` from the rollout engines (synced to the actor's weights first)."""
         rollout = self.workers.rollout
         if self.rollout_version != self.weights_version:
-            with self.phase("sync_weights"), self.onloaded(self.workers.actor, self.spec.actor):
+            with self.phase("sync_weights"), self.onloaded(self.workers.actor, self.spec.actor, params_only=True):
                 if rollout.call_all(RolloutRole.wake_up, ("weights",))[0]:
                     self.memory_trace.append((self.current_phase, "rollout", "wake_up:weights"))
                 per_rank = rollout.call_all(RolloutRole.sync_weights, self.weights_version)

@@ -54,13 +54,15 @@ class EngineRole:
             self.offload()
 
     def offload(self) -> None:
-        """Move what the spec's offload flags name to host memory (no-op when already offloaded)."""
+        """Move what the spec's offload flags name to host memory (what is there already stays)."""
         off = self.spec.offload
-        if off.any and self.engine.offloaded is None:
+        if off.any:
             self.engine.offload_to_cpu(params=off.params, grads=off.grads, optimizer=off.optimizer)
 
-    def onload(self) -> None:
-        self.engine.onload()
+    def onload(self, params_only: bool = False) -> None:
+        """Bring the offloaded state back: all of it (an update), or the parameters only (a forward
+        pass or a weight sync, which never touch the gradients or the optimizer state)."""
+        self.engine.onload(("params",) if params_only else None)
 
     @contextlib.contextmanager
     def resident(self) -> Iterator[None]:

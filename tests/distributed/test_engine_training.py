@@ -207,7 +207,7 @@ def _offload(rank: int, world: int, port: int, hf_dir: str, batches: list) -> di
         engine.train_step(batches[0], pg_loss_fn, mini_batch_size=4, calculate_entropy=True)
     before = _snapshot(moved)
     moved.offload_to_cpu()
-    released = sum(t.untyped_storage().size() for t, _ in moved.offloaded.entries)
+    released = sum(t.untyped_storage().size() for t, _, _ in moved.offloaded.entries)
     offloaded_bytes = moved.offloaded.num_bytes
     moved.onload()
     after = _snapshot(moved)
@@ -221,11 +221,22 @@ def _offload(rank: int, world: int, port: int, hf_dir: str, batches: list) -> di
             call()
         except EngineStateError as err:
             refused.append(str(err))
-    moved.onload()
+    # The parameters alone come back for a forward pass; gradients and optimizer state stay out.
+    moved.onload(("params",))
     lp_moved = moved.compute_log_prob(batches[1])["log_probs"]
+    still_out = {group: sum(t.untyped_storage().size() for t, _, g in moved.offloaded.entries if g == group)
+                 for group in ("grads", "optimizer")}
+    groups_out = sorted(moved.offloaded.groups)
+    try:
+        moved.train_step(batches[1], pg_loss_fn, mini_batch_size=4)
+    except EngineStateError as err:
+        refused.append(str(err))
+    moved.offload_to_cpu()  # the parameters go back out; the rest stays where it is
+    moved.onload()
     m_plain = plain.train_step(batches[1], pg_loss_fn, mini_batch_size=4, calculate_entropy=True)
     m_moved = moved.train_step(batches[1], pg_loss_fn, mini_batch_size=4, calculate_entropy=True)
     return {"same": same, "released": released, "bytes": offloaded_bytes, "n": len(before), "refused": refused,
+            "still_out": still_out, "groups_out": groups_out,
             "lp": (lp_plain, lp_moved), "metrics": (m_plain, m_moved),
             "final": (gather_hf_state(plain), gather_hf_state(moved))}
 
@@ -237,7 +248,12 @@ def test_offload_onload_round_trip_is_exact_and_training_continues_identically()
     assert res["n"] > 10 and all(res["same"].values()), [k for k, v in res["same"].items() if not v]
     assert res["released"] == 0 and res["bytes"] > 0  # every offloaded storage had been freed
     # Computing with an offloaded engine is refused by name, not a crash on freed storage.
-    assert len(res["refused"]) == 2 and all("while its state is offloaded to host memory" in m for m in res["refused"])
+    assert len(res["refused"]) == 3, res["refused"]
+    assert "compute_log_prob while its params are offloaded to host memory" in res["refused"][0]
+    assert "train_step while its grads, optimizer, params are offloaded" in res["refused"][1]
+    # Parameters only on the device: log-probs are exact, an optimizer step is refused by name.
+    assert res["groups_out"] == ["grads", "optimizer"] and res["still_out"] == {"grads": 0, "optimizer": 0}
+    assert "train_step while its grads, optimizer are offloaded" in res["refused"][2]
     assert torch.equal(*res["lp"])
     m_plain, m_moved = res["metrics"]
     assert m_plain == m_moved

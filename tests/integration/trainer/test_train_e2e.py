@@ -129,13 +129,15 @@ OFFLOAD_CASES = {
     # the actor's state. GRPO with a KL loss: actor parameters and gradients, the reference.
     "grpo": (dict(actor={"use_kl_loss": True, "kl_loss_coef": 0.01}),
              dict(actor={"param_offload": True, "grad_offload": True}, ref={"param_offload": True}),
-             ("actor/kl_loss",), ["sync_weights:actor", "old_log_prob:actor", "ref:ref", "update_actor:actor"]),
+             ("actor/kl_loss",), ["sync_weights:actor:params", "old_log_prob:actor:params", "ref:ref:params",
+                                  "update_actor:actor"]),
     # PPO with a colocated critic: the actor's optimizer state only, the critic's parameters and optimizer.
     "ppo": (dict(algorithm={"adv_estimator": "gae", "lam": 0.95}, rollout={"n": 1}, actor={"ppo_micro_batch_size_per_gpu": 2},
                  critic={"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2}),
             dict(actor={"optimizer_offload": True}, critic={"param_offload": True, "optimizer_offload": True}),
             ("critic/vf_loss", "critic/values/mean"),
-            ["sync_weights:actor", "old_log_prob:actor", "values:critic", "update_critic:critic", "update_actor:actor"]),
+            # the actor's parameters stay resident: the sync and its log-probs move nothing of it
+            ["values:critic:params", "update_critic:critic", "update_actor:actor"]),
 }
 
 
@@ -158,15 +160,62 @@ def test_offloaded_roles_train_exactly_like_resident_ones(tmp_path: Path, task_d
     # The order of the transitions in a steady step (step 2): each offloaded role comes in for its
     # phase and goes out after it; the rollout wakes its weights, syncs, wakes its cache, sleeps.
     assert read_memory_trace(resident_dir / "run")[2] == SYNC_AND_GEN
-    expected = []
+    expected = [] if onloads[0].startswith("sync_weights") else list(SYNC_AND_GEN)
     for phase_role in onloads:
-        phase, role = phase_role.split(":")
+        phase, role, *params = phase_role.split(":")
+        onload = (phase, role, "onload:params" if params else "onload")
         if phase == "sync_weights":
-            expected += [(phase, role, "onload"), SYNC_AND_GEN[0], (phase, role, "offload"), *SYNC_AND_GEN[1:]]
+            expected += [onload, SYNC_AND_GEN[0], (phase, role, "offload"), *SYNC_AND_GEN[1:]]
         else:
-            expected += [(phase, role, "onload"), (phase, role, "offload")]
+            expected += [onload, (phase, role, "offload")]
     assert read_memory_trace(offload_dir / "run")[2] == expected
     assert "memory/update_actor/peak_rss_gb" in got[2] and "perf/cpu_memory_used_gb" in got[2]
+
+
+GRPO_KL = dict(actor={"use_kl_loss": True, "kl_loss_coef": 0.01})
+PPO_CRITIC = OFFLOAD_CASES["ppo"][0]
+WAKE_SYNC_WAKE = [("sync_weights", "rollout", "wake_up:weights"), ("sync_weights", "rollout", "wake_up")]
+
+
+def around(phase: str, role: str, onload: str = "onload") -> list[tuple[str, str, str]]:
+    return [(phase, role, onload), (phase, role, "offload")]
+
+
+# One key at a time: the transitions of a steady step (step 2), written out by hand (with every key
+# off the trace is SYNC_AND_GEN, checked above). Offloaded parameters come in for each forward pass
+# (the weight sync reads them, the log-probs and values compute with them) and for the update;
+# offloaded gradients or optimizer state only for the update. The reference and the critic come in
+# for their own phases only. Without free_cache_engine the rollout never sleeps, so nothing is
+# woken either.
+SINGLE_KEY_TRACES = {
+    "grpo-actor.param_offload": (GRPO_KL, {"actor": {"param_offload": True}}, [
+        ("sync_weights", "actor", "onload:params"), WAKE_SYNC_WAKE[0], ("sync_weights", "actor", "offload"),
+        WAKE_SYNC_WAKE[1], ("gen", "rollout", "sleep"), *around("old_log_prob", "actor", "onload:params"),
+        *around("update_actor", "actor")]),
+    **{f"grpo-actor.{key}": (GRPO_KL, {"actor": {key: True}}, [
+        *WAKE_SYNC_WAKE, ("gen", "rollout", "sleep"), *around("update_actor", "actor")])
+       for key in ("grad_offload", "optimizer_offload")},
+    "grpo-ref.param_offload": (GRPO_KL, {"ref": {"param_offload": True}},
+                               [*WAKE_SYNC_WAKE, ("gen", "rollout", "sleep"), *around("ref", "ref", "onload:params")]),
+    "grpo-rollout.free_cache_engine=false": (GRPO_KL, {"rollout": {"free_cache_engine": False}}, []),
+    "ppo-critic.param_offload": (PPO_CRITIC, {"critic": {"param_offload": True}}, [
+        *WAKE_SYNC_WAKE, ("gen", "rollout", "sleep"), *around("values", "critic", "onload:params"),
+        *around("update_critic", "critic")]),
+    "ppo-critic.optimizer_offload": (PPO_CRITIC, {"critic": {"optimizer_offload": True}}, [
+        *WAKE_SYNC_WAKE, ("gen", "rollout", "sleep"), *around("update_critic", "critic")]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SINGLE_KEY_TRACES))
+def test_memory_phase_trace_of_each_key_alone(tmp_path: Path, task_dir: Path, case: str) -> None:
+    """Each offload/sleep key on its own moves exactly its role, in exactly its phases."""
+    base, key, expected = SINGLE_KEY_TRACES[case]
+    sections = {s: {**base.get(s, {}), **key.get(s, {})} for s in {*base, *key}}
+    assert run_train(write_config(tmp_path, task_dir, **sections)).returncode == 0
+    trace = read_memory_trace(tmp_path / "run")
+    assert trace[2] == expected, trace[2]
+    # Step 1 starts from engines that are awake and roles that init_model left offloaded.
+    assert all(t[2] != "wake_up:weights" for t in trace[1])
 
 
 def test_val_only_validates_and_stops(tmp_path: Path, task_dir: Path) -> None:

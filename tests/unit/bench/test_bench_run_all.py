@@ -45,6 +45,10 @@ def _fabricated_bench() -> dict:
         "algorithms": {"status": "ok", "seconds": 3.0, "load_average_before": load, "result": {"results": [
             {"estimator": "grpo", "vectorised_tokens_per_s": 5e7, "speedup": 17.0}]}},
         "convert": {"status": "missing", "error": "benchmarks/convert.py does not exist"},
+        "memory_phases": {"status": "ok", "seconds": 90.0, "load_average_before": load, "result": {"summary": {
+            "parameters": 25_000_000, "update_peak_drop_gb": 0.15, "drop_over_weight_copy": 1.6,
+            "rollout_weight_copy_gb": 0.094, "step_time_sleep_over_resident": 0.9,
+            "step_time_offload_over_resident": 1.5}}},
     }}
 
     def ok(result: dict) -> dict:
@@ -93,8 +97,10 @@ def test_report_of_a_fabricated_result_has_every_section_and_even_tables():
     phases = next(t for t in tables if t[0] == ["phase", "mean s", "share of step"])
     assert phases[1] == ["**gen**", "1", "50.0%"]  # biggest phase first, marked
     components = next(t for t in tables if t[0][0] == "component")
-    assert [r[:2] for r in components[1:]] == [["algorithms", "ok"], ["convert", "missing"]]
+    assert [r[:2] for r in components[1:]] == [["algorithms", "ok"], ["convert", "missing"], ["memory_phases", "ok"]]
     assert "17x the plain loop" in components[1][4]
+    assert components[3][4] == ("25,000,000 params: update-phase peak RSS drops 0.15 GiB when the rollout sleeps "
+                                "(1.6x its 0.094 GiB weight copy); step time sleep/resident 0.9, offload/resident 1.5")
     assert "ppo: failed" in md and "Skipped: no CUDA device" in md
 
 

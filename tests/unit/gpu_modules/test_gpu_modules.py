@@ -162,6 +162,13 @@ def test_metric_verdicts():
     assert any("disagree" in p for p in gpu_check.metric_problems(far, 1, 1e-3))
     no_sync = {1: {k: v for k, v in _step().items() if not k.startswith("sync/")}}
     assert any("did not run" in p for p in gpu_check.metric_problems(no_sync, 1, 1e-3))
+    # The colocated peak (logged with CUDA only) may exceed the larger phase by 10% at most.
+    assert gpu_check.metric_problems({1: {**_step(), "perf/colocated_peak_ratio": 1.1}}, 1, 1e-3) == []
+    over = gpu_check.metric_problems({1: {**_step(), "perf/colocated_peak_ratio": 1.25}}, 1, 1e-3)
+    assert len(over) == 1 and "colocated_peak_ratio = 1.250 > 1.1" in over[0]
+    summary = gpu_check.memory_summary({2: {**_step(), "perf/colocated_peak_ratio": 1.02,
+                                            "memory/gen/max_allocated_gb": 3.0, "memory/gen/peak_rss_gb": 9.0}})
+    assert summary == {"2": {"colocated_peak_ratio": 1.02, "max_allocated_gb": {"gen": 3.0}}}
 
 
 def test_metrics_are_read_from_the_jsonl_format(tmp_path: Path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.tracking.memory import GIB, memory_stats, phase_metrics, reset_peaks, step_metrics
+from megarl.tracking.memory import GIB, colocated_peak_ratio, memory_stats, phase_metrics, reset_peaks, step_metrics
 
 pytestmark = pytest.mark.unit
 
@@ -29,3 +29,20 @@ def test_phase_and_step_metrics_take_the_largest_rank() -> None:
     phases.update(phase_metrics("update_actor", [{"peak_rss_gb": 4.0, "max_allocated_gb": 2.0, "max_reserved_gb": 2.5}]))
     assert step_metrics(phases) == {"perf/cpu_memory_used_gb": 4.0, "perf/max_memory_allocated_gb": 2.0,
                                     "perf/max_memory_reserved_gb": 2.5}
+
+
+def test_colocated_peak_ratio_sees_training_and_rollout_overlap() -> None:
+    """Hand-worked: update 6 GiB, generation 5 GiB. A sync holding the actor's parameters (1 GiB)
+    and the rollout's weights (1 GiB) stays under both: ratio 1. A sync that onloads the whole
+    training state (6 GiB) next to the rollout's weights (1 GiB) and buffers (0.6 GiB): 7.6 / 6."""
+    def phases(**peaks: float) -> dict[str, float]:
+        return {f"memory/{name}/max_allocated_gb": gib for name, gib in peaks.items()}
+
+    assert colocated_peak_ratio(phases(sync_weights=2.0, gen=5.0, old_log_prob=1.5, update_actor=6.0)) == 1.0
+    assert colocated_peak_ratio(phases(sync_weights=7.6, gen=5.0, update_actor=6.0)) == pytest.approx(7.6 / 6.0)
+    assert step_metrics(phases(sync_weights=7.6, gen=5.0, update_actor=6.0))["perf/colocated_peak_ratio"] == \
+        pytest.approx(7.6 / 6.0)
+    # Without device statistics (CPU) or without a generation phase there is no ratio.
+    assert colocated_peak_ratio({"memory/gen/peak_rss_gb": 1.0, "memory/update_actor/peak_rss_gb": 2.0}) is None
+    assert colocated_peak_ratio(phases(update_actor=6.0)) is None
+    assert "perf/colocated_peak_ratio" not in step_metrics({"memory/gen/peak_rss_gb": 1.0})
