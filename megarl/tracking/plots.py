@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 KL_KEYS = ("actor/ppo_kl", "actor/kl_loss", "critic/kl")
+RM_SCORE_KEY = "reward_model/score/mean"
 MAX_VAL_CURVES = 4
 MAX_PHASES = 10  # phases beyond the largest ones are drawn as "other"
 SMOOTH_FROM = 30  # curves with more points than this get a moving average
@@ -124,6 +125,12 @@ def plot_reward(table: MetricTable, path: Path) -> bool:
     return _line_plot(table, path, "Reward", "reward", keys)
 
 
+def plot_reward_model(table: MetricTable, path: Path) -> bool:
+    """The reward model's score of each step's responses: mean, with the min–max band."""
+    return _line_plot(table, path, "Reward-model score", "score", [RM_SCORE_KEY],
+                      band=("reward_model/score/min", "reward_model/score/max"))
+
+
 def plot_response_length(table: MetricTable, path: Path) -> bool:
     return _line_plot(
         table, path, "Response length", "tokens", ["response_length/mean"],
@@ -192,6 +199,7 @@ def plot_timing(table: MetricTable, path: Path) -> bool:
 
 PLOTS: dict[str, Callable[[MetricTable, Path], bool]] = {
     "reward": plot_reward,
+    "reward_model": plot_reward_model,
     "response_length": plot_response_length,
     "kl": plot_kl,
     "throughput": plot_throughput,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from megarl.tracking.jsonl import METRICS_FILE, read_metrics
-from megarl.tracking.plots import MetricTable, validation_reward_keys, write_plots
+from megarl.tracking.plots import RM_SCORE_KEY, MetricTable, validation_reward_keys, write_plots
 from megarl.tracking.progress import format_duration
 
 REPORT_DIR = "report"
@@ -76,6 +76,11 @@ def summarize(table: MetricTable, run_name: str, k: Optional[int] = None) -> str
         lines.append(
             f"- reward ({REWARD_KEY}): first {k} steps {first:.4f}, last {k} steps {last:.4f} ({last - first:+.4f})"
         )
+    if RM_SCORE_KEY in table.names:
+        scores = table.series(RM_SCORE_KEY)[1]
+        first, last = _mean(scores[:k]), _mean(scores[-k:])
+        lines.append(f"- reward-model score ({RM_SCORE_KEY}): first {k} steps {first:.4f}, last {k} steps "
+                     f"{last:.4f} ({last - first:+.4f})")
     for key in validation_reward_keys(table.names)[:1]:
         points = [(s, v) for s, v in zip(table.steps, table.column(key)) if not math.isnan(v)]
         if points:
@@ -96,7 +101,7 @@ def write_report(run_dir: Union[str, Path], k: Optional[int] = None) -> dict[str
     """Write plots (PNG) and ``summary.md`` under ``<run_dir>/report/``.
 
     Returns ``{name: path}`` with ``summary`` and one entry per plot drawn (``reward``,
-    ``response_length``, ``kl``, ``throughput``, ``timing``, ``entropy``; a plot whose metrics
+    ``reward_model``, ``response_length``, ``kl``, ``throughput``, ``timing``, ``memory``, ``entropy``; a plot whose metrics
     were never logged is skipped). Raises ``MetricsFileError`` without ``metrics.jsonl``.
     """
     run_dir = Path(run_dir)
