@@ -7,6 +7,10 @@ straight into its engine parameters while the next step's transfers are in fligh
 parameters have the rollout shard's size, so no rank holds a whole unsharded tensor unless the
 rollout TP size is 1.
 
+With `verify` (the default) every bucket is fingerprinted by its sender and its receiver and the
+fingerprints are compared after the sync (`megarl.hybrid.verify`): a bucket that arrived changed
+stops the sync with an error naming tensor, slice and ranks.
+
 `execute_plan_locally` runs the same packing and unpacking for all ranks in one process with an
 in-memory transport (tests, benchmarks of the planning/copy cost).
 """
@@ -22,6 +26,7 @@ import torch.distributed as dist
 
 from megarl.errors import ConfigError
 from megarl.hybrid.plan import Piece, ReshardPlan
+from megarl.hybrid.verify import BucketKey, check_buckets, fingerprint
 
 Pair = tuple[int, int]
 
@@ -41,6 +46,8 @@ class ExecStats:
     seconds: float = 0.0
     largest_buffer_numel: int = 0  # largest flat exchange buffer
     largest_engine_tensor_numel: int = 0  # largest tensor assembled on this rank
+    buckets_verified: int = 0  # buckets whose sender and receiver fingerprints were compared
+    verify_seconds: float = 0.0  # time spent fingerprinting and comparing (part of `seconds`)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -118,6 +125,10 @@ class Transport(Protocol):
 
     def wait(self, handle: Any) -> None: ...
 
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over the ranks of the sync (fingerprints)."""
+        ...
+
 
 class P2PTransport:
     """Batched non-blocking point-to-point sends and receives (gloo or NCCL)."""
@@ -138,6 +149,10 @@ class P2PTransport:
         for req in handle:
             req.wait()
 
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=self.group)
+        return t
+
 
 class InMemoryTransport:
     """All ranks in one process: a send buffer is copied into the matching receive buffer."""
@@ -150,10 +165,13 @@ class InMemoryTransport:
     def wait(self, handle: Any) -> None:
         return None
 
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t  # every rank is in this process: each fingerprint was filled in once already
+
 
 def _run(plan: ReshardPlan, shards_by_rank: Mapping[int, Mapping[str, torch.Tensor]], transport: Transport,
          device: torch.device, out: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
-         ) -> dict[int, tuple[dict[str, torch.Tensor], ExecStats]]:
+         verify: bool = True) -> dict[int, tuple[dict[str, torch.Tensor], ExecStats]]:
     """The step loop for the ranks in `shards_by_rank`.
 
     Double-buffered: step k+1 is packed and posted while step k is in flight, so at most two
@@ -174,6 +192,9 @@ def _run(plan: ReshardPlan, shards_by_rank: Mapping[int, Mapping[str, torch.Tens
         for pair, pieces in step.items():
             largest[pair] = max(largest.get(pair, 0), _bucket_numel(pieces, plan.dtype))
     pool: dict[tuple[str, Pair, int], torch.Tensor] = {}
+    sent_fp: dict[BucketKey, torch.Tensor] = {}
+    received_fp: dict[BucketKey, torch.Tensor] = {}
+    verify_seconds = 0.0
 
     def buffer(kind: str, pair: Pair, parity: int, numel: int) -> torch.Tensor:
         key = (kind, pair, parity)
@@ -182,6 +203,7 @@ def _run(plan: ReshardPlan, shards_by_rank: Mapping[int, Mapping[str, torch.Tens
         return pool[key][:numel]
 
     def post(k: int) -> tuple[Any, dict[Pair, torch.Tensor]]:
+        nonlocal verify_seconds
         sends, recvs = {}, {}
         for pair, pieces in plan.steps[k].items():
             numel = _bucket_numel(pieces, plan.dtype)
@@ -193,6 +215,10 @@ def _run(plan: ReshardPlan, shards_by_rank: Mapping[int, Mapping[str, torch.Tens
                 stats.largest_buffer_numel = max(stats.largest_buffer_numel, numel)
                 if kind == "send":
                     sends[pair] = pack_bucket(pieces, shards_by_rank[rank], buf)
+                    if verify:
+                        t0 = time.perf_counter()
+                        sent_fp[(k, pair)] = fingerprint(sends[pair])
+                        verify_seconds += time.perf_counter() - t0
                     stats.bytes_sent += numel * buf.element_size()
                     stats.buckets_sent += 1
                 else:
@@ -213,17 +239,30 @@ def _run(plan: ReshardPlan, shards_by_rank: Mapping[int, Mapping[str, torch.Tens
         transport.wait(handle)
         for pair, buf in recvs.items():
             targets, stats = result[pair[1]]
+            if verify:
+                t0 = time.perf_counter()
+                received_fp[(k, pair)] = fingerprint(buf)
+                verify_seconds += time.perf_counter() - t0
             unpack_bucket(buf, step[pair], targets)
             stats.bytes_received += buf.numel() * buf.element_size()
             stats.buckets_received += 1
+    checked = 0
+    if verify:
+        t0 = time.perf_counter()
+        checked = check_buckets(plan, sent_fp, received_fp, shards_by_rank,
+                                {rank: targets for rank, (targets, _) in result.items()}, transport.all_reduce, device)
+        verify_seconds += time.perf_counter() - t0
     elapsed = time.perf_counter() - start
     for _, stats in result.values():
         stats.seconds = elapsed
+        stats.verify_seconds = verify_seconds
+        stats.buckets_verified = checked
     return result
 
 
 def execute_plan(plan: ReshardPlan, local_shards: Mapping[str, torch.Tensor],
                  group: dist.ProcessGroup | None = None, out: Mapping[str, torch.Tensor] | None = None,
+                 verify: bool = True, transport: Transport | None = None,
                  ) -> tuple[dict[str, torch.Tensor], ExecStats]:
     """This rank's engine parameters (name -> tensor of the rollout shard shape) and its stats.
 
@@ -231,22 +270,24 @@ def execute_plan(plan: ReshardPlan, local_shards: Mapping[str, torch.Tensor],
     indices), e.g. `megarl.hybrid.sync.training_shards(engine.get_named_weights(), ...)`. Ranks in the plan are ranks of
     `group` (default: the world). Every rank of the group must call this with the same plan.
     `out`: write into these tensors (e.g. the engine's own parameters, any dtype) instead of
-    allocating new ones.
+    allocating new ones. `verify`: compare sender and receiver fingerprints of every bucket (a
+    collective; every rank must pass the same value). `transport`: point-to-point over `group` by
+    default.
     """
     rank = dist.get_rank(group)
     if dist.get_world_size(group) != plan.world_size:
         raise ConfigError(f"reshard: plan is for {plan.world_size} ranks, the group has {dist.get_world_size(group)}")
     device = next(iter(local_shards.values())).device if local_shards else torch.device("cpu")
-    return _run(plan, {rank: local_shards}, P2PTransport(group), device,
-                None if out is None else {rank: out})[rank]
+    return _run(plan, {rank: local_shards}, transport or P2PTransport(group), device,
+                None if out is None else {rank: out}, verify)[rank]
 
 
 def execute_plan_locally(plan: ReshardPlan, shards_by_rank: Mapping[int, Mapping[str, torch.Tensor]],
-                         out: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+                         out: Mapping[int, Mapping[str, torch.Tensor]] | None = None, verify: bool = True,
                          ) -> dict[int, tuple[dict[str, torch.Tensor], ExecStats]]:
     """All ranks in this process: the same packing and unpacking, buffers handed over in memory.
     `out`: per rank, tensors to write into (as in `execute_plan`)."""
     missing = sorted(set(range(plan.world_size)) - set(shards_by_rank))
     if missing:
         raise ConfigError(f"reshard: no training shards given for ranks {missing}")
-    return _run(plan, shards_by_rank, InMemoryTransport(), torch.device("cpu"), out)
+    return _run(plan, shards_by_rank, InMemoryTransport(), torch.device("cpu"), out, verify)

@@ -53,22 +53,24 @@ def _vllm_targets(rollout_engine: Any, plan: ReshardPlan, rank: int) -> dict[str
 
 
 def sync_shards(plan: ReshardPlan, shards: Mapping[str, torch.Tensor], rollout_engine: Any,
-                group: dist.ProcessGroup | None = None) -> ExecStats:
+                group: dist.ProcessGroup | None = None, verify: bool = True) -> ExecStats:
     """Reshard this rank's Megatron shards (local-spec names) into the rollout engine.
 
     Engine layout "hf" (rollout TP 1): full HF-named tensors through `update_weights`, so any
     engine works. Layout "vllm": pieces are written straight into the vLLM model's parameters
     of this process (vLLM's loaders want full HF tensors, which would defeat the sharding).
+    `verify`: compare every bucket's sender and receiver fingerprints before the engine takes the
+    weights (see `megarl.hybrid.verify`).
     """
     if plan.engine == "hf":
-        tensors, stats = execute_plan(plan, shards, group)
+        tensors, stats = execute_plan(plan, shards, group, verify=verify)
         rollout_engine.update_weights(tensors.items())
         return stats
     if rollout_engine.state.value not in ("awake", "weights_only"):
         raise ConfigError(f"rollout engine is {rollout_engine.state.value}; wake it up before a weight sync")
     targets = _vllm_targets(rollout_engine, plan, dist.get_rank(group))
     with torch.no_grad():
-        _, stats = execute_plan(plan, shards, group, out=targets)
+        _, stats = execute_plan(plan, shards, group, out=targets, verify=verify)
     rollout_engine.mark_weights_updated()  # e.g. vLLM's prefix cache was computed with the old weights
     return stats
 
@@ -82,10 +84,14 @@ class WeightSync:
         rollout_tp: rollout tensor-parallel size (consecutive ranks form one engine).
         bucket_bytes: bound on the bytes one pair of ranks exchanges per step.
         group: the process group spanning the training world (default: the world).
+        verify_every: verify the received weights on every k-th sync, the first included (0: never).
     """
 
     def __init__(self, train_engine: Any, rollout_engine: Any, rollout_tp: int = 1,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, group: dist.ProcessGroup | None = None) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, group: dist.ProcessGroup | None = None,
+                 verify_every: int = 1) -> None:
+        if verify_every < 0:
+            raise ConfigError(f"weight sync: verify_every={verify_every}; valid: 0 (never) or k >= 1 (every k-th sync)")
         r = train_engine.ranks
         if r.ep_size > 1:
             raise ConfigError(
@@ -93,6 +99,8 @@ class WeightSync:
                 "engine yet; train the MoE model with expert_model_parallel_size=1")
         self.train_engine = train_engine
         self.rollout_engine = rollout_engine
+        self.verify_every = verify_every
+        self.syncs_done = 0
         self.group = group
         self.pp_rank, self.pp_size = r.pp_rank, r.pp_size
         layout = ParallelLayout(tp=r.tp_size, pp=r.pp_size, dp=r.dp_size, cp=r.cp_size)
@@ -107,4 +115,7 @@ class WeightSync:
         """Reshard and deliver; returns this rank's transfer statistics."""
         shards = training_shards(self.train_engine.get_named_weights(), self.train_engine.spec,
                                  self.pp_rank, self.pp_size)
-        return sync_shards(self.plan, shards, self.rollout_engine, self.group)
+        verify = self.verify_every > 0 and self.syncs_done % self.verify_every == 0
+        stats = sync_shards(self.plan, shards, self.rollout_engine, self.group, verify=verify)
+        self.syncs_done += 1
+        return stats
