@@ -14,10 +14,11 @@ PYTEST_ARGS ?=
 # Tiers that run on a CPU machine without extra environments (vllm has its own: `make test-vllm`).
 TEST_MARKERS ?= not gpu and not vllm
 
-.PHONY: install demo test test-unit clean help
+.PHONY: install demo demo-rm test test-unit clean help
 
 help:
 	@echo "make demo   - install, then run the quickstart (tiny GRPO on CPU)"
+	@echo "make demo-rm - install, then PPO on CPU with a reward model fitted on the task"
 	@echo "make test   - install, then run the test suite (unit, distributed, integration tiers)"
 	@echo "make bench  - install, then run the benchmarks (JSON + markdown under benchmarks/results)"
 	@echo "make clean  - remove the virtual environment and caches"
@@ -41,6 +42,15 @@ demo: install
 	$(BIN)/megarl data make arithmetic --out $(DEMO_DATA) --tokenizer-out $(DEMO_DATA)/tokenizer \
 		--num-operands 2 --min-value 0 --max-value 4 --operators +
 	$(BIN)/megarl train configs/quickstart_cpu.yaml $(DEMO_ARGS)
+
+# PPO whose reward comes from a reward model (configs/ppo_rm_cpu.yaml): the task, a small reward
+# model fitted on preference pairs of it (once; remove $(DEMO_DATA)/reward_model to refit), the run.
+demo-rm: install
+	$(BIN)/megarl data make arithmetic --out $(DEMO_DATA) --tokenizer-out $(DEMO_DATA)/tokenizer \
+		--num-operands 2 --min-value 0 --max-value 4 --operators +
+	test -f $(DEMO_DATA)/reward_model/model.safetensors || $(BIN)/python -m megarl.rewards.fit_preference_model \
+		--data $(DEMO_DATA)/train.parquet --tokenizer $(DEMO_DATA)/tokenizer --out $(DEMO_DATA)/reward_model
+	$(BIN)/megarl train configs/ppo_rm_cpu.yaml $(DEMO_ARGS)
 
 # The main tiers, then the vllm tier in its own environment (mk/vllm.mk). SKIP_VLLM=1 skips the latter.
 test: install
