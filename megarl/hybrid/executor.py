@@ -7,9 +7,10 @@ straight into its engine parameters while the next step's transfers are in fligh
 parameters have the rollout shard's size, so no rank holds a whole unsharded tensor unless the
 rollout TP size is 1.
 
-With `verify` (the default) every bucket is fingerprinted by its sender and its receiver and the
-fingerprints are compared after the sync (`megarl.hybrid.verify`): a bucket that arrived changed
-stops the sync with an error naming tensor, slice and ranks.
+With `verify` (the default) every piece is fingerprinted by its sender as it is packed and by its
+receiver as it is unpacked, and the fingerprints are compared after the sync
+(`megarl.hybrid.verify`): a piece that arrived changed stops the sync with an error naming tensor,
+slice and ranks.
 
 `execute_plan_locally` runs the same packing and unpacking for all ranks in one process with an
 in-memory transport (tests, benchmarks of the planning/copy cost).
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from megarl.errors import ConfigError
 from megarl.hybrid.plan import Piece, ReshardPlan
-from megarl.hybrid.verify import BucketKey, check_buckets, fingerprint
+from megarl.hybrid.verify import check_pieces, copy_and_fingerprint
 
 Pair = tuple[int, int]
 
@@ -46,8 +47,10 @@ class ExecStats:
     seconds: float = 0.0
     largest_buffer_numel: int = 0  # largest flat exchange buffer
     largest_engine_tensor_numel: int = 0  # largest tensor assembled on this rank
-    buckets_verified: int = 0  # buckets whose sender and receiver fingerprints were compared
-    verify_seconds: float = 0.0  # time spent fingerprinting and comparing (part of `seconds`)
+    pieces_verified: int = 0  # pieces (tensor slices) whose sender and receiver fingerprints were compared
+    # Comparing the fingerprints after the transfers (part of `seconds`; taking them is fused with
+    # the copies, its cost shows only against a sync without verification: benchmarks/sync_verify.py)
+    verify_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -93,24 +96,36 @@ def _slice(t: torch.Tensor, p: Piece, start: int) -> torch.Tensor:
     return t.narrow(p.axis, start, p.length)
 
 
-def pack_bucket(pieces: list[Piece], shards: Mapping[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """Write the pieces' slices of the sender's shards into the flat buffer `out`, in order."""
+def pack_bucket(pieces: list[Piece], shards: Mapping[str, torch.Tensor], out: torch.Tensor,
+                fingerprints: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Write the pieces' slices of the sender's shards into the flat buffer `out`, in order.
+    With `fingerprints`, each piece's packed span is fingerprinted as it is copied (appended in order)."""
     offset = 0
     for p in pieces:
         src = _slice(shards[p.src_name], p, p.src_start)
         n = src.numel()
-        out[offset:offset + n].view(src.shape).copy_(src)
+        span = out[offset:offset + n]
+        if fingerprints is None:
+            span.view(src.shape).copy_(src)
+        else:
+            fingerprints.append(copy_and_fingerprint(span, src, span_is_src=False))
         offset += n
     return out[:offset]
 
 
-def unpack_bucket(flat: torch.Tensor, pieces: list[Piece], targets: Mapping[str, torch.Tensor]) -> None:
-    """Inverse of `pack_bucket` into the receiver's engine parameters."""
+def unpack_bucket(flat: torch.Tensor, pieces: list[Piece], targets: Mapping[str, torch.Tensor],
+                  fingerprints: list[torch.Tensor] | None = None) -> None:
+    """Inverse of `pack_bucket` into the receiver's engine parameters; with `fingerprints`, each
+    piece's received span is fingerprinted as it is copied out (appended in order)."""
     offset = 0
     for p in pieces:
         dst = _slice(targets[p.dst_name], p, p.dst_start)
         n = dst.numel()
-        dst.copy_(flat[offset:offset + n].view(dst.shape))
+        span = flat[offset:offset + n]
+        if fingerprints is None:
+            dst.copy_(span.view(dst.shape))
+        else:
+            fingerprints.append(copy_and_fingerprint(span, dst, span_is_src=True))
         offset += n
 
 
@@ -192,9 +207,9 @@ def _run(plan: ReshardPlan, shards_by_rank: Mapping[int, Mapping[str, torch.Tens
         for pair, pieces in step.items():
             largest[pair] = max(largest.get(pair, 0), _bucket_numel(pieces, plan.dtype))
     pool: dict[tuple[str, Pair, int], torch.Tensor] = {}
-    sent_fp: dict[BucketKey, torch.Tensor] = {}
-    received_fp: dict[BucketKey, torch.Tensor] = {}
-    verify_seconds = 0.0
+    # Per bucket (step, pair): its pieces' fingerprints, taken by the sender and by the receiver.
+    sent_fp: dict[tuple[int, Pair], list[torch.Tensor]] = {}
+    received_fp: dict[tuple[int, Pair], list[torch.Tensor]] = {}
 
     def buffer(kind: str, pair: Pair, parity: int, numel: int) -> torch.Tensor:
         key = (kind, pair, parity)
@@ -203,7 +218,6 @@ def _run(plan: ReshardPlan, shards_by_rank: Mapping[int, Mapping[str, torch.Tens
         return pool[key][:numel]
 
     def post(k: int) -> tuple[Any, dict[Pair, torch.Tensor]]:
-        nonlocal verify_seconds
         sends, recvs = {}, {}
         for pair, pieces in plan.steps[k].items():
             numel = _bucket_numel(pieces, plan.dtype)
@@ -214,11 +228,8 @@ def _run(plan: ReshardPlan, shards_by_rank: Mapping[int, Mapping[str, torch.Tens
                 stats = result[rank][1]
                 stats.largest_buffer_numel = max(stats.largest_buffer_numel, numel)
                 if kind == "send":
-                    sends[pair] = pack_bucket(pieces, shards_by_rank[rank], buf)
-                    if verify:
-                        t0 = time.perf_counter()
-                        sent_fp[(k, pair)] = fingerprint(sends[pair])
-                        verify_seconds += time.perf_counter() - t0
+                    sink = sent_fp.setdefault((k, pair), []) if verify else None
+                    sends[pair] = pack_bucket(pieces, shards_by_rank[rank], buf, sink)
                     stats.bytes_sent += numel * buf.element_size()
                     stats.buckets_sent += 1
                 else:
@@ -239,24 +250,20 @@ def _run(plan: ReshardPlan, shards_by_rank: Mapping[int, Mapping[str, torch.Tens
         transport.wait(handle)
         for pair, buf in recvs.items():
             targets, stats = result[pair[1]]
-            if verify:
-                t0 = time.perf_counter()
-                received_fp[(k, pair)] = fingerprint(buf)
-                verify_seconds += time.perf_counter() - t0
-            unpack_bucket(buf, step[pair], targets)
+            sink = received_fp.setdefault((k, pair), []) if verify else None
+            unpack_bucket(buf, step[pair], targets, sink)
             stats.bytes_received += buf.numel() * buf.element_size()
             stats.buckets_received += 1
-    checked = 0
+    checked, verify_seconds = 0, 0.0
     if verify:
         t0 = time.perf_counter()
-        checked = check_buckets(plan, sent_fp, received_fp, shards_by_rank,
-                                {rank: targets for rank, (targets, _) in result.items()}, transport.all_reduce, device)
-        verify_seconds += time.perf_counter() - t0
+        checked = check_pieces(plan, sent_fp, received_fp, transport.all_reduce, device)
+        verify_seconds = time.perf_counter() - t0
     elapsed = time.perf_counter() - start
     for _, stats in result.values():
         stats.seconds = elapsed
         stats.verify_seconds = verify_seconds
-        stats.buckets_verified = checked
+        stats.pieces_verified = checked
     return result
 
 

@@ -1,15 +1,17 @@
 """Did every rollout rank receive the bytes its senders sent? Weight-sync verification.
 
-Each bucket of a reshard step is fingerprinted twice: by its sender right after packing, and by its
-receiver right after the transfer, before unpacking. After the sync one all-reduce of two int64
-vectors (one entry per bucket of the plan, each filled by exactly one sender and one receiver)
-gives every rank every fingerprint, so all ranks see the same mismatches and stop together.
-Only when a bucket differs are its pieces fingerprinted one by one (the sender's source slices,
-the receiver's engine slices) to name the tensor and slice that arrived changed.
+Every piece of every bucket (one slice of one tensor) is fingerprinted twice: by its sender right
+after packing it into the flat send buffer, and by its receiver right before unpacking it from the
+flat receive buffer, each while those bytes are still in the cache of the copy that touches them.
+After the sync one all-reduce of two int64 vectors (one entry per piece of the plan, each filled by
+exactly one sender and one receiver) gives every rank every fingerprint, so all ranks see the same
+mismatches and stop together, with the tensor, slice and ranks of each piece that arrived changed.
 
-The fingerprint is the wrapping sum of the buffer's raw bytes read as 64-bit words: one pass at
-memory bandwidth on CPU and GPU, no copy. Any change confined to one word (a flipped bit, a
-zeroed or torn word) changes it; a truncated or zero-filled bucket does unless its bytes sum to
+The fingerprint of a piece is the wrapping sum of its raw bytes read as 64-bit words (linear, so
+it can be summed in blocks cut anywhere): each block of about `FINGERPRINT_BLOCK_BYTES` is summed
+right after it is copied (sender) or right before (receiver), while it is in cache. No extra copy,
+on CPU and GPU. Any change confined to one word (a flipped bit,
+a zeroed or torn word) changes it; a truncated or zero-filled piece does unless its bytes summed to
 zero. It is a transport check, not a cryptographic one.
 """
 
@@ -22,33 +24,66 @@ import torch
 from megarl.errors import MegarlError
 from megarl.hybrid.plan import Piece, ReshardPlan
 
-Pair = tuple[int, int]
-BucketKey = tuple[int, Pair]  # (step, (sender, receiver))
+BucketKey = tuple[int, tuple[int, int]]  # (step, (sender, receiver))
+PieceKey = tuple[int, tuple[int, int], int]  # (step, (sender, receiver), index of the piece in its bucket)
+FINGERPRINT_BLOCK_BYTES = 2 * 2**20  # about a core's cache
 
 
 class WeightSyncError(MegarlError, RuntimeError):
     """The rollout engine did not receive the weights the trainer sent. Names tensor, slice and ranks."""
 
 
-def fingerprint(buf: torch.Tensor) -> torch.Tensor:
-    """int64 scalar on `buf`'s device: wrapping sum of the raw bytes of contiguous `buf` as
-    little-endian 64-bit words (the last < 8 bytes weighted by their position)."""
-    raw = buf.reshape(-1).view(torch.uint8)
-    n = raw.numel() // 8 * 8
-    total = raw[:n].view(torch.int64).sum() if n else torch.zeros((), dtype=torch.int64, device=buf.device)
-    if n < raw.numel():
-        tail = raw[n:].to(torch.int64)
-        total = total + (tail << (8 * torch.arange(tail.numel(), device=buf.device))).sum()
+def fingerprint(span: torch.Tensor) -> torch.Tensor:
+    """int64 scalar on `span`'s device: the wrapping sum of the 64-bit little-endian words of the
+    contiguous 1-D `span`'s storage, each word counting only the bytes inside `span`.
+
+    Linear in the bytes and aligned to the storage, so the fingerprints of consecutive parts of a
+    span add up (wrapping) to the span's: blocks may be cut anywhere."""
+    raw = span.view(torch.uint8)
+    offset = raw.storage_offset()  # storages are allocated 8-byte aligned
+    head = min((-offset) % 8, raw.numel())
+    n = (raw.numel() - head) // 8 * 8
+    total = raw[head:head + n].view(torch.int64).sum() if n else torch.zeros((), dtype=torch.int64, device=span.device)
+    for lo, hi in ((0, head), (head + n, raw.numel())):
+        if hi > lo:  # bytes of words cut by the span's ends, each shifted to its place in its word
+            shifts = (torch.arange(offset + lo, offset + hi, device=span.device) % 8) * 8
+            total = total + (raw[lo:hi].to(torch.int64) << shifts).sum()
     return total
 
 
-def bucket_keys(plan: ReshardPlan) -> list[BucketKey]:
-    """Every bucket of the plan, in the order of the fingerprint vectors."""
-    return [(k, pair) for k, step in enumerate(plan.steps) for pair in step]
+def block_elements(dtype: torch.dtype) -> int:
+    """Elements of one fingerprint block in `dtype`."""
+    return FINGERPRINT_BLOCK_BYTES // torch.empty((), dtype=dtype).element_size()
 
 
-def _slice(t: torch.Tensor, axis: int, start: int, length: int) -> torch.Tensor:
-    return t.narrow(axis, start, length)
+def copy_and_fingerprint(span: torch.Tensor, other: torch.Tensor, span_is_src: bool) -> torch.Tensor:
+    """Copy between the flat 1-D bucket span `span` and the tensor slice `other` (as many elements;
+    `span` holds them in `other`'s row-major order), `span` -> `other` if `span_is_src`, else
+    `other` -> `span`; returns the fingerprint of `span`, summed block by block while each block
+    is in cache (blocks of whole leading-dimension rows of `other`)."""
+    view = other if other.dim() else other.reshape(1)
+    rows = view.shape[0]
+    row_numel = span.numel() // rows if rows else 0
+    per_block = max(1, block_elements(span.dtype) // max(row_numel, 1))
+    parts = []
+    for r in range(0, rows, per_block):
+        part = span[r * row_numel:min(rows, r + per_block) * row_numel]
+        rows_part = view[r:r + per_block]
+        if span_is_src:
+            parts.append(fingerprint(part))
+            rows_part.copy_(part.view(rows_part.shape))
+        else:
+            part.view(rows_part.shape).copy_(rows_part)
+            parts.append(fingerprint(part))
+    if not parts:
+        return torch.zeros((), dtype=torch.int64, device=span.device)
+    return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
+
+
+def piece_keys(plan: ReshardPlan) -> list[PieceKey]:
+    """Every piece the plan exchanges, in the order of the fingerprint vectors."""
+    return [(k, pair, i) for k, step in enumerate(plan.steps) for pair, pieces in step.items()
+            for i in range(len(pieces))]
 
 
 def _describe(p: Piece) -> str:
@@ -56,42 +91,29 @@ def _describe(p: Piece) -> str:
             f"{p.dst_name!r} [axis {p.axis}, {p.dst_start}:{p.dst_start + p.length}] of rank {p.dst}")
 
 
-def check_buckets(plan: ReshardPlan, sent: Mapping[BucketKey, torch.Tensor], received: Mapping[BucketKey, torch.Tensor],
-                  shards_by_rank: Mapping[int, Mapping[str, torch.Tensor]],
-                  targets_by_rank: Mapping[int, Mapping[str, torch.Tensor]],
-                  all_reduce: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> int:
-    """Compare the fingerprints every sender and receiver took; raise `WeightSyncError` naming each
-    changed piece. `all_reduce` sums a tensor over the ranks of the sync (identity within one
-    process). Collective: every rank calls it after the same sync. Returns the buckets checked."""
-    keys = bucket_keys(plan)
+def check_pieces(plan: ReshardPlan, sent: Mapping[BucketKey, list[torch.Tensor]],
+                 received: Mapping[BucketKey, list[torch.Tensor]],
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> int:
+    """Compare the fingerprints every sender and receiver took (per bucket, one per piece in the
+    plan's order); raise `WeightSyncError` naming each changed piece. `all_reduce` sums a tensor over the ranks of the sync (identity within one
+    process). Collective: every rank calls it after the same sync. Returns the pieces checked."""
+    keys = piece_keys(plan)
+    index = {key: i for i, key in enumerate(keys)}
     both = torch.zeros(2, len(keys), dtype=torch.int64, device=device)
-    for i, key in enumerate(keys):
-        if key in sent:
-            both[0, i] = sent[key]
-        if key in received:
-            both[1, i] = received[key]
+    for row, by_bucket in ((0, sent), (1, received)):
+        positions = [index[(k, pair, i)] for (k, pair), fps in by_bucket.items() for i in range(len(fps))]
+        if positions:
+            values = torch.stack([fp for fps in by_bucket.values() for fp in fps])
+            both[row].index_put_((torch.tensor(positions, device=device),), values)
     both = all_reduce(both)
     bad = [keys[i] for i in (both[0] != both[1]).nonzero().flatten().tolist()]
     if not bad:
         return len(keys)
-    # Localise: per piece, the sender's source slice against the receiver's engine slice.
-    pieces = [(key, p) for key in bad for p in plan.steps[key[0]][key[1]]]
-    per_piece = torch.zeros(2, len(pieces), dtype=torch.int64, device=device)
-    for j, ((_, (src, dst)), p) in enumerate(pieces):
-        if src in shards_by_rank:
-            per_piece[0, j] = fingerprint(_slice(shards_by_rank[src][p.src_name], p.axis, p.src_start, p.length)
-                                          .contiguous())
-        if dst in targets_by_rank:
-            got = _slice(targets_by_rank[dst][p.dst_name], p.axis, p.dst_start, p.length)
-            per_piece[1, j] = fingerprint(got.to(plan.dtype).contiguous())
-    per_piece = all_reduce(per_piece)
-    changed = [p for j, (_, p) in enumerate(pieces) if per_piece[0, j] != per_piece[1, j]]
-    lines = [f"step {k}, rank {src} -> rank {dst}: sender fingerprint {int(both[0, keys.index((k, (src, dst)))])}, "
-             f"received {int(both[1, keys.index((k, (src, dst)))])}" for k, (src, dst) in bad]
-    named = [_describe(p) for p in changed] or [f"(no single slice differs; pieces in the bucket: "
-                                                 f"{', '.join(_describe(p) for _, p in pieces[:3])})"]
+    buckets = sorted({(k, pair) for k, pair, _ in bad})
+    named = [_describe(plan.steps[k][pair][i]) for k, pair, i in bad]
+    where = "; ".join(f"step {k}, rank {src} -> rank {dst}" for k, (src, dst) in buckets[:4])
     raise WeightSyncError(
-        f"weight sync verification failed: {len(bad)} of {len(keys)} buckets arrived changed "
-        f"({'; '.join(lines[:4])}); slices that differ: {'; '.join(named[:6])}"
-        f"{' ...' if len(named) > 6 else ''}. The rollout engine does not hold the trained weights; stopping."
+        f"weight sync verification failed: {len(bad)} of {len(keys)} pieces in {len(buckets)} bucket(s) arrived "
+        f"changed ({where}); slices that differ: {'; '.join(named[:6])}{' ...' if len(named) > 6 else ''}. "
+        "The rollout engine does not hold the trained weights; stopping."
     )
