@@ -1,0 +1,56 @@
+"""The process sandbox stops and names each kind of runaway code, and the environment is empty."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megarl.agent.sandbox import SandboxLimits, network_isolation_supported, run_python
+
+pytestmark = pytest.mark.unit
+
+LIMITS = SandboxLimits(cpu_seconds=1, wall_seconds=4, memory_bytes=256 * 2**20, file_bytes=2**20, output_bytes=1000)
+
+
+def test_plain_code_runs_in_a_scratch_directory() -> None:
+    run = run_python("import os\nopen('f.txt', 'w').write('hi')\nprint(sorted(os.listdir('.')))", LIMITS)
+    assert run.ok and run.stdout.strip() == "['f.txt', 'main.py']", run.stderr
+
+
+@pytest.mark.parametrize("code, limit", [
+    ("while True: pass", "cpu_time"),
+    ("import time\ntime.sleep(60)", "wall_time"),
+    ("x = bytearray(2**30)\nprint('allocated')", "memory"),
+    ("open('big', 'wb').write(b'x' * 8 * 2**20)\nprint('written')", "file_size"),
+    ("import os\nprint('child', os.fork())", "processes"),
+    ("import threading\nthreading.Thread(target=print, args=('ran',)).start()", "processes"),
+])
+def test_runaway_code_is_stopped_and_named(code: str, limit: str) -> None:
+    run = run_python(code, LIMITS)
+    assert run.stopped_by == limit, (run.exit_code, run.stderr[-300:])
+    assert not run.ok and "allocated" not in run.stdout and "written" not in run.stdout and "child" not in run.stdout
+    assert run.seconds < LIMITS.wall_seconds + 2
+
+
+def test_environment_is_empty_and_output_is_capped() -> None:
+    os.environ["MEGARL_SANDBOX_SECRET"] = "token"
+    try:
+        run = run_python("import os\nprint(sorted(k for k in os.environ if not k.startswith('LC_')))", LIMITS)
+    finally:
+        del os.environ["MEGARL_SANDBOX_SECRET"]
+    assert run.ok and run.stdout.strip() == "[]"
+    long = run_python("print('x' * 5000)", LIMITS)
+    assert len(long.stdout) < 1100 and long.stdout.endswith("[output truncated]")
+
+
+@pytest.mark.skipif(not network_isolation_supported(), reason="no network namespaces on this machine")
+def test_no_network_where_namespaces_exist() -> None:
+    run = run_python("import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=2)\nprint('connected')", LIMITS)
+    assert "connected" not in run.stdout and run.isolation["network"]
+    assert "unreachable" in run.stderr or "refused" in run.stderr
+
+
+def test_bad_limits_are_refused() -> None:
+    with pytest.raises(ValueError, match="sandbox limit cpu_seconds must be positive"):
+        SandboxLimits(cpu_seconds=0)
