@@ -77,11 +77,13 @@ class _RowChecker:
         prompt_key: str,
         require_ground_truth: bool,
         has_reward_model: bool,
+        model_scored_rows: bool = False,
     ) -> None:
         self.renderer = renderer
         self.locate = locate
         self.prompt_key = prompt_key
         self.require_ground_truth = require_ground_truth
+        self.model_scored_rows = model_scored_rows
         # The columns ``datasets.map`` passes, in order (then the row numbers).
         self.input_columns = [prompt_key, DATA_SOURCE] + ([REWARD_MODEL] if has_reward_model else [])
 
@@ -95,7 +97,7 @@ class _RowChecker:
             raise row_error(
                 *self.locate(global_row), DATA_SOURCE, f"expected a non-empty string, got {data_source!r}"
             )
-        if self.require_ground_truth:
+        if self.require_ground_truth and not (self.model_scored_rows and _style_of(reward_model) == "model"):
             try:
                 ground_truth_of(reward_model)
             except ValueError as exc:
@@ -107,6 +109,11 @@ class _RowChecker:
         reward_models = columns[2] if len(columns) == 4 else [None] * len(rows)
         checked = [self.check(r, p, s, m) for r, p, s, m in zip(rows, prompts, sources, reward_models)]
         return {"prompt_length": self.renderer.lengths(checked)}
+
+
+def _style_of(reward_model: Any) -> Any:
+    """A row's ``reward_model.style`` ("rule", "model"), None when it has none."""
+    return reward_model.get("style") if isinstance(reward_model, dict) else None
 
 
 def _file_fingerprint(path: str) -> str:
@@ -129,6 +136,8 @@ class RLDataset:
         apply_chat_template: ``auto`` (use the tokenizer's template when it has one) | true | false.
         pad_to: ``max_length`` pads every batch to P (verl's layout); ``longest`` to the batch's longest.
         require_ground_truth: ``reward_model.ground_truth`` must be present (rule-based rewards).
+        model_scored_rows: rows whose ``reward_model.style`` is "model" are judged by a reward model:
+            they need no ground truth, and their data sources need no rule scorer.
         num_proc: processes for the length pass (None: this process).
         cache_dir: ``datasets`` cache directory (None: its default).
     """
@@ -146,6 +155,7 @@ class RLDataset:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         pad_to: str = "max_length",
         require_ground_truth: bool = True,
+        model_scored_rows: bool = False,
         num_proc: int | None = None,
         cache_dir: str | None = None,
     ) -> None:
@@ -173,6 +183,7 @@ class RLDataset:
         self.pad_to = pad_to
         self.pad_token_id = int(pad_id)
         self.require_ground_truth = require_ground_truth
+        self.model_scored_rows = model_scored_rows
         self.renderer = PromptRenderer(tokenizer, apply_chat_template, chat_template_kwargs)
 
         required = [prompt_key, DATA_SOURCE] + ([REWARD_MODEL] if require_ground_truth else [])
@@ -193,6 +204,7 @@ class RLDataset:
             prompt_key,
             require_ground_truth,
             REWARD_MODEL in self._table.column_names,
+            model_scored_rows,
         )
 
         # Dataset index -> global row; None keeps every row (index == row).
@@ -248,6 +260,7 @@ class RLDataset:
             _FINGERPRINT_VERSION,
             self.prompt_key,
             str(self.require_ground_truth),
+            str(self.model_scored_rows),
             *map(_file_fingerprint, self.files),
             *self.renderer.fingerprint_parts(),
         ]:
@@ -282,6 +295,16 @@ class RLDataset:
     def data_sources(self) -> list[str]:
         """The distinct ``data_source`` values of all rows read (before filtering)."""
         return sorted(str(s) for s in self._table.unique(DATA_SOURCE))
+
+    def rule_data_sources(self) -> list[str]:
+        """The distinct ``data_source`` values of the rows the rule scorers judge: every row, or with
+        ``model_scored_rows`` those whose ``reward_model.style`` is not "model"."""
+        if not self.model_scored_rows or REWARD_MODEL not in self._table.column_names:
+            return self.data_sources()
+        columns = self._table.select_columns([DATA_SOURCE, REWARD_MODEL])
+        return sorted({str(source) for batch in columns.iter(batch_size=10000)
+                       for source, reward_model in zip(batch[DATA_SOURCE], batch[REWARD_MODEL])
+                       if _style_of(reward_model) != "model"})
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.get_rows([index])[0]

@@ -123,6 +123,8 @@ def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[Any, Optional[Any]]
         truncation=data.truncation,
         filter_overlong_prompts=data.filter_overlong_prompts,
         apply_chat_template=data.apply_chat_template,
+        # With a reward model, rows of reward_model.style "model" are its to judge.
+        model_scored_rows=bool(cfg.reward_model.enable),
     )
     train = RLDataset(list(data.train_files), tokenizer, **common)
     if len(train) < data.train_batch_size:
@@ -149,9 +151,9 @@ def prepare_run(cfg: DictConfig) -> RunContext:
     tokenizer = load_run_tokenizer(cfg)
     train_loader, val_dataset = build_datasets(cfg, tokenizer)
     reward_manager = RewardManager.from_config(cfg.reward, response_length(cfg))
-    reward_manager.check_data_sources(train_loader.dataset.data_sources())
+    reward_manager.check_data_sources(train_loader.dataset.rule_data_sources())
     if val_dataset is not None:
-        reward_manager.check_data_sources(val_dataset.data_sources())
+        reward_manager.check_data_sources(val_dataset.rule_data_sources())
     # Verified before the run directory is written to (initial model, config) and before Ray starts.
     resume = select_resume(CheckpointDirs(run_dir / "checkpoints"), run_dir, cfg.trainer.resume_mode,
                            cfg.trainer.resume_from_path, bool(cfg.trainer.resume_fallback))

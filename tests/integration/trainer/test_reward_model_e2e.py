@@ -1,6 +1,6 @@
 """End-to-end runs with a Megatron reward model: PPO with the reward model in its own pool (and the
 critic started from the reward model's checkpoint), and GRPO with a colocated, offloaded reward
-model mixed with the rule scorer. Each response's reward-model score, as dumped by the run, is
+model mixed with the rule scorer on a dataset whose rows are of both styles. Each response's reward-model score, as dumped by the run, is
 checked against transformers' sequence-classification output on the same text (float64)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import math
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 import transformers
@@ -90,11 +91,23 @@ def test_ppo_with_reward_model_in_its_own_pool_and_critic_from_it(tmp_path: Path
     assert "reward_model" in proc.stderr + proc.stdout
 
 
+def mixed_styles(task: Path, out: Path) -> Path:
+    """The task's training rows, every other one turned into a reward-model row: style "model", a
+    data source no rule scorer knows, no ground truth."""
+    rows = pq.read_table(task / "train.parquet").to_pylist()
+    for row in rows[1::2]:
+        row["data_source"] = "preference"
+        row["reward_model"] = {"style": "model", "ground_truth": None}
+    pq.write_table(pq.read_table(task / "train.parquet").from_pylist(rows), out)
+    return out
+
+
 def test_grpo_with_colocated_reward_model_mixed_with_rule_scorer(tmp_path: Path, task_dir: Path) -> None:
     rm = make_reward_model(task_dir, tmp_path / "rm")
     rollouts = tmp_path / "rollouts"
     config = write_config(
         tmp_path, task_dir,
+        data={"train_files": [str(mixed_styles(task_dir, tmp_path / "mixed.parquet"))]},
         reward_model={"enable": True, "model_path": str(tmp_path / "rm"), "combine": "weighted_sum",
                       "rule_weight": 1.0, "model_weight": 0.5, "param_offload": True},
         reward={"reward_kwargs": {"arithmetic": {"mode": "startswith"}}},
@@ -104,6 +117,7 @@ def test_grpo_with_colocated_reward_model_mixed_with_rule_scorer(tmp_path: Path,
     assert proc.returncode == 0
     metrics = read_metrics(tmp_path / "run")
     assert sorted(metrics) == [1, 2]
+    seen: set[str] = set()
     for step in (1, 2):
         rows = dumped(rollouts, step)
         assert len(rows) == 16
@@ -111,10 +125,14 @@ def test_grpo_with_colocated_reward_model_mixed_with_rule_scorer(tmp_path: Path,
         want = reference_scores(rm, load_tokenizer(task_dir / "tokenizer"), rows)
         err = (rm_scores - want).abs().max().item()
         assert err < 1e-5, f"step {step}: reward-model scores differ from transformers by {err}"
-        # Rows of style "rule" (every arithmetic row): rule score + 0.5 x reward-model score.
+        # Rows of style "rule": rule score + 0.5 x reward-model score; rows of style "model": 0.5 x
+        # the reward-model score alone (the rule scorer never sees them: it knows no "preference").
+        seen |= {r["data_source"] for r in rows}
         for r in rows:
-            assert r["score"] == pytest.approx(r["reward_info/score"] + 0.5 * r["rm_score"], abs=1e-5)
+            rule = r["reward_info/score"] if r["data_source"] == "arithmetic" else 0.0
+            assert r["score"] == pytest.approx(rule + 0.5 * r["rm_score"], abs=1e-5)
         assert metrics[step]["reward_model/score/mean"] == pytest.approx(float(rm_scores.mean()), abs=1e-5)
+    assert seen == {"arithmetic", "preference"}
     # Colocated and offloaded: onloaded for the reward phase only.
     trace = [json.loads(line) for line in (tmp_path / "run" / "memory_phases.jsonl").read_text().splitlines()]
     transitions = [tuple(t) for t in trace[0]["transitions"] if t[1] == "reward_model"]
