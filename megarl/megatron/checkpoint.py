@@ -14,6 +14,13 @@ with public methods rather than by patching Megatron:
   checkpoint's common state.
 The directory is written under a temporary name and renamed when complete; `metadata.json`,
 written last by Megatron, marks a complete checkpoint.
+
+A load is checked, not trusted: the save records a fingerprint of the optimizer state (element
+count and float64 sums of the main parameters, |first moments| and second moments over every
+element once, whatever the layout), the Adam step and the LR schedule's step; after a load the
+same fingerprint is taken from what was loaded and must match (up to summation order), the
+moments must be non-zero after at least one step, and the schedule must continue from the saved
+step. Any difference is a `CheckpointError` naming the quantity.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ import torch.distributed as dist
 
 from megarl.errors import CheckpointError
 from megarl.megatron.model import unwrap
+
+FINGERPRINT_FIELDS = ("elements", "param_abs_sum", "exp_avg_abs_sum", "exp_avg_sq_sum")
+FINGERPRINT_RTOL = 1e-6  # float64 sums of the same values in another order (another layout)
 
 FORMAT_VERSION = 2  # 2: one optimizer entry per distributed optimizer (dense, experts)
 _OPT_METADATA = {
@@ -90,6 +100,59 @@ def _sharded_state(engine: Any, is_loading: bool) -> dict[str, Any]:
     }
 
 
+def _optimizer_fingerprint(sharded: dict[str, Any], vocab_size: int) -> dict[str, float]:
+    """Collective. `FINGERPRINT_FIELDS` of the optimizer state in `sharded` (from `_sharded_state`),
+    summed over the world counting each element once: only main replicas contribute, and of
+    vocabulary-padded tensors only the rows of the `vocab_size` real tokens (the padding depends on
+    the TP size)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, is_main_replica
+
+    sums = torch.zeros(len(FINGERPRINT_FIELDS), dtype=torch.float64)
+    for value in nested_values(sharded["optimizer"]):
+        # A factory (e.g. SwiGLU's fused gate/up weight) holds this rank's whole local tensor.
+        if not isinstance(value, (ShardedTensor, ShardedTensorFactory)) or not is_main_replica(value.replica_id):
+            continue
+        data = value.data.detach()
+        if isinstance(value, ShardedTensor) and value.allow_shape_mismatch:  # vocabulary rows, padded
+            first_row = value.global_offset[value.prepend_axis_num]
+            data = data[: max(0, min(data.shape[0], vocab_size - first_row))]
+        data = data.to("cpu", torch.float64)
+        if value.key.startswith("optimizer.state.param."):
+            sums[0] += data.numel()
+            sums[1] += data.abs().sum()
+        elif value.key.startswith("optimizer.state.exp_avg."):
+            sums[2] += data.abs().sum()
+        elif value.key.startswith("optimizer.state.exp_avg_sq."):
+            sums[3] += data.sum()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    sums = sums.to(device)
+    dist.all_reduce(sums)
+    return {name: float(v) for name, v in zip(FINGERPRINT_FIELDS, sums.cpu().tolist())}
+
+
+def check_restored(path: Path, saved: dict[str, Any], engine: Any, loaded: dict[str, float]) -> None:
+    """Raise `CheckpointError` naming every quantity the load did not bring back (see the module
+    docstring). `saved`: the checkpoint's `megarl` entry; `loaded`: the fingerprint after the load."""
+    problems = []
+    want = saved.get("optimizer_fingerprint")
+    if want is not None:
+        for name in FINGERPRINT_FIELDS:
+            w, g = float(want[name]), loaded[name]
+            if abs(g - w) > FINGERPRINT_RTOL * max(abs(w), 1e-30):
+                problems.append(f"optimizer {name} is {g!r} after the load, {w!r} when saved")
+    step = adam_step(engine.optimizer)
+    if step != int(saved["adam_step"]):
+        problems.append(f"Adam step is {step} after the load, {saved['adam_step']} when saved")
+    if int(saved["adam_step"]) > 0 and not loaded["exp_avg_sq_sum"] > 0:
+        problems.append(f"Adam's second moments are all zero after {saved['adam_step']} steps (reset, not restored)")
+    sched_want = int(saved["scheduler"]["num_steps"])
+    if engine.scheduler.num_steps != sched_want:
+        problems.append(f"LR schedule is at step {engine.scheduler.num_steps} after the load, {sched_want} when saved")
+    if problems:
+        raise CheckpointError(f"{path}: the load did not restore the saved state: " + "; ".join(problems))
+
+
 def save(engine: Any, path: str | os.PathLike[str]) -> None:
     """Collective: every rank calls it with the same path."""
     from megatron.core import dist_checkpointing
@@ -111,6 +174,7 @@ def save(engine: Any, path: str | os.PathLike[str]) -> None:
         "hf_config": dict(engine.spec.hf_config),  # lets `megarl checkpoint verify` list the expected tensors
         "adam_step": adam_step(engine.optimizer),
         "scheduler": engine.scheduler.state_dict(),
+        "optimizer_fingerprint": _optimizer_fingerprint(state, engine.spec.vocab_size),
     }
     dist_checkpointing.save(state, str(tmp), content_metadata=_OPT_METADATA)
     dist.barrier()
@@ -162,6 +226,8 @@ def load(engine: Any, path: str | os.PathLike[str]) -> None:
         dist_opt.load_parameter_state_from_fully_reshardable(param_state)
     _set_adam_step(engine.optimizer, int(info["adam_step"]))
     engine.scheduler.load_state_dict(info["scheduler"])
+    check_restored(path, info, engine, _optimizer_fingerprint(_sharded_state(engine, is_loading=False),
+                                                             engine.spec.vocab_size))
     # Model params were overwritten by the checkpoint; the fp32 main params came from it too
     # (fully-reshardable state holds them), so nothing else to refresh.
     dist.barrier()
