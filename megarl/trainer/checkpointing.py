@@ -19,6 +19,21 @@ from megarl.workers.roles import EngineRole
 logger = logging.getLogger(__name__)
 
 
+DRIVER_STATE_CHECKED = ("global_step", "weights_version", "dataloader", "kl_ctrl")
+
+
+def check_driver_state_restored(saved: dict[str, Any], restored: dict[str, Any], checkpoint: Optional[Path]) -> None:
+    """Raise `CheckpointError` naming each part of the driver state (step counters, data-loader
+    position, KL controller) that `restored` (the trainer's state right after loading) does not
+    hold as `saved` had it. The RNG state is left out: restoring it is exact by construction."""
+    differ = [f"{key}: saved {saved.get(key)!r}, after the load {restored.get(key)!r}"
+              for key in DRIVER_STATE_CHECKED if saved.get(key) != restored.get(key)]
+    if differ:
+        where = checkpoint / STATE_FILE if checkpoint is not None else STATE_FILE
+        raise CheckpointError(f"{where}: the resume did not restore the driver state: "
+                              + "; ".join(differ))
+
+
 class TrainerCheckpointer:
     """Saves and restores `engines` ({name: role view}, e.g. actor and critic) and a driver state dict.
 
