@@ -1,7 +1,9 @@
 """End-to-end runs with a Megatron reward model: PPO with the reward model in its own pool (and the
 critic started from the reward model's checkpoint), and GRPO with a colocated, offloaded reward
-model mixed with the rule scorer on a dataset whose rows are of both styles. Each response's reward-model score, as dumped by the run, is
-checked against transformers' sequence-classification output on the same text (float64)."""
+model with a tokenizer of its own (the text re-tokenised through its chat template) mixed with the
+rule scorer on a dataset whose rows are of both styles. Each response's reward-model score, as
+dumped by the run, is checked against transformers' sequence-classification output on the same
+text (float64)."""
 
 from __future__ import annotations
 
@@ -19,15 +21,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_train_e2e import read_metrics, run_train, task_dir, write_config  # noqa: E402,F401
 
-from megarl.data.tokenizer import load_tokenizer  # noqa: E402
+from megarl.data.tokenizer import build_char_tokenizer, load_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
 
-def make_reward_model(task: Path, out: Path) -> transformers.PreTrainedModel:
-    """A random tiny Qwen2 sequence-classification model over the task's tokenizer (no tokenizer of
-    its own: it reads the actor's token ids)."""
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};{% endfor %}"
+
+
+def make_reward_model(task: Path, out: Path, own_tokenizer: bool = False) -> transformers.PreTrainedModel:
+    """A random tiny Qwen2 sequence-classification model. By default over the task's tokenizer (no
+    tokenizer of its own: it reads the actor's token ids); with `own_tokenizer`, over a character
+    tokenizer of its own whose ids differ from the actor's (the task's characters in reverse order,
+    then the chat template's), with a chat template."""
     tokenizer = load_tokenizer(task / "tokenizer")
+    if own_tokenizer:
+        chars = [t for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+                 if t not in tokenizer.all_special_tokens]
+        tokenizer = build_char_tokenizer(list(reversed(chars)) + list("ua:;"), out, chat_template=CHAT_TEMPLATE)
     config = transformers.Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                                       max_position_embeddings=32, tie_word_embeddings=False, num_labels=1,
@@ -40,13 +51,22 @@ def make_reward_model(task: Path, out: Path) -> transformers.PreTrainedModel:
     return model
 
 
-def reference_scores(model: transformers.PreTrainedModel, tokenizer, rows: list[dict]) -> torch.Tensor:
-    """transformers' score (float64) of each dumped prompt + response text, one sequence at a time."""
+def reference_scores(model: transformers.PreTrainedModel, tokenizer, rows: list[dict],
+                     chat: bool = False) -> torch.Tensor:
+    """transformers' score (float64) of each dumped prompt + response text, one sequence at a time.
+    `chat`: the text is "u:<prompt>;a:<response>;" (what CHAT_TEMPLATE renders) without the
+    response's special tokens, as the driver re-tokenises for a reward model of another vocabulary."""
     ref = model.double()
     out = []
     with torch.no_grad():
         for row in rows:
-            ids = tokenizer(row["input"] + row["output"], add_special_tokens=False, return_tensors="pt")["input_ids"]
+            text = row["input"] + row["output"]
+            if chat:
+                response = row["output"]
+                for special in ("<eos>", "<pad>", "<bos>", "<unk>"):
+                    response = response.replace(special, "")
+                text = f"u:{row['input']};a:{response};"
+            ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
             out.append(ref(input_ids=ids).logits[0, 0])
     return torch.stack(out)
 
@@ -103,7 +123,7 @@ def mixed_styles(task: Path, out: Path) -> Path:
 
 
 def test_grpo_with_colocated_reward_model_mixed_with_rule_scorer(tmp_path: Path, task_dir: Path) -> None:
-    rm = make_reward_model(task_dir, tmp_path / "rm")
+    rm = make_reward_model(task_dir, tmp_path / "rm", own_tokenizer=True)
     rollouts = tmp_path / "rollouts"
     config = write_config(
         tmp_path, task_dir,
@@ -122,7 +142,7 @@ def test_grpo_with_colocated_reward_model_mixed_with_rule_scorer(tmp_path: Path,
         rows = dumped(rollouts, step)
         assert len(rows) == 16
         rm_scores = torch.tensor([r["rm_score"] for r in rows], dtype=torch.float64)
-        want = reference_scores(rm, load_tokenizer(task_dir / "tokenizer"), rows)
+        want = reference_scores(rm, load_tokenizer(tmp_path / "rm"), rows, chat=True)
         err = (rm_scores - want).abs().max().item()
         assert err < 1e-5, f"step {step}: reward-model scores differ from transformers by {err}"
         # Rows of style "rule": rule score + 0.5 x reward-model score; rows of style "model": 0.5 x
