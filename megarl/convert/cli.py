@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from megarl.convert.output_dir import check_not_overlapping
 from megarl.errors import MegarlError
 
 EXAMPLES = """examples:
@@ -24,8 +25,22 @@ def _size(text: str) -> int:
     return int(low)
 
 
+def _positive(text: str) -> int:
+    """A parallel size: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (a parallel size, >= 1)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a parallel size; valid: an integer >= 1")
+    return value
+
+
 def _hf_to_mcore(args: argparse.Namespace) -> int:
     from megarl.convert.hf_to_mcore import convert_hf_to_mcore
+
+    if args.overwrite:  # without it an existing --out is refused anyway
+        check_not_overlapping(args.out, args.hf, "--hf")
 
     res = convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
                               overwrite=args.overwrite, progress=not args.quiet)
@@ -35,6 +50,11 @@ def _hf_to_mcore(args: argparse.Namespace) -> int:
 
 def _mcore_to_hf(args: argparse.Namespace) -> int:
     from megarl.convert.mcore_to_hf import convert_mcore_to_hf
+
+    if args.overwrite:  # without it an existing --out is refused anyway
+        check_not_overlapping(args.out, args.ckpt, "--ckpt")
+        if args.hf_config is not None:
+            check_not_overlapping(args.out, args.hf_config, "--hf-config")
 
     res = convert_mcore_to_hf(args.ckpt, args.out, hf_config=args.hf_config, dtype=args.dtype,
                               max_shard_bytes=_size(args.max_shard_size), overwrite=args.overwrite,
@@ -59,9 +79,9 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron distributed checkpoint (loads at any TP/PP)")
     p.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
     p.add_argument("--out", required=True, help="output checkpoint directory (must not exist)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to check and pad the vocabulary for")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to check")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE families only)")
+    p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size to check and pad the vocabulary for")
+    p.add_argument("--pp", type=_positive, default=1, help="pipeline-parallel size to check")
+    p.add_argument("--ep", type=_positive, default=1, help="expert-parallel size (MoE families only)")
     p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: keep the HF dtype)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress output")

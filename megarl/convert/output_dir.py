@@ -12,6 +12,18 @@ from typing import Iterator
 from megarl.errors import CheckpointError
 
 
+def check_not_overlapping(out_dir: str | Path, source: str | Path, source_flag: str) -> None:
+    """Refuse an output directory that is the source, lies inside it or holds it: replacing it
+    (`--overwrite`) would destroy the source the conversion reads."""
+    out, src = Path(out_dir).resolve(), Path(source).resolve()
+    if out == src or out in src.parents or src in out.parents:
+        relation = "is" if out == src else ("holds" if out in src.parents else "lies inside")
+        raise CheckpointError(
+            f"--out {out_dir} {relation} the source {source_flag} {source}: writing there would destroy the "
+            "source; choose an --out outside it"
+        )
+
+
 @contextlib.contextmanager
 def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield an empty sibling directory of `out_dir`; on success rename it to `out_dir`.
