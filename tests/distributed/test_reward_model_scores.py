@@ -3,8 +3,9 @@
 `RewardModelRole` loads a HF `*ForSequenceClassification` checkpoint (one label, `score` head) and
 reads its head at each sequence's last valid token. Reference: the same checkpoint in transformers,
 float64, whose logits are the head at the last non-padding token. Checked at 1 rank, TP=2 and PP=2,
-with padded and packed micro-batches, for Qwen2 (QKV bias) and Llama; and for inputs without a
-response part (the layout the driver sends when the reward model re-tokenises the text).
+with padded and packed micro-batches, for Qwen2 (QKV bias) and Llama, at TP=2 for Qwen3 and
+Mistral; and for inputs without a response part (the layout the driver sends when the reward model
+re-tokenises the text).
 """
 
 from __future__ import annotations
@@ -88,6 +89,19 @@ def _reference(rm: torch.nn.Module, batch: dict) -> torch.Tensor:
     with torch.no_grad():
         return ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=batch["position_ids"]).logits[:, 0]
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "mistral"])
+def test_other_families_score_like_transformers_at_tp2(kind: str, tmp_path) -> None:
+    """Qwen3 (QK-norm) and Mistral sequence-classification checkpoints at TP=2, padded and packed."""
+    rm, rm_dir = _reward_model(kind, tmp_path)
+    batches = _batches()
+    want = _reference(rm, batches["rollout"])
+    del batches["rollout"]["position_ids"]
+    results = run_distributed(_scores, 2, rm_dir, [dict(tp=2)], batches)
+    for key, value in results[0].items():
+        err = (value.double() - want).abs().max().item()
+        assert err < 1e-5, f"{kind} {key}: reward-model scores differ from transformers by {err}"
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
