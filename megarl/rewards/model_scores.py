@@ -98,7 +98,7 @@ def reward_model_inputs(batch: Batch, actor_tokenizer: Any, rm_tokenizer: Option
     for prompt, text in zip(prompts, texts):
         if getattr(rm_tokenizer, "chat_template", None):
             ids = rm_tokenizer.apply_chat_template(_conversation(prompt, text), tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # transformers 5 returns an encoding
         else:
             prompt_text = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
             ids = rm_tokenizer(prompt_text + text, add_special_tokens=False)["input_ids"]
