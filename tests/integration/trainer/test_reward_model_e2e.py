@@ -108,7 +108,7 @@ def test_ppo_with_reward_model_in_its_own_pool_and_critic_from_it(tmp_path: Path
         assert torch.allclose(torch.tensor([r["score"] for r in rows], dtype=torch.float64), got, atol=1e-6)
         assert m["reward_model/score/max"] == pytest.approx(float(got.max()), abs=1e-6)
     # The reward model ran in its own process group, beside the hybrid actor's two processes.
-    assert "reward_model" in proc.stderr + proc.stdout
+    assert "WorkerGroup('reward_model', world_size=1" in proc.stderr + proc.stdout
 
 
 def mixed_styles(task: Path, out: Path) -> Path:
