@@ -18,13 +18,15 @@ written last by Megatron, marks a complete checkpoint.
 A load is checked, not trusted: the save records a fingerprint of the optimizer state (element
 count and float64 sums of the main parameters, |first moments| and second moments over every
 element once, whatever the layout), the Adam step and the LR schedule's step; after a load the
-same fingerprint is taken from what was loaded and must match (up to summation order), the
-moments must be non-zero after at least one step, and the schedule must continue from the saved
-step. Any difference is a `CheckpointError` naming the quantity.
+same fingerprint is taken from what was loaded and must match (up to summation order), and the
+Adam step and the schedule must continue from the saved step. Any difference is a
+`CheckpointError` naming the quantity. (Zero moments alone are not an error: a run whose
+gradients were all zero so far, e.g. all rewards equal, has them.)
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -36,6 +38,7 @@ import torch.distributed as dist
 from megarl.errors import CheckpointError
 from megarl.megatron.model import unwrap
 
+logger = logging.getLogger(__name__)
 FINGERPRINT_FIELDS = ("elements", "param_abs_sum", "exp_avg_abs_sum", "exp_avg_sq_sum")
 FINGERPRINT_RTOL = 1e-6  # float64 sums of the same values in another order (another layout)
 
@@ -144,8 +147,10 @@ def check_restored(path: Path, saved: dict[str, Any], engine: Any, loaded: dict[
     step = adam_step(engine.optimizer)
     if step != int(saved["adam_step"]):
         problems.append(f"Adam step is {step} after the load, {saved['adam_step']} when saved")
-    if int(saved["adam_step"]) > 0 and not loaded["exp_avg_sq_sum"] > 0:
-        problems.append(f"Adam's second moments are all zero after {saved['adam_step']} steps (reset, not restored)")
+    if want is None and int(saved["adam_step"]) > 0 and not loaded["exp_avg_sq_sum"] > 0:
+        # Without a recorded fingerprint (older checkpoints) zero moments may be a reset or may be
+        # real (every gradient so far zero, e.g. all rewards equal): say so, do not stop.
+        logger.warning("%s: Adam's second moments are all zero after %d steps", path, saved["adam_step"])
     sched_want = int(saved["scheduler"]["num_steps"])
     if engine.scheduler.num_steps != sched_want:
         problems.append(f"LR schedule is at step {engine.scheduler.num_steps} after the load, {sched_want} when saved")
