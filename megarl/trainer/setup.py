@@ -156,7 +156,8 @@ def prepare_run(cfg: DictConfig) -> RunContext:
         reward_manager.check_data_sources(val_dataset.rule_data_sources())
     # Verified before the run directory is written to (initial model, config) and before Ray starts.
     resume = select_resume(CheckpointDirs(run_dir / "checkpoints"), run_dir, cfg.trainer.resume_mode,
-                           cfg.trainer.resume_from_path, bool(cfg.trainer.resume_fallback))
+                           cfg.trainer.resume_from_path, bool(cfg.trainer.resume_fallback),
+                           model=OmegaConf.to_container(cfg.model, resolve=True))
     model_dir = materialize_model(cfg, tokenizer, run_dir / "initial_model")
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     return RunContext(
