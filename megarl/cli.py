@@ -19,6 +19,7 @@ EPILOG = """examples:
   megarl config show configs/quickstart_cpu.yaml actor.optim.lr=1e-5
   megarl train configs/quickstart_cpu.yaml trainer.total_training_steps=20
   megarl checkpoint verify runs/exp/checkpoints
+  megarl sync plan config.json --train tp=8,pp=4,dp=2 --rollout-tp 8
 """
 
 # Subsystems that contribute subcommands: (command, module, help line shown while the module is missing).
@@ -27,6 +28,7 @@ _PLUGINS: list[tuple[str, str, str]] = [
     ("data", "megarl.data.cli", "make synthetic datasets, inspect parquet files"),
     ("convert", "megarl.convert.cli", "convert checkpoints between HF and Megatron formats"),
     ("checkpoint", "megarl.trainer.checkpoint_cli", "verify that a checkpoint is complete"),
+    ("sync", "megarl.hybrid.plan_cli", "plan a weight sync between layouts without weights"),
     ("report", "megarl.tracking.cli", "write the report (plots and summary) of a run directory"),
     ("bench", "megarl.bench", "run the benchmarks and write JSON + markdown"),
 ]
