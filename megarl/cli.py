@@ -1,4 +1,4 @@
-"""The `megarl` command line: train, config, data, convert, bench, report.
+"""The `megarl` command line: train, config, data, convert, checkpoint, sync, bench, report.
 
 Each subsystem adds its own subcommands through a ``register_cli(subparsers)`` function in its own
 module; this file only wires them together.
