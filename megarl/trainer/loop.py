@@ -4,7 +4,8 @@ One step (see `RLTrainer.train_step`):
   1. prompts <- the data loader (left-padded, a `uid` per prompt)
   2. responses <- rollout (weights synced from the actor first), n per prompt; then the rollout
      engine sleeps (`rollout.free_cache_engine`) so the training roles get the memory
-  3. scores <- the reward manager (rule scorers or a user function; DAPO overlong shaping)
+  3. scores <- the reward manager (rule scorers or a user function; DAPO overlong shaping) and the
+     reward model (`reward_model.enable`), each row judged as its `reward_model.style` says
      DAPO: drop groups whose responses all score the same; generate more until the batch is full
   4. old log-probs (actor), reference log-probs, values (critic)
   5. advantages on the driver's CPU (KL in the reward first when configured)
@@ -43,9 +44,10 @@ from megarl.algorithms import (
 from megarl.cluster.host_worker import HostWorker
 from megarl.cluster.worker_group import RoleView
 from megarl.protocol import Batch
+from megarl.rewards.model_scores import combine_scores, reward_model_inputs, reward_model_tokenizer, row_styles
 from megarl.rollout.base import SamplingParams
 from megarl.trainer.checkpoint_dirs import CheckpointDirs, capture_rng_state, restore_rng_state
-from megarl.trainer.checkpointing import TrainerCheckpointer
+from megarl.trainer.checkpointing import TrainerCheckpointer, check_driver_state_restored
 from megarl.trainer.rollout_dump import dump_rollouts, dump_validation
 from megarl.trainer.run_spec import RunSpec, with_seed
 from megarl.trainer.setup import RunContext
@@ -55,7 +57,7 @@ from megarl.trainer.workers import Workers
 from megarl.tracking.memory import phase_metrics as memory_phase_metrics
 from megarl.tracking.memory import step_metrics as memory_step_metrics
 from megarl.tracking.metrics import compute_data_metrics, compute_throughput, compute_timing_metrics, count_tokens
-from megarl.workers.roles import ActorRole, CriticRole, EngineRole, RefRole, RolloutRole
+from megarl.workers.roles import ActorRole, CriticRole, EngineRole, RefRole, RewardModelRole, RolloutRole
 from megarl.workers.specs import EngineRoleSpec
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,9 @@ class RLTrainer:
         self.memory_trace: list[tuple[str, str, str]] = []  # (phase, role, transition) of this step
         self.memory_metrics: dict[str, float] = {}  # memory/<phase>/<stat> of this step
         self.current_phase = "setup"
+        # The reward model's own tokenizer when its token ids differ from the actor's (else None).
+        self.rm_tokenizer = (reward_model_tokenizer(spec.reward_model.model_dir, run.tokenizer)
+                             if spec.reward_model is not None else None)
         trained = {"actor": workers.actor}
         if workers.critic is not None:
             trained["critic"] = workers.critic
@@ -103,11 +108,12 @@ class RLTrainer:
         self.global_step = int(state["global_step"])
         self.weights_version = int(state["weights_version"])
         self.rollout_version = -1  # the rollout engines must take the restored weights
+        check_driver_state_restored(state, self.state_dict(), self.run.resume[1] if self.run.resume else None)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
         trainer = self.cfg.trainer
-        state = self.checkpointer.resume(trainer.resume_mode, trainer.resume_from_path)
+        state = self.checkpointer.load(self.run.resume)  # chosen and verified by prepare_run
         if state is not None:
             self.load_state_dict(state)
         last_val: dict[str, float] = {}
@@ -316,7 +322,19 @@ class RLTrainer:
         return batch, metrics
 
     def score(self, gen: Batch) -> tuple[Batch, dict[str, Any]]:
-        result = self.run.reward_manager.score_batch(gen, self.run.tokenizer)
+        """Each response's score on its last token (`token_level_scores`), and `reward_info/*` columns."""
+        rm = self.workers.reward_model
+        if rm is None:
+            result = self.run.reward_manager.score_batch(gen, self.run.tokenizer)
+        else:
+            styles = row_styles(gen)
+            rule_rows = self.spec.reward_combine.rule_rows(styles)
+            rule = self.run.reward_manager.score_batch(gen[rule_rows], self.run.tokenizer) if rule_rows.any() else None
+            with self.onloaded(rm, self.spec.reward_model):
+                model_inputs = reward_model_inputs(gen, self.run.tokenizer, self.rm_tokenizer)
+                model_scores = rm.call_dp(RewardModelRole.compute_rm_score, model_inputs)["rm_scores"]
+            result = combine_scores(rule, rule_rows, model_scores, styles, self.spec.reward_combine,
+                                    gen["response_mask"])
         gen["token_level_scores"] = result.token_level_scores
         for key, values in result.reward_info.items():
             gen[f"reward_info/{key}"] = np.asarray(values, dtype=object)
