@@ -226,6 +226,9 @@ class RolloutConfig:
     logprobs_mode: str = "processed"
     val_kwargs: ValidationSamplingConfig = field(default_factory=ValidationSamplingConfig)
     update_weights_bucket_mb: int = 512
+    # Check every k-th weight sync (the first included) against the senders' fingerprints of each
+    # bucket; a changed bucket stops the run naming tensor, slice and ranks. 0: never.
+    sync_verify_freq: int = 1
 
 
 @dataclass

@@ -318,6 +318,9 @@ def validate_config(cfg: DictConfig) -> None:
     r.in_range("rollout.gpu_memory_utilization", 0.0, 1.0, lo_open=True)
     if rollout.sleep_level not in (1, 2):
         r.err(f"rollout.sleep_level = {rollout.sleep_level}: must be 1 (keep the weights) or 2 (discard them)")
+    if rollout.sync_verify_freq < 0:
+        r.err(f"rollout.sync_verify_freq = {rollout.sync_verify_freq}: must be 0 (never verify a weight sync) "
+              "or k >= 1 (every k-th sync)")
     if actor.clip_ratio_c <= 1.0:
         r.err(f"actor.clip_ratio_c = {actor.clip_ratio_c}: the dual-clip bound must be > 1.0 (verl's default is 3.0)")
 

@@ -198,6 +198,7 @@ def resolve_run_spec(cfg: DictConfig, model_dir: str, pad_token_id: int, eos_tok
         tensor_parallel_size=int(ro.tensor_model_parallel_size),
         free_cache_engine=bool(ro.free_cache_engine),
         sync_bucket_bytes=int(ro.update_weights_bucket_mb) * 2**20,
+        sync_verify_freq=int(ro.sync_verify_freq),
         calculate_log_probs=bool(ro.calculate_log_probs),
     )
 

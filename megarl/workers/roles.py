@@ -184,7 +184,8 @@ class RolloutRole:
         """
         if self.weight_sync is None:
             self.weight_sync = WeightSync(self.actor.engine, self.engine, rollout_tp=self.spec.tensor_parallel_size,
-                                          bucket_bytes=self.spec.sync_bucket_bytes)
+                                          bucket_bytes=self.spec.sync_bucket_bytes,
+                                          verify_every=self.spec.sync_verify_freq)
         stats = self.weight_sync.sync()
         self.weights_version = version
         return {
@@ -192,6 +193,7 @@ class RolloutRole:
             "sync/bytes_minimum": float(stats.minimum_bytes),
             "sync/bytes_sent": float(stats.bytes_sent),
             "sync/seconds": float(stats.seconds),
+            "sync/pieces_verified": float(stats.pieces_verified),
         }
 
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:

@@ -82,4 +82,5 @@ class RolloutSpec:
     tensor_parallel_size: int = 1
     free_cache_engine: bool = True
     sync_bucket_bytes: int = 512 * 2**20
+    sync_verify_freq: int = 1  # verify every k-th weight sync (0: never)
     calculate_log_probs: bool = True

@@ -93,10 +93,12 @@ def test_grpo_runs_and_logs_verl_metrics(tmp_path: Path, task_dir: Path) -> None
     config = write_config(tmp_path, task_dir, actor={"use_kl_loss": True, "kl_loss_coef": 0.01},
                           trainer={"rollout_data_dir": str(tmp_path / "rollouts"), "profile_steps": [2],
                                    "validation_data_dir": str(tmp_path / "val_generations")})
-    proc = run_train(config, "tracking.backends=[jsonl,console,mlflow]")
+    proc = run_train(config, "tracking.backends=[jsonl,console,mlflow]", "rollout.sync_verify_freq=2")
     assert proc.returncode == 0
     metrics = read_metrics(tmp_path / "run")
     assert sorted(metrics) == [1, 2]
+    # rollout.sync_verify_freq=2: the first weight sync is verified piece by piece, the second not
+    assert metrics[1]["sync/pieces_verified"] > 0 and metrics[2]["sync/pieces_verified"] == 0
     step = metrics[2]
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
                 "actor/kl_loss", "critic/score/mean", "response_length/mean", "response_length/clip_ratio",

@@ -355,6 +355,12 @@ def test_val_only_needs_validation_files(valid_file: Path) -> None:
     assert load_config(valid_file, ["trainer.val_only=true", "data.val_files=[val.parquet]"]).trainer.val_only
 
 
+def test_sync_verify_freq_is_never_or_every_kth(valid_file: Path) -> None:
+    assert ("rollout.sync_verify_freq = -1: must be 0 (never verify a weight sync) or k >= 1 (every k-th sync)"
+            in errors_of(valid_file, "rollout.sync_verify_freq=-1"))
+    assert load_config(valid_file, ["rollout.sync_verify_freq=0"]).rollout.sync_verify_freq == 0
+
+
 def test_sleep_level_is_1_or_2(valid_file: Path) -> None:
     assert "rollout.sleep_level = 3: must be 1 (keep the weights) or 2 (discard them)" in errors_of(valid_file, "rollout.sleep_level=3")
 

@@ -93,12 +93,14 @@ def test_rollout_options_and_sampling(tmp_path: Path) -> None:
     spec = resolve(tmp_path, "rollout.temperature=0.9", "rollout.top_p=0.95", "rollout.top_k=20", "rollout.max_num_seqs=32",
                    "rollout.tensor_model_parallel_size=2", "rollout.free_cache_engine=false", "rollout.calculate_log_probs=false",
                    "rollout.update_weights_bucket_mb=64", "rollout.dtype=fp16", "rollout.logprobs_mode=raw", "rollout.sleep_level=1",
-                   "rollout.val_kwargs.n=3", "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=0.6")
+                   "rollout.val_kwargs.n=3", "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=0.6",
+                   "rollout.sync_verify_freq=3")
     ro = spec.rollout
     assert (ro.options.pad_token_id, ro.options.eos_token_ids, ro.options.dtype) == (7, (3,), "float16")
     assert (ro.options.tensor_parallel_size, ro.options.max_model_len, ro.options.max_num_seqs) == (2, 48, 32)
     assert ro.options.logprobs_mode == "raw" and not ro.options.enable_sleep_mode and ro.options.sleep_level == 1
     assert not ro.free_cache_engine and not ro.calculate_log_probs and ro.sync_bucket_bytes == 64 * 2**20
+    assert ro.sync_verify_freq == 3 and resolve(tmp_path).rollout.sync_verify_freq == 1  # on by default
     train = spec.train_sampling
     assert (train.n, train.temperature, train.top_p, train.top_k, train.max_new_tokens, train.greedy) == (4, 0.9, 0.95, 20, 16, False)
     val = spec.val_sampling
