@@ -331,7 +331,7 @@ class RLTrainer:
             styles = row_styles(gen)
             rule_rows = self.spec.reward_combine.rule_rows(styles)
             rule = self.run.reward_manager.score_batch(gen[rule_rows], self.run.tokenizer) if rule_rows.any() else None
-            with self.onloaded(rm, self.spec.reward_model):
+            with self.onloaded(rm, self.spec.reward_model, params_only=True):
                 model_inputs = reward_model_inputs(gen, self.run.tokenizer, self.rm_tokenizer)
                 model_scores = rm.call_dp(RewardModelRole.compute_rm_score, model_inputs)["rm_scores"]
             result = combine_scores(rule, rule_rows, model_scores, styles, self.spec.reward_combine,

@@ -156,4 +156,4 @@ def test_grpo_with_colocated_reward_model_mixed_with_rule_scorer(tmp_path: Path,
     # Colocated and offloaded: onloaded for the reward phase only.
     trace = [json.loads(line) for line in (tmp_path / "run" / "memory_phases.jsonl").read_text().splitlines()]
     transitions = [tuple(t) for t in trace[0]["transitions"] if t[1] == "reward_model"]
-    assert transitions[:2] == [("reward", "reward_model", "onload"), ("reward", "reward_model", "offload")]
+    assert transitions[:2] == [("reward", "reward_model", "onload:params"), ("reward", "reward_model", "offload")]
