@@ -34,6 +34,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, is_main_replica
 
 from megarl.errors import CheckpointError
 from megarl.megatron.model import unwrap
@@ -108,8 +111,6 @@ def _optimizer_fingerprint(sharded: dict[str, Any], vocab_size: int) -> dict[str
     summed over the world counting each element once: only main replicas contribute, and of
     vocabulary-padded tensors only the rows of the `vocab_size` real tokens (the padding depends on
     the TP size)."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, is_main_replica
 
     sums = torch.zeros(len(FINGERPRINT_FIELDS), dtype=torch.float64)
     for value in nested_values(sharded["optimizer"]):
@@ -160,7 +161,6 @@ def check_restored(path: Path, saved: dict[str, Any], engine: Any, loaded: dict[
 
 def save(engine: Any, path: str | os.PathLike[str]) -> None:
     """Collective: every rank calls it with the same path."""
-    from megatron.core import dist_checkpointing
 
     target = Path(path)
     tmp = target.with_name(target.name + ".partial")
@@ -192,7 +192,6 @@ def save(engine: Any, path: str | os.PathLike[str]) -> None:
 
 def load(engine: Any, path: str | os.PathLike[str]) -> None:
     """Collective. Loads model, optimizer and LR-schedule state saved at any layout."""
-    from megatron.core import dist_checkpointing
 
     path = Path(path)
     if not (path / "metadata.json").exists():
