@@ -12,7 +12,9 @@ What each run gets:
   (`unshare(CLONE_NEWNET)`, which needs root or user namespaces); `SandboxResult.isolation` says
   whether that happened;
 - when started as root, the child drops to the `nobody` user, so it cannot read files only root may
-  read and RLIMIT_NPROC applies (the kernel does not apply it to root).
+  read and RLIMIT_NPROC applies (the kernel does not apply it to root). That needs a Python the
+  `nobody` user may run (this one, or the system's); without one the child stays root and
+  `SandboxResult.isolation["process_limit"]` says the process limit does not hold.
 
 What it does not isolate: files readable by every user stay readable (there is no filesystem
 namespace or chroot), the child sees the host's process list and kernel, and without network
@@ -135,6 +137,17 @@ def _can_unshare_net() -> bool:
     return probe.returncode == 0
 
 
+def process_limit_applies(drop_to: Optional[tuple[int, int]] = None) -> bool:
+    """The kernel does not apply RLIMIT_NPROC to root: it holds unless the code runs as root."""
+    return drop_to is not None or os.geteuid() != 0
+
+
+def process_limit_supported() -> bool:
+    """Whether a sandboxed run here gets a working process limit (root needs a Python that the
+    `nobody` user may run)."""
+    return process_limit_applies(_interpreter(_nobody() if os.geteuid() == 0 else None)[1])
+
+
 _NET_SUPPORTED: Optional[bool] = None
 
 
@@ -208,10 +221,11 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
         return SandboxResult(stdout=stdout, stderr=stderr, exit_code=proc.returncode,
                              stopped_by=_stopped_by(proc.returncode, stderr, timed_out), seconds=seconds,
                              isolation={"network": unshare_net, "unprivileged_user": drop_to is not None,
+                                        "process_limit": process_limit_applies(drop_to),
                                         "empty_environment": True})
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         shutil.rmtree(outputs, ignore_errors=True)
 
 
-__all__ = ["SandboxLimits", "SandboxResult", "network_isolation_supported", "run_python"]
+__all__ = ["SandboxLimits", "SandboxResult", "network_isolation_supported", "process_limit_supported", "run_python"]
