@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 import yaml
+from omegaconf import OmegaConf
 
 from megarl.cli import main as cli_main
 from megarl.config import all_keys, load_config, suggest_key
@@ -303,7 +304,7 @@ def test_shipped_configs_validate(tmp_path: Path) -> None:
         raw = load_config(path, validate=False)
         overrides = []
         if raw.reward_model.enable and not Path(raw.reward_model.model_path).exists():
-            made = str(_stand_in_reward_model(tmp_path / path.stem, dict(raw.model.hf_config)))
+            made = str(_stand_in_reward_model(tmp_path / path.stem, OmegaConf.to_container(raw.model.hf_config)))
             overrides.append(f"reward_model.model_path={made}")
             if raw.critic.model_path == raw.reward_model.model_path:
                 overrides.append(f"critic.model_path={made}")
