@@ -83,6 +83,17 @@ def find_hf_source(ckpt_dir: Path, hf_config: str | Path | None) -> Path | None:
     return None
 
 
+def checkpoint_hf_config(ckpt_dir: Path, info: dict[str, Any],
+                         hf_config: str | Path | None) -> tuple[Path | None, dict[str, Any] | None]:
+    """The HF directory (`find_hf_source`, None when there is none) and the HF config of a Megatron
+    checkpoint: that directory's, else the copy the engine stored in its common state
+    (`info["hf_config"]`); None when neither exists."""
+    source = find_hf_source(ckpt_dir, hf_config)
+    if source is not None:
+        return source, read_config(source)
+    return None, (dict(info["hf_config"]) if "hf_config" in info else None)
+
+
 def _output_config(config: dict[str, Any], role: str) -> dict[str, Any]:
     out = dict(config)
     arch = (config.get("architectures") or [None])[0]
@@ -125,12 +136,8 @@ def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: st
         raise CheckpointError(f"{ckpt} is a trainer step directory: pass one of {[str(ckpt / r) for r in roles]}")
     reader = CheckpointReader(ckpt)
     info = reader.common().get("megarl") or {}
-    source = find_hf_source(ckpt, hf_config)
-    if source is not None:
-        config = read_config(source)
-    elif "hf_config" in info:
-        config = dict(info["hf_config"])
-    else:
+    source, config = checkpoint_hf_config(ckpt, info, hf_config)
+    if config is None:
         raise ConfigError(
             f"{ckpt}: cannot find the HF config: pass --hf-config DIR (tried {ckpt / HF_FILES_DIR} and "
             f"initial_model/ in the run directories above it)"

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from megarl.config import critic_enabled
 from megarl.convert.hf_files import INDEX_NAME, SINGLE_NAME, HFCheckpoint, expected_hf_shapes, read_config
 from megarl.convert.layout import CheckpointTensor, head_architecture, plan_checkpoint
-from megarl.convert.mcore_to_hf import find_hf_source
+from megarl.convert.mcore_to_hf import checkpoint_hf_config
 from megarl.errors import CheckpointError, MegarlError
 from megarl.megatron.checkpoint import FORMAT_VERSION
 from megarl.models.spec import ModelSpec
@@ -79,12 +79,8 @@ class VerifyReport:
 def _expected_plan(ckpt: Path, info: dict[str, Any], hf_config: Optional[Path],
                    report: VerifyReport) -> Optional[list[CheckpointTensor]]:
     """The model tensors the spec expects, or None (noted) when no HF config can be found."""
-    source = find_hf_source(ckpt, hf_config)
-    if source is not None:
-        config = read_config(source)
-    elif "hf_config" in info:
-        config = dict(info["hf_config"])
-    else:
+    _, config = checkpoint_hf_config(ckpt, info, hf_config)
+    if config is None:
         report.notes.append(f"{ckpt}: no HF config found (none stored in common.pt, no initial_model/ above, no "
                             "--hf-config): stored tensors checked, not the list the model spec expects")
         return None
