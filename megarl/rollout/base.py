@@ -17,6 +17,7 @@ differs on purpose (it sees the unfiltered policy). ``logprobs_mode="raw"`` retu
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -154,6 +155,16 @@ class EngineOptions:
         return torch_dtype(self.dtype)
 
 
+@dataclass
+class TokenContinuation:
+    """One request's new tokens from ``generate_tokens``: ids as sampled, (len,) log-probs, and
+    whether the turn ended on an EOS/stop token (False: it ran out of its token budget)."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    stopped: bool
+
+
 class EngineState(enum.Enum):
     """Lifecycle of an engine: what it holds in memory right now."""
 
@@ -221,6 +232,43 @@ class RolloutEngine(abc.ABC):
         if self._weights_discarded:
             raise RolloutStateError(self._discarded_weights_message())
         return self._generate(prompts, params)
+
+    def generate_tokens(
+        self, contexts: Sequence[Sequence[int]], params: SamplingParams, max_new_tokens: Sequence[int] | None = None
+    ) -> list[TokenContinuation]:
+        """Continue each token list by one sample: the token-in, token-out call of multi-turn rollouts.
+
+        Args:
+            contexts: the full token ids of each request so far (prompt, earlier turns, tool outputs).
+            params: sampling (``n`` is ignored: one continuation per context).
+            max_new_tokens: a budget per context (default ``params.max_new_tokens`` for all).
+        Returns:
+            one :class:`TokenContinuation` per context, in order: the ids exactly as sampled, their
+            log-probs, and whether the turn ended on an EOS/stop token (else on the budget).
+        """
+        budgets = [params.max_new_tokens] * len(contexts) if max_new_tokens is None else [int(b) for b in max_new_tokens]
+        if len(budgets) != len(contexts) or any(b < 1 for b in budgets):
+            raise ValueError(f"generate_tokens: need one budget >= 1 per context, got {budgets} for {len(contexts)}")
+        if not contexts:
+            return []
+        width = max(len(c) for c in contexts)
+        ids = torch.full((len(contexts), width), self.options.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(contexts), width), dtype=torch.long)
+        for row, context in enumerate(contexts):
+            ids[row, width - len(context):] = torch.as_tensor(list(context), dtype=torch.long)
+            mask[row, width - len(context):] = 1
+        one = dataclasses.replace(params, n=1, max_new_tokens=max(budgets))
+        out = self.generate(Batch.from_dict({"input_ids": ids, "attention_mask": mask}), one)
+        stops = set(self.options.eos_token_ids) | set(params.stop_token_ids)
+        lengths = out["response_mask"].sum(-1).tolist()
+        log_probs = out["rollout_log_probs"]
+        result = []
+        for row, budget in enumerate(budgets):
+            k = min(int(lengths[row]), budget)
+            tokens = out["responses"][row, :k].tolist()
+            result.append(TokenContinuation(tokens, log_probs[row, :k].tolist(),
+                                            stopped=bool(tokens) and tokens[-1] in stops and not params.ignore_eos))
+        return result
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy new weights into the engine in place; returns the number of tensors loaded.

@@ -1,0 +1,61 @@
+"""Token ids of the tool-role turns a multi-turn rollout appends, and the retokenisation check.
+
+The tool outputs of one assistant turn become one stretch of tokens: the chat template's rendering
+of the tool messages (and the opening of the next assistant turn), taken as the difference between
+two renderings of a fixed conversation, so whatever the template writes between an assistant turn's
+end and the next assistant turn is there exactly once. These ids are tokenised once and appended;
+the model's own ids are never re-tokenised (token-in, token-out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from megarl.errors import ConfigError
+
+# A stand-in conversation: the template renders it once without and once with the tool messages.
+_BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+
+
+class ToolTurnEncoder:
+    """Renders tool results as the tool-role turn of `tokenizer`'s chat template and tokenises it.
+
+    `encode(texts)` -> ids of: [end of the assistant turn after its EOS] + one tool message per text
+    + the next assistant turn's opening (the template's generation prompt).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(
+                "rollout.multi_turn: the tokenizer has no chat_template; multi-turn rollouts render tool outputs "
+                "as the template's tool-role turn (save a tokenizer with a chat template next to the model)")
+        self.tokenizer = tokenizer
+        base = self._render(_BASE, generation_prompt=False)
+        end = base.rfind(_BASE[-1]["content"]) + len(_BASE[-1]["content"])
+        eos = tokenizer.eos_token or ""
+        if eos and base.startswith(eos, end):
+            end += len(eos)  # the model's turn ends on its EOS token; what follows belongs to the tool turn
+        self._prefix = base[:end]
+
+    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def text(self, outputs: Sequence[str]) -> str:
+        """The text appended after an assistant turn that ended on EOS, for these tool outputs."""
+        full = self._render(_BASE + [{"role": "tool", "content": t} for t in outputs], generation_prompt=True)
+        if not full.startswith(self._prefix):
+            raise ConfigError(
+                "rollout.multi_turn: the chat template renders an earlier turn differently once tool messages follow "
+                f"(expected the rendering to start with {self._prefix!r}); it cannot be used for multi-turn rollouts")
+        return full[len(self._prefix):]
+
+    def encode(self, outputs: Sequence[str]) -> list[int]:
+        return list(self.tokenizer.encode(self.text(outputs), add_special_tokens=False))
+
+
+def retokenize_mismatch(tokenizer: Any, ids: Sequence[int]) -> bool:
+    """Whether decoding `ids` and encoding the text again gives other ids (a trainer that re-tokenised
+    the conversation would then train on tokens the model never produced)."""
+    text = tokenizer.decode(list(ids), skip_special_tokens=False)
+    return list(tokenizer.encode(text, add_special_tokens=False)) != list(ids)

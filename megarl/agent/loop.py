@@ -1,0 +1,263 @@
+"""The per-request agent loop of multi-turn rollouts: generate, call tools, generate again.
+
+Each request (one sample of one prompt) is its own state machine:
+
+    PENDING -> GENERATING -> (turn ended with tool calls) CALLING_TOOLS -> GENERATING -> ... -> DONE
+
+A round gives every GENERATING request its next turn in one batched engine call
+(`generate_tokens`, token ids in and out). Tool calls run in a thread pool: a request whose tools
+are still running does not hold the others, which generate their next turns meanwhile; the loop only
+waits for tools when no request is ready to generate. Limits: `max_turns` assistant turns, a
+response budget of `max_response_length` tokens over all turns (model and tool tokens), and a
+timeout per tool call (a call past it answers the model with a timeout error; its thread is left to
+finish, and the sandboxed interpreter has its own wall-clock limit).
+
+Token-in, token-out: the response is the engine's ids exactly as sampled (mask 1, with their
+log-probs) and the tool-role turns tokenised once by `ToolTurnEncoder` (mask 0, log-prob 0).
+
+With a tensor-parallel engine every rank of the engine must make the same engine calls: one rank
+(`driver=True`) runs the state machine and the tools, and `share` (a broadcast from it over the
+engine's ranks) hands each round's plan and the final episodes to the others, which only generate.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import enum
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+from megarl.agent.chat import ToolTurnEncoder
+from megarl.agent.parsers import ToolCall, get_parser
+from megarl.agent.tools import ToolResult, ToolSet
+from megarl.errors import DataError
+from megarl.rollout.base import SamplingParams, TokenContinuation
+
+TOOL_KWARGS_KEYS = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")
+
+
+class TokenGenerator(Protocol):
+    def generate_tokens(self, contexts: Sequence[Sequence[int]], params: SamplingParams,
+                        max_new_tokens: Sequence[int] | None = None) -> list[TokenContinuation]: ...
+
+
+class Phase(enum.Enum):
+    PENDING = "pending"
+    GENERATING = "generating"
+    CALLING_TOOLS = "calling_tools"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """Limits of one episode (`rollout.multi_turn.*`). Lengths in tokens unless named otherwise."""
+
+    max_turns: int = 4  # assistant turns
+    max_response_length: int = 64  # model and tool tokens together, over all turns
+    tool_timeout_s: float = 10.0  # per call
+    max_parallel_calls: int = 8  # threads running tool calls
+    max_tool_response_chars: int = 256  # a longer tool output is cut (the model reads the start)
+    format: str = "hermes"  # tool-call parser
+
+
+@dataclass
+class _Call:
+    name: str
+    future: Optional[concurrent.futures.Future]  # None: answered already (a malformed call)
+    deadline: float
+    answer: Optional[ToolResult] = None
+
+
+@dataclass
+class Episode:
+    """One request's conversation after the prompt, and what happened in it."""
+
+    row: int
+    episode_id: str
+    prompt_ids: list[int]
+    tools_kwargs: dict[str, dict[str, Any]]
+    phase: Phase = Phase.PENDING
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)  # 1 model token, 0 tool-output token
+    log_probs: list[float] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+    tool_seconds: float = 0.0
+    tool_reward: float = 0.0
+    finish_reason: str = ""  # stop | length | max_turns
+    calls: list[_Call] = field(default_factory=list)
+
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def append(self, ids: Sequence[int], model: bool, log_probs: Sequence[float] | None = None) -> None:
+        self.response_ids += list(ids)
+        self.response_mask += [int(model)] * len(ids)
+        self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(ids)
+
+
+def check_tools_kwargs(row: int, value: Any, tools: ToolSet) -> dict[str, dict[str, Any]]:
+    """A row's `extra_info.tools_kwargs`: {tool: {create_kwargs|execute_kwargs|calc_reward_kwargs|release_kwargs: {...}}}."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise DataError(f"row {row}: extra_info.tools_kwargs must be a mapping tool -> kwargs, got {type(value).__name__}")
+    for name, kwargs in value.items():
+        if name not in tools.tools:
+            raise DataError(f"row {row}: extra_info.tools_kwargs names tool {name!r}; the run's tools "
+                            f"(rollout.multi_turn.tools) are {sorted(tools.tools)}")
+        bad = [k for k in (kwargs or {}) if k not in TOOL_KWARGS_KEYS]
+        if not isinstance(kwargs, dict) or bad:
+            raise DataError(f"row {row}: extra_info.tools_kwargs.{name} may hold only {list(TOOL_KWARGS_KEYS)} "
+                            f"(mappings); got {bad or type(kwargs).__name__}")
+    return {name: dict(kwargs or {}) for name, kwargs in value.items()}
+
+
+class AgentLoop:
+    """Runs episodes over one engine and one tool set (see the module doc)."""
+
+    def __init__(self, engine: TokenGenerator, tokenizer: Any, tools: ToolSet, settings: AgentSettings,
+                 encoder: Optional[ToolTurnEncoder] = None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.tools = tools
+        self.settings = settings
+        self.encoder = encoder if encoder is not None else ToolTurnEncoder(tokenizer)
+        self.parser = get_parser(settings.format)
+        self._pool = concurrent.futures.ThreadPoolExecutor(settings.max_parallel_calls, thread_name_prefix="tool")
+        self.engine_calls = 0  # batched generate_tokens calls made (for tests and profiling)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def run(self, prompts: Sequence[Sequence[int]], tools_kwargs: Sequence[dict[str, dict[str, Any]]],
+            params: SamplingParams, driver: bool = True,
+            share: Callable[[Any], Any] = lambda obj: obj) -> list[Episode]:
+        """One episode per prompt (ids without padding). Every rank of the engine calls this; only
+        the `driver`'s arguments besides `params` are used, and `share(obj)` must return the
+        driver's `obj` on every rank."""
+        episodes = [Episode(i, uuid.uuid4().hex, list(p), kw) for i, (p, kw) in enumerate(zip(prompts, tools_kwargs))] \
+            if driver else []
+        if driver:
+            for ep in episodes:
+                for name, tool in self.tools.tools.items():
+                    tool.create(ep.episode_id, **ep.tools_kwargs.get(name, {}).get("create_kwargs", {}))
+                ep.phase = Phase.GENERATING
+        rounds = 0
+        try:
+            while True:
+                plan = self._plan(episodes) if driver else None
+                plan = share(plan)
+                if plan is None:
+                    break
+                rows, contexts, budgets = plan
+                seed = None if params.seed is None else params.seed + 7919 * rounds
+                outs = self.engine.generate_tokens(contexts, dataclasses.replace(params, n=1, seed=seed), budgets)
+                self.engine_calls += 1
+                rounds += 1
+                if driver:
+                    for row, out in zip(rows, outs):
+                        self._absorb(episodes[row], out)
+            if driver:
+                for ep in episodes:
+                    self._finish(ep)
+        except BaseException:
+            if driver:
+                for ep in episodes:
+                    self._release(ep)
+            raise
+        return share(episodes if driver else None)
+
+    # -- the state machine (driver only) --------------------------------------------------------
+    def _plan(self, episodes: list[Episode]) -> Optional[tuple[list[int], list[list[int]], list[int]]]:
+        """The requests to generate this round: (rows, contexts, token budgets); None when all are done.
+        Waits for tool calls only when no request could generate meanwhile."""
+        while True:
+            for ep in episodes:
+                if ep.phase is Phase.CALLING_TOOLS:
+                    self._collect(ep)
+            ready = [ep for ep in episodes if ep.phase is Phase.GENERATING]
+            if ready:
+                return ([ep.row for ep in ready], [ep.context() for ep in ready],
+                        [self.settings.max_response_length - len(ep.response_ids) for ep in ready])
+            calling = [c for ep in episodes if ep.phase is Phase.CALLING_TOOLS for c in ep.calls
+                       if c.answer is None and c.future is not None]
+            if not calling:
+                return None
+            wait = max(0.0, min(c.deadline for c in calling) - time.monotonic())
+            concurrent.futures.wait([c.future for c in calling], timeout=wait,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def _absorb(self, ep: Episode, out: TokenContinuation) -> None:
+        """A generated turn: append it, then end the episode or start its tool calls."""
+        ep.append(out.token_ids, model=True, log_probs=out.log_probs)
+        ep.turns += 1
+        if not out.stopped:
+            return self._done(ep, "length")
+        turn = self.parser.parse(self.tokenizer.decode(out.token_ids, skip_special_tokens=False))
+        if not turn.has_calls:
+            return self._done(ep, "stop")
+        if ep.turns >= self.settings.max_turns:
+            return self._done(ep, "max_turns")
+        if len(ep.response_ids) >= self.settings.max_response_length:
+            return self._done(ep, "length")
+        deadline = time.monotonic() + self.settings.tool_timeout_s
+        ep.calls = [self._submit(ep, call, deadline) for call in turn.calls]
+        ep.calls += [_Call("", None, deadline, ToolResult(f"error: {err.message}", error="parse"))
+                     for err in turn.errors]
+        ep.phase = Phase.CALLING_TOOLS
+        self._collect(ep)
+
+    def _submit(self, ep: Episode, call: ToolCall, deadline: float) -> _Call:
+        kwargs = ep.tools_kwargs.get(call.name, {}).get("execute_kwargs", {})
+        future = self._pool.submit(self.tools.call, ep.episode_id, call.name, call.arguments, **kwargs)
+        return _Call(call.name, future, deadline)
+
+    def _collect(self, ep: Episode) -> None:
+        """When every call of the turn is answered (or past its deadline): append the tool turn."""
+        now = time.monotonic()
+        for call in ep.calls:
+            if call.answer is not None:
+                continue
+            if call.future.done():
+                call.answer = call.future.result()
+            elif now >= call.deadline:
+                call.future.cancel()
+                call.answer = ToolResult(f"error: {call.name} timed out after {self.settings.tool_timeout_s:g} s",
+                                         error="timeout", timed_out=True, seconds=self.settings.tool_timeout_s)
+        if any(c.answer is None for c in ep.calls):
+            return
+        answers = [c.answer for c in ep.calls]
+        ep.tool_calls += len(answers)
+        ep.tool_errors += sum(a.error is not None for a in answers)
+        ep.tool_timeouts += sum(a.timed_out for a in answers)
+        ep.tool_seconds += sum(a.seconds for a in answers)
+        ep.calls = []
+        cap = self.settings.max_tool_response_chars
+        ids = self.encoder.encode([a.text[:cap] for a in answers])
+        room = self.settings.max_response_length - len(ep.response_ids)
+        ep.append(ids[:room], model=False)
+        if len(ids) >= room:
+            return self._done(ep, "length")
+        ep.phase = Phase.GENERATING
+
+    def _done(self, ep: Episode, reason: str) -> None:
+        ep.phase, ep.finish_reason = Phase.DONE, reason
+
+    def _finish(self, ep: Episode) -> None:
+        """Tool rewards of the episode, then the tools' per-episode state is released."""
+        ep.tool_reward = float(sum(
+            tool.calc_reward(ep.episode_id, **ep.tools_kwargs.get(name, {}).get("calc_reward_kwargs", {}))
+            for name, tool in self.tools.tools.items()))
+        self._release(ep)
+
+    def _release(self, ep: Episode) -> None:
+        for name, tool in self.tools.tools.items():
+            tool.release(ep.episode_id, **ep.tools_kwargs.get(name, {}).get("release_kwargs", {}))
+

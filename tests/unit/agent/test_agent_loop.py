@@ -1,0 +1,235 @@
+"""The per-request agent loop: state machine, limits, concurrency of tools, masks token by token.
+
+The model here is a scripted stand-in (`ScriptedEngine`): it answers each context with a fixed
+turn chosen from what the context holds, so the loop's bookkeeping can be checked against a
+conversation written out by hand. Tools, parser, tokenizer and chat template are the real ones;
+tests/integration/trainer/test_multi_turn_e2e.py runs the loop with a real model in the trainer.
+"""
+
+from __future__ import annotations
+
+import string
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from megarl.agent.chat import ToolTurnEncoder, retokenize_mismatch
+from megarl.agent.loop import AgentLoop, AgentSettings
+from megarl.agent.rollout import agent_metrics, multi_turn_generate
+from megarl.agent.tools import CalculatorTool, Tool, ToolResult, ToolSet
+from megarl.data.tokenizer import CHATML_SPECIAL_TOKENS, CHATML_TEMPLATE, build_char_tokenizer
+from megarl.errors import DataError
+from megarl.protocol import Batch
+from megarl.rollout.base import EngineOptions, SamplingParams, TokenContinuation
+
+pytestmark = pytest.mark.unit
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "EXPR"}}</tool_call><|im_end|>'
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    chars = string.printable
+    tok = build_char_tokenizer(chars, tmp_path_factory.mktemp("tok"), chat_template=CHATML_TEMPLATE,
+                               extra_special_tokens=(*CHATML_SPECIAL_TOKENS, "<tool_call>", "</tool_call>"))
+    tok.eos_token = "<|im_end|>"
+    return tok
+
+
+class ScriptedEngine:
+    """Stand-in for a model: `script(context_text) -> next turn text`. Records every batched call."""
+
+    def __init__(self, tokenizer: Any, script: Any) -> None:
+        self.tokenizer, self.script = tokenizer, script
+        self.options = EngineOptions(pad_token_id=0, eos_token_ids=(tokenizer.eos_token_id,))
+        self.calls: list[list[str]] = []
+
+    def generate_tokens(self, contexts: Any, params: SamplingParams, max_new_tokens: Any = None) -> list[TokenContinuation]:
+        texts = [self.tokenizer.decode(c, skip_special_tokens=False) for c in contexts]
+        self.calls.append(texts)
+        outs = []
+        for text, budget in zip(texts, max_new_tokens):
+            ids = self.tokenizer.encode(self.script(text), add_special_tokens=False)[:budget]
+            lps = [-0.01 * (k + 1) for k in range(len(ids))]
+            outs.append(TokenContinuation(ids, lps, bool(ids) and ids[-1] == self.tokenizer.eos_token_id))
+        return outs
+
+
+def calculator_script(text: str) -> str:
+    """First turn: a calculator call on the prompt's expression; after a tool answer: that answer."""
+    if "<|im_start|>tool\n" in text:
+        return text.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0] + "<|im_end|>"
+    expr = text.split("<|im_start|>user\n")[1].split("=")[0]
+    return CALL.replace("EXPR", expr)
+
+
+def prompt_batch(tokenizer: Any, exprs: list[str], extra: list[Any] | None = None) -> Batch:
+    rows = [tokenizer.apply_chat_template([{"role": "user", "content": e + "="}], tokenize=True,
+                                          add_generation_prompt=True) for e in exprs]
+    rows = [list(r["input_ids"]) if isinstance(r, dict) or hasattr(r, "keys") else list(r) for r in rows]
+    width = max(map(len, rows))
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    non_tensor = {"extra_info": extra} if extra is not None else None
+    return Batch.from_dict({"input_ids": ids, "attention_mask": mask}, non_tensor)
+
+
+def make_loop(tokenizer: Any, script: Any, tools: ToolSet | None = None, **settings: Any) -> tuple[AgentLoop, ScriptedEngine]:
+    engine = ScriptedEngine(tokenizer, script)
+    tools = tools or ToolSet({"calculator": CalculatorTool()})
+    return AgentLoop(engine, tokenizer, tools, AgentSettings(**{"max_response_length": 200, **settings})), engine
+
+
+def test_tool_turn_text_is_the_chat_templates_tool_role_turn(tokenizer: Any) -> None:
+    # ChatML written out by hand: the assistant turn ended on <|im_end|> (the model's EOS); the
+    # tool turn is the newline after it, the tool message, and the next assistant turn's opening.
+    assert ToolTurnEncoder(tokenizer).text(["42"]) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    assert ToolTurnEncoder(tokenizer).text(["1", "2"]) == (
+        "\n<|im_start|>tool\n1<|im_end|>\n<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_masks_token_by_token_on_a_hand_built_conversation(tokenizer: Any) -> None:
+    loop, engine = make_loop(tokenizer, calculator_script)
+    out = multi_turn_generate(loop, prompt_batch(tokenizer, ["12+30"]), SamplingParams(n=1, max_new_tokens=200))
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    turn1 = enc(CALL.replace("EXPR", "12+30"))
+    tool = enc("\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n")
+    turn2 = enc("42<|im_end|>")
+    expected = turn1 + tool + turn2
+    n = len(expected)
+    assert out["responses"][0, :n].tolist() == expected
+    assert out["responses"][0, n:].eq(0).all()
+    assert out["response_mask"][0].tolist() == [1] * len(turn1) + [0] * len(tool) + [1] * len(turn2) + [0] * (200 - n)
+    p = out["prompts"].shape[1]
+    assert out["attention_mask"][0, p:].tolist() == [1] * n + [0] * (200 - n)  # tool tokens are context
+    lp = out["rollout_log_probs"][0]
+    assert torch.allclose(lp[:len(turn1)], torch.tensor([-0.01 * (k + 1) for k in range(len(turn1))]))
+    assert lp[len(turn1):len(turn1) + len(tool)].eq(0).all()
+    assert torch.allclose(lp[len(turn1) + len(tool):n], torch.tensor([-0.01 * (k + 1) for k in range(len(turn2))]))
+    assert out["agent/num_turns"].tolist() == [2.0] and out["agent/tool_calls"].tolist() == [1.0]
+    assert out["agent/retokenize_mismatch"].tolist() == [0.0]
+    assert engine.calls and len(engine.calls) == 2
+
+
+def test_tools_kwargs_reach_create_and_calc_reward(tokenizer: Any) -> None:
+    loop, _ = make_loop(tokenizer, calculator_script)
+    kw = lambda a: {"tools_kwargs": {"calculator": {"create_kwargs": {"answer": a}}}}  # noqa: E731
+    out = multi_turn_generate(loop, prompt_batch(tokenizer, ["2*3", "5+5"], [kw(6), kw(11)]),
+                              SamplingParams(n=2, max_new_tokens=200))
+    assert out["tool_reward"].tolist() == [1.0, 1.0, 0.0, 0.0]  # 2*3 = 6 is right, 5+5 = 11 is not
+    assert loop.tools.tools["calculator"].state == {}  # released
+    metrics = agent_metrics(out)
+    assert metrics["agent/turns/mean"] == 2.0 and metrics["agent/tool_call_rate"] == 1.0
+    assert metrics["agent/tool_reward/mean"] == 0.5
+
+
+def test_bad_tools_kwargs_name_the_row_and_the_valid_tools(tokenizer: Any) -> None:
+    loop, _ = make_loop(tokenizer, calculator_script)
+    bad = [{}, {"tools_kwargs": {"search": {"create_kwargs": {}}}}]
+    with pytest.raises(DataError, match=r"row 1: .*'search'.*\['calculator'\]"):
+        multi_turn_generate(loop, prompt_batch(tokenizer, ["1+1", "2+2"], bad), SamplingParams(max_new_tokens=200))
+
+
+def test_max_turns_and_response_budget(tokenizer: Any) -> None:
+    always_call = lambda text: CALL.replace("EXPR", "1+1")  # noqa: E731  the model never stops calling
+    loop, _ = make_loop(tokenizer, always_call, max_turns=3)
+    out = multi_turn_generate(loop, prompt_batch(tokenizer, ["1+1"]), SamplingParams(max_new_tokens=200))
+    assert out["agent/num_turns"].tolist() == [3.0] and out["agent/tool_calls"].tolist() == [2.0]
+    loop, _ = make_loop(tokenizer, always_call, max_turns=50, max_response_length=150)
+    out = multi_turn_generate(loop, prompt_batch(tokenizer, ["1+1"]), SamplingParams(max_new_tokens=150))
+    assert int(out["attention_mask"][0, out["prompts"].shape[1]:].sum()) == 150  # cut at the budget
+
+
+def test_malformed_call_is_answered_as_a_tool_error(tokenizer: Any) -> None:
+    script = lambda text: "done<|im_end|>" if "<|im_start|>tool" in text else "<tool_call>{oops</tool_call><|im_end|>"  # noqa: E731
+    loop, _ = make_loop(tokenizer, script)
+    out = multi_turn_generate(loop, prompt_batch(tokenizer, ["1+1"]), SamplingParams(max_new_tokens=200))
+    text = tokenizer.decode(out["responses"][0][out["attention_mask"][0, out["prompts"].shape[1]:].bool()].tolist())
+    assert "not valid json" in text.lower()
+    assert out["agent/tool_errors"].tolist() == [1.0]
+
+
+class SleepyTool(Tool):
+    """Sleeps `seconds` (from execute_kwargs) and answers 'slept'; records when it ran."""
+
+    schema = {"type": "function", "function": {"name": "sleep", "parameters": {"type": "object", "properties": {}}}}
+
+    def __init__(self, timeout_s: float = 10.0) -> None:
+        super().__init__(timeout_s)
+        self.done = threading.Event()
+
+    def execute(self, episode: str, arguments: dict[str, Any], **kwargs: Any) -> ToolResult:
+        time.sleep(kwargs["seconds"])
+        self.done.set()
+        return ToolResult("slept")
+
+
+def sleepy_script(text: str) -> str:
+    tool_turns = text.count("<|im_start|>tool\n")
+    if tool_turns >= 3 or "slept" in text:
+        return "end<|im_end|>"
+    return '<tool_call>{"name": "sleep", "arguments": {}}</tool_call><|im_end|>'
+
+
+def test_a_slow_tool_does_not_hold_the_other_requests(tokenizer: Any) -> None:
+    tool = SleepyTool()
+    loop, engine = make_loop(tokenizer, sleepy_script, ToolSet({"sleep": tool}), max_turns=10)
+    kw = lambda s: {"tools_kwargs": {"sleep": {"execute_kwargs": {"seconds": s}}}}  # noqa: E731
+    start = time.monotonic()
+    out = multi_turn_generate(loop, prompt_batch(tokenizer, ["1", "2"], [kw(1.0), kw(0.0)]),
+                              SamplingParams(max_new_tokens=200))
+    # The fast request (row 1) finished both of its turns while row 0's tool was still sleeping:
+    # a round generated row 1 alone, and the whole run took about one sleep, not two.
+    assert any(len(c) == 1 and "2=" in c[0] for c in engine.calls)
+    assert out["agent/num_turns"].tolist() == [2.0, 2.0]
+    assert time.monotonic() - start < 5.0
+
+
+def test_a_tool_past_its_timeout_answers_with_a_timeout_error(tokenizer: Any) -> None:
+    loop, _ = make_loop(tokenizer, sleepy_script, ToolSet({"sleep": SleepyTool()}), tool_timeout_s=0.2, max_turns=2)
+    kw = {"tools_kwargs": {"sleep": {"execute_kwargs": {"seconds": 2.0}}}}
+    out = multi_turn_generate(loop, prompt_batch(tokenizer, ["1"], [kw]), SamplingParams(max_new_tokens=200))
+    assert out["agent/tool_timeouts"].tolist() == [1.0] and out["agent/tool_errors"].tolist() == [1.0]
+    text = tokenizer.decode(out["responses"][0].tolist(), skip_special_tokens=False)
+    assert "sleep timed out after 0.2 s" in text
+    assert agent_metrics(out)["agent/tool_timeouts"] == 1.0
+
+
+def test_followers_make_the_drivers_engine_calls(tokenizer: Any) -> None:
+    """Tensor-parallel ranks: the follower runs no state machine and no tools, only the engine calls
+    the driver planned; both return the driver's episodes."""
+    driver, d_engine = make_loop(tokenizer, calculator_script)
+    follower, f_engine = make_loop(tokenizer, lambda text: "junk<|im_end|>")
+    plans: list[Any] = []
+
+    def share_from_driver(obj: Any) -> Any:
+        plans.append(obj)
+        return obj
+
+    episodes = driver.run([tokenizer.encode("<|im_start|>user\n3*3=<|im_end|>\n", add_special_tokens=False)], [{}],
+                          SamplingParams(max_new_tokens=200), share=share_from_driver)
+    replay = iter(plans)
+    f_episodes = follower.run([], [], SamplingParams(max_new_tokens=200), driver=False, share=lambda obj: next(replay))
+    assert [c for c in f_engine.calls] == [c for c in d_engine.calls]
+    assert f_episodes is episodes and episodes[0].turns == 2
+
+
+def test_retokenize_mismatch_is_detected(tokenizer: Any) -> None:
+    ids = tokenizer.encode("12+30=42", add_special_tokens=False)
+    assert not retokenize_mismatch(tokenizer, ids)
+    # "<|im_end|>" spelled with character tokens decodes to the text of the special token
+    spelled = tokenizer.encode("<", add_special_tokens=False) + tokenizer.encode("|im_end|>", add_special_tokens=False)
+    assert retokenize_mismatch(tokenizer, ids + spelled)
+
+
+def test_no_chat_template_is_refused(tmp_path: Path) -> None:
+    tok = build_char_tokenizer("0123", tmp_path)
+    with pytest.raises(Exception, match="chat_template"):
+        ToolTurnEncoder(tok)
