@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megarl.errors import ConfigError
+from megarl.hybrid.sender_rule import replica_rank, sender_position
 from megarl.hybrid.slices import Block, LocalTensor, engine_params, hf_tensor_shapes, megatron_shards
 from megarl.layout import ParallelLayout
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from megarl.models.spec import ModelSpec
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
+SENDER_RULES = ("least_loaded", "by_rank")
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ def build_reshard_plan(
     dtype: torch.dtype = torch.float32,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     hf_shapes: dict[str, tuple[int, ...]] | None = None,
+    senders: str = "least_loaded",
 ) -> ReshardPlan:
     """Plan the move of the training shards of `train` into engine parameters of `rollout`.
 
@@ -114,26 +117,20 @@ def build_reshard_plan(
         dtype: training parameter dtype (bytes are counted in it; it is also what moves).
         bucket_bytes: most bytes one (sender, receiver) pair exchanges in one step.
         hf_shapes: HF tensor shapes (default: built from `spec.hf_config` on the meta device).
+        senders: "least_loaded" (greedy over the whole world) or "by_rank" (`megarl.hybrid.
+            sender_rule`, the choice `megarl.hybrid.rank_plan` makes for one rank alone).
     Raises ConfigError if the world sizes differ, the model does not split, or a slice unit (one
     row or column) exceeds `bucket_bytes`.
     """
-    if train.world_size != rollout.world_size:
-        raise ConfigError(f"train world size {train.world_size} != rollout world size {rollout.world_size}")
-    if bucket_bytes <= 0:
-        raise ConfigError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    if senders not in SENDER_RULES:
+        raise ConfigError(f"reshard plan: senders={senders!r} unknown; valid: {SENDER_RULES}")
+    check_plan_inputs(train, rollout, bucket_bytes)
     spec.check_layout(train.tp, train.pp)
     shapes = hf_shapes if hf_shapes is not None else hf_tensor_shapes(spec)
     world = train.world_size
     coords = [train.coord(r) for r in range(world)]  # once: step 2 reads them per segment
 
-    shard_cache: dict[tuple[int, int], list[LocalTensor]] = {}
-    sources: dict[str, list[_Source]] = {}  # HF name -> blocks held by some model shard
-    for tp in range(train.tp):
-        for pp in range(train.pp):
-            shard_cache[(tp, pp)] = megatron_shards(spec, tp, train.tp, pp, train.pp, shapes)
-            for t in shard_cache[(tp, pp)]:
-                for b in t.blocks:
-                    sources.setdefault(b.hf_name, []).append(_Source((tp, pp), t.name, b.start, b.stop, b.offset))
+    shard_cache, sources = source_index(spec, train, shapes)
     train_tensors = {r: shard_cache[(c.tp_rank, c.pp_rank)] for r, c in enumerate(coords)}
     shard_by_name = {key: {t.name: t for t in ts} for key, ts in shard_cache.items()}
 
@@ -144,19 +141,26 @@ def build_reshard_plan(
     plan_bytes = {r: RankBytes() for r in range(world)}
     for dst in range(world):
         c = coords[dst]
-        for param in engine_tensors[dst]:
+        for i, param in enumerate(engine_tensors[dst]):
             unit = _unit_bytes(param, dtype)
+            salt = i
             for block in param.blocks:
                 plan_bytes[dst].needed += block.length * unit
                 cut = _segments(block, sources, (c.tp_rank, c.pp_rank), dst, param, unit, shard_by_name)
+                for seg in cut:
+                    seg.salt, salt = salt, salt + 1
                 # What the rank holds, counted before any sender is chosen.
                 plan_bytes[dst].local += sum(seg.nbytes for seg in cut if seg.src == dst)
                 segments += cut
     # 2. Choose senders: the receiver itself when it holds the rows; otherwise, largest segments
-    # first, the replica that has sent least so far (then one in the receiver's DP index).
+    # first, the replica that has sent least so far (then one in the receiver's DP index), or
+    # with senders="by_rank" the candidate `sender_rule` names.
     sent = [0] * world
     for seg in sorted(segments, key=lambda s: (s.src < 0, -s.nbytes)):
         if seg.src >= 0:
+            continue
+        if senders == "by_rank":
+            seg.src, seg.source = rule_sender(train, seg.holders, seg.dst, seg.salt)
             continue
         dst_dp = coords[seg.dst].dp_rank
         options = [(sent[r], coords[r].dp_rank != dst_dp, r, h) for h in seg.holders
@@ -181,6 +185,37 @@ def build_reshard_plan(
                        local_pieces, steps, plan_bytes)
 
 
+def check_plan_inputs(train: ParallelLayout, rollout: ParallelLayout, bucket_bytes: int) -> None:
+    if train.world_size != rollout.world_size:
+        raise ConfigError(f"train world size {train.world_size} != rollout world size {rollout.world_size}")
+    if bucket_bytes <= 0:
+        raise ConfigError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+
+
+def source_index(spec: "ModelSpec", train: ParallelLayout, shapes: dict[str, tuple[int, ...]]
+                 ) -> tuple[dict[tuple[int, int], list[LocalTensor]], dict[str, list[_Source]]]:
+    """Every model shard's (tp, pp) Megatron tensors, and per HF name the blocks some shard holds
+    (shards in (tp, pp) order: the holder order the sender rule counts in). Cost: tp * pp shards,
+    independent of dp and cp."""
+    shard_cache: dict[tuple[int, int], list[LocalTensor]] = {}
+    sources: dict[str, list[_Source]] = {}
+    for tp in range(train.tp):
+        for pp in range(train.pp):
+            shard_cache[(tp, pp)] = megatron_shards(spec, tp, train.tp, pp, train.pp, shapes)
+            for t in shard_cache[(tp, pp)]:
+                for b in t.blocks:
+                    sources.setdefault(b.hf_name, []).append(_Source((tp, pp), t.name, b.start, b.stop, b.offset))
+    return shard_cache, sources
+
+
+def rule_sender(train: ParallelLayout, holders: list[_Source], dst: int, salt: int) -> tuple[int, _Source]:
+    """The (rank, holder) `sender_rule` assigns to receiver `dst` for rows all `holders` hold."""
+    replicas = train.dp * train.cp
+    position = sender_position(train, dst, len(holders) * replicas, salt)
+    holder = holders[position // replicas]
+    return replica_rank(train, *holder.coord_key, position % replicas), holder
+
+
 @dataclass
 class _Segment:
     """Rows [lo, hi) of an engine block with the same holders; `src` -1 until a sender is chosen."""
@@ -195,6 +230,7 @@ class _Segment:
     holders: list[_Source]
     src: int = -1
     source: _Source | None = None
+    salt: int = 0  # parameter index + segment index in it: the sender rule's per-segment shift
 
 
 def _segments(block: Block, sources: dict[str, list[_Source]], own: tuple[int, int], dst: int,
@@ -223,18 +259,29 @@ def _segments(block: Block, sources: dict[str, list[_Source]], own: tuple[int, i
 def _merge(segments: list[_Segment]) -> list[Piece]:
     pieces: list[Piece] = []
     for seg in segments:  # in receiver, parameter and row order
-        src = seg.source
-        assert src is not None
-        src_start = src.local_offset + seg.lo - src.start
-        last = pieces[-1] if pieces else None
-        if (last is not None and last.src == seg.src and last.dst == seg.dst and last.src_name == src.name
-                and last.dst_name == seg.param.name and last.src_start + last.length == src_start
-                and last.dst_start + last.length == seg.dst_start):
-            pieces[-1] = dataclasses.replace(last, length=last.length + seg.length, nbytes=last.nbytes + seg.nbytes)
+        piece = segment_piece(seg)
+        joined = join_pieces(pieces[-1], piece) if pieces else None
+        if joined is not None:
+            pieces[-1] = joined
         else:
-            pieces.append(Piece(seg.src, seg.dst, src.name, seg.param.name, seg.axis, src_start,
-                                seg.dst_start, seg.length, seg.nbytes))
+            pieces.append(piece)
     return pieces
+
+
+def segment_piece(seg: _Segment) -> Piece:
+    src = seg.source
+    assert src is not None
+    return Piece(seg.src, seg.dst, src.name, seg.param.name, seg.axis, src.local_offset + seg.lo - src.start,
+                 seg.dst_start, seg.length, seg.nbytes)
+
+
+def join_pieces(last: Piece, piece: Piece) -> Piece | None:
+    """`last` extended by `piece` when it continues it on both ends, else None."""
+    if (last.src == piece.src and last.dst == piece.dst and last.src_name == piece.src_name
+            and last.dst_name == piece.dst_name and last.src_start + last.length == piece.src_start
+            and last.dst_start + last.length == piece.dst_start):
+        return dataclasses.replace(last, length=last.length + piece.length, nbytes=last.nbytes + piece.nbytes)
+    return None
 
 
 def _bucket(remote: dict[tuple[int, int], list[Piece]], bucket_bytes: int) -> list[dict[tuple[int, int], list[Piece]]]:
