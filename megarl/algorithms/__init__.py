@@ -10,7 +10,8 @@ Registries let users add their own pieces by name (the names are the config valu
 * ``KL_ESTIMATORS`` (``actor.kl_loss_type``, ``algorithm.kl_penalty``): k1/kl, abs, k2/mse,
   k3/low_var_kl, each with a straight-through ``+`` variant — ``register_kl_estimator(name)``.
 
-Loss aggregation and its micro-batch / data-parallel convention: see ``aggregation``.
+Loss aggregation and its micro-batch / data-parallel convention: see ``aggregation``. The
+rollout-training mismatch (importance weights, TIS / MIS / IcePop, metrics): see ``rollout_correction``.
 """
 
 from megarl.algorithms.advantages import (
@@ -55,11 +56,24 @@ from megarl.algorithms.policy_loss import (
     register_policy_loss,
 )
 from megarl.algorithms.registry import Registry
+from megarl.algorithms.rollout_correction import (
+    CORRECTION_LEVELS,
+    CORRECTION_MODES,
+    RolloutCorrectionSettings,
+    RolloutMismatchError,
+    check_logprob_gap,
+    correction_weights,
+    importance_weights,
+    logprob_gap,
+    mismatch_metrics,
+)
 from megarl.algorithms.utils import group_index_from_uids, masked_mean, masked_whiten
 from megarl.algorithms.value_loss import ValueLossInputs, ValueLossSettings, compute_value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "CORRECTION_LEVELS",
+    "CORRECTION_MODES",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
@@ -75,22 +89,29 @@ __all__ = [
     "PolicyLossInputs",
     "PolicyLossSettings",
     "Registry",
+    "RolloutCorrectionSettings",
+    "RolloutMismatchError",
     "ValueLossInputs",
     "ValueLossSettings",
     "agg_loss",
     "aggregate",
     "apply_kl_penalty",
+    "check_logprob_gap",
     "compute_value_loss",
+    "correction_weights",
     "entropy_from_logits",
     "filter_groups",
     "get_advantage_estimator",
     "get_policy_loss",
     "group_index_from_uids",
+    "importance_weights",
     "kl_penalty",
+    "logprob_gap",
     "make_kl_controller",
     "masked_mean",
     "masked_whiten",
     "mini_batch_normalisers",
+    "mismatch_metrics",
     "num_groups",
     "overlong_penalty",
     "register_advantage_estimator",

@@ -4,7 +4,8 @@ Every loss takes the micro-batch's tensors as one ``PolicyLossInputs`` and the a
 one ``PolicyLossSettings``, so the trainer calls any of them by name::
 
     inputs = PolicyLossInputs(old_log_prob, log_prob, advantages, response_mask,  # (B, R) each
-                              normalisers=normalisers)  # LossNormalisers of the mini-batch
+                              normalisers=normalisers,  # LossNormalisers of the mini-batch
+                              weights=None)  # (B, R) per-token multipliers (rollout correction)
     settings = PolicyLossSettings(loss_agg_mode="token-mean",
                                   clip_ratio_low=0.2, clip_ratio_high=0.2,  # ratio kept in [1 - low, 1 + high]
                                   clip_ratio_c=3.0)                         # dual-clip bound (negative advantages)
@@ -42,6 +43,10 @@ class PolicyLossInputs:
     advantages: torch.Tensor
     response_mask: torch.Tensor  # 0/1: 1 on the generated tokens that count in the loss
     normalisers: Optional[LossNormalisers] = None  # of the whole mini-batch; None: this is the mini-batch
+    # Per-token multipliers of the loss terms, without gradient (the rollout-mismatch correction,
+    # rollout_correction.correction_weights); None: 1. A weight of 0 drops the token's term but
+    # keeps it in the normaliser. Every loss applies them to its per-token terms before aggregating.
+    weights: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,11 @@ def _fraction(condition: torch.Tensor, mask: torch.Tensor) -> float:
     return float(masked_mean(condition.to(torch.float32), mask))
 
 
+def _weighted(losses: torch.Tensor, inputs: PolicyLossInputs) -> torch.Tensor:
+    """The per-token terms times `inputs.weights` (when given)."""
+    return losses if inputs.weights is None else losses * inputs.weights.detach()
+
+
 @register_policy_loss("vanilla")
 def compute_policy_loss_vanilla(
     inputs: PolicyLossInputs, settings: PolicyLossSettings = DEFAULT_SETTINGS
@@ -95,7 +105,7 @@ def compute_policy_loss_vanilla(
     clip_loss = torch.maximum(unclipped, clipped)
     dual_bound = -advantages * clip_ratio_c
     negative = advantages < 0
-    losses = torch.where(negative, torch.minimum(clip_loss, dual_bound), clip_loss)
+    losses = _weighted(torch.where(negative, torch.minimum(clip_loss, dual_bound), clip_loss), inputs)
     loss = aggregate(losses, response_mask, settings.loss_agg_mode, inputs.normalisers)
     metrics = {
         "pg_clipfrac": _fraction(clipped > unclipped, response_mask),
@@ -125,7 +135,7 @@ def compute_policy_loss_gspo(
     seq_ratio = token_log_ratio.clamp(max=GSPO_LOG_RATIO_MAX).exp()
     unclipped = -advantages * seq_ratio
     clipped = -advantages * seq_ratio.clamp(1.0 - settings.clip_ratio_low, 1.0 + settings.clip_ratio_high)
-    losses = torch.maximum(unclipped, clipped)
+    losses = _weighted(torch.maximum(unclipped, clipped), inputs)
     loss = aggregate(losses, response_mask, "seq-mean-token-mean", inputs.normalisers)
     metrics = {
         "pg_clipfrac": _fraction(clipped > unclipped, response_mask),
@@ -148,7 +158,7 @@ def compute_policy_loss_cispo(
     log_ratio = (log_prob - inputs.old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = log_ratio.exp()
     weight = ratio.clamp(1.0 - settings.clip_ratio_low, 1.0 + settings.clip_ratio_high).detach()
-    losses = -weight * inputs.advantages * log_prob
+    losses = _weighted(-weight * inputs.advantages * log_prob, inputs)
     loss = aggregate(losses, response_mask, settings.loss_agg_mode, inputs.normalisers)
     metrics = {
         "pg_clipfrac": _fraction(ratio.detach() != weight, response_mask),
@@ -168,7 +178,7 @@ def compute_policy_loss_reinforce(
     ``loss_agg_mode`` of the settings.
     """
     log_prob, response_mask = inputs.log_prob, inputs.response_mask
-    losses = -inputs.advantages * log_prob
+    losses = _weighted(-inputs.advantages * log_prob, inputs)
     loss = aggregate(losses, response_mask, settings.loss_agg_mode, inputs.normalisers)
     metrics = {
         "pg_clipfrac": 0.0,

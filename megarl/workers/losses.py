@@ -11,7 +11,7 @@ micro-batch split).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -19,16 +19,25 @@ from megarl.algorithms import (
     LossNormalisers,
     PolicyLossInputs,
     PolicyLossSettings,
+    RolloutCorrectionSettings,
     ValueLossInputs,
     ValueLossSettings,
     agg_loss,
     aggregate,
     compute_value_loss,
+    correction_weights,
     get_policy_loss,
     kl_penalty,
 )
+from megarl.errors import ConfigError
 
 LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor], LossNormalisers], tuple[torch.Tensor, dict[str, Any]]]
+# Receives each micro-batch's data and its log-probs under the weights of the update, detached.
+LogProbSink = Callable[[dict[str, torch.Tensor], torch.Tensor], None]
+# Where the PPO ratio's old log-probs come from (actor.old_log_prob_source, "auto" resolved on the
+# driver): the actor's forward pass before the update (the batch's `old_log_probs`), the update's
+# own log-probs detached, or the rollout engine's (the driver puts them in `old_log_probs`).
+OLD_LOG_PROB_SOURCES = ("recompute", "update", "rollout")
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,9 @@ class ActorLossSpec:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"  # a KL estimator name (KL_ESTIMATORS, "+" for straight-through)
+    old_log_prob_source: str = "recompute"  # one of OLD_LOG_PROB_SOURCES
+    # Rollout-training mismatch correction (algorithm.rollout_correction): per-token loss weights.
+    rollout_correction: RolloutCorrectionSettings = RolloutCorrectionSettings()
 
 
 @dataclass(frozen=True)
@@ -54,13 +66,21 @@ class CriticLossSpec:
     loss_agg_mode: str = "token-mean"
 
 
-def make_actor_loss(spec: ActorLossSpec) -> LossFn:
+def make_actor_loss(spec: ActorLossSpec, log_prob_sink: Optional[LogProbSink] = None) -> LossFn:
     """Policy loss (+ entropy bonus, + KL loss against the reference) described by `spec`.
 
-    Reads `old_log_probs`, `advantages`, `response_mask` (and `ref_log_prob` with the KL loss) of the
-    micro-batch. Metrics: `actor/<policy loss metric>`, `actor/pg_loss`, `actor/entropy` (when
-    entropies are computed), `actor/kl_loss` and `actor/kl_coef` (with the KL loss).
+    Reads `advantages`, `response_mask`, `old_log_probs` (unless the source is "update": the
+    update's own log-probs, detached, so the ratio is exactly 1 and the gradient is the vanilla policy
+    gradient), `ref_log_prob` with the KL loss and `rollout_log_probs` with a rollout correction.
+    The correction's importance weights compare the trainer's log-probs under the sampling weights
+    (the recomputed `old_log_probs`; otherwise the update's own, which equal them when the update is
+    on-policy) with the rollout engine's. `log_prob_sink`, when given, receives every micro-batch's
+    data and detached log-probs. Metrics: `actor/<policy loss metric>`, `actor/pg_loss`,
+    `actor/entropy` (when entropies are computed), `actor/kl_loss` and `actor/kl_coef` (with the KL loss).
     """
+    if spec.old_log_prob_source not in OLD_LOG_PROB_SOURCES:
+        raise ConfigError(f"actor.old_log_prob_source = {spec.old_log_prob_source!r}; the loss takes one of "
+                          f"{list(OLD_LOG_PROB_SOURCES)} (auto is resolved by the driver)")
     policy_loss = get_policy_loss(spec.loss_mode)
     settings = PolicyLossSettings(
         loss_agg_mode=spec.loss_agg_mode,
@@ -69,17 +89,26 @@ def make_actor_loss(spec: ActorLossSpec) -> LossFn:
         clip_ratio_c=spec.clip_ratio_c,
     )
     mode = spec.loss_agg_mode
+    source, correction = spec.old_log_prob_source, spec.rollout_correction
 
     def loss_fn(outputs: dict[str, torch.Tensor], mb: dict[str, torch.Tensor], normalisers: LossNormalisers):
         log_prob = outputs["log_probs"]
+        detached = log_prob.detach()
+        if log_prob_sink is not None:
+            log_prob_sink(mb, detached)
         mask = mb["response_mask"]
-        inputs = PolicyLossInputs(mb["old_log_probs"], log_prob, mb["advantages"], mask, normalisers=normalisers)
+        old = detached if source == "update" else mb["old_log_probs"]
+        weights = None
+        if correction.mode != "none":
+            trainer = mb["old_log_probs"] if source == "recompute" else detached
+            weights = correction_weights(trainer, mb["rollout_log_probs"], mask, correction)
+        inputs = PolicyLossInputs(old, log_prob, mb["advantages"], mask, normalisers=normalisers, weights=weights)
         loss, metrics = policy_loss(inputs, settings)
         out = {f"actor/{k}": float(v) for k, v in metrics.items()}
         # Metrics are per micro-batch means (the engine averages them); the loss uses the global
         # normalisers so that its gradient does not depend on the split.
         with torch.no_grad():
-            local, _ = policy_loss(replace(inputs, log_prob=log_prob.detach(), normalisers=None), settings)
+            local, _ = policy_loss(replace(inputs, log_prob=detached, normalisers=None), settings)
         out["actor/pg_loss"] = float(local)
         if "entropys" in outputs:
             with torch.no_grad():

@@ -94,8 +94,30 @@ class EngineRole:
         return {k if "/" in k else f"{self.spec.name}/{k}": _mean(v) for k, v in history.items()}
 
 
+class FirstStepLogProbs:
+    """The log-probs an update computes in its first optimizer step, by row of this rank's shard.
+
+    Those rows are scored under the weights the update started from, the weights that generated them:
+    the trainer's log-probs the separate old-log-prob pass would have computed. Rows the first step
+    does not hold (later mini-batches) stay NaN. Only the last pipeline stage sees log-probs.
+    """
+
+    ROW = "update_row"  # the column that carries each row's index through the micro-batches
+
+    def __init__(self, rows: int, response_len: int, engine: MegatronEngine) -> None:
+        self.values = torch.full((rows, response_len), float("nan"))
+        self.engine = engine
+        self.first_step = int(engine.scheduler.num_steps)
+
+    def __call__(self, micro_batch: dict[str, torch.Tensor], log_probs: torch.Tensor) -> None:
+        if int(self.engine.scheduler.num_steps) == self.first_step:
+            self.values[micro_batch[self.ROW].cpu()] = log_probs.float().cpu()
+
+
 class ActorRole(EngineRole):
     """The policy being trained."""
+
+    last_update: FirstStepLogProbs | None = None
 
     def compute_log_prob(self, batch: Batch) -> Batch:
         """`old_log_probs` and `entropys` (B, R) under the current weights, at the rollout temperature."""
@@ -103,8 +125,25 @@ class ActorRole(EngineRole):
         return Batch.from_dict({"old_log_probs": out["log_probs"], "entropys": out["entropys"]})
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
-        return self._train(batch, make_actor_loss(self.spec.loss), temperature=self.spec.temperature,
+        """PPO epochs over `batch`. Without the old-log-prob pass (`old_log_prob_source` update or
+        rollout) the first optimizer step's log-probs are kept for `update_log_probs`."""
+        sink = None
+        if self.spec.loss.old_log_prob_source != "recompute":
+            sink = FirstStepLogProbs(len(batch), int(batch["responses"].shape[1]), self.engine)
+            batch[FirstStepLogProbs.ROW] = torch.arange(len(batch))
+        self.last_update = sink
+        return self._train(batch, make_actor_loss(self.spec.loss, sink), temperature=self.spec.temperature,
                            calculate_entropy=True)
+
+    def update_log_probs(self, batch: Batch) -> Batch:
+        """`update_log_probs` (B, R) float32 of this rank's rows of the last `update_actor` call (the same
+        `batch`, dispatched the same way): its first optimizer step's log-probs, detached; NaN elsewhere."""
+        captured = self.last_update
+        if captured is None or len(captured.values) != len(batch):
+            have = "no update that kept them" if captured is None else f"{len(captured.values)} rows"
+            raise RuntimeError(f"actor rank {getattr(self.context, 'rank', 0)}: update_log_probs for "
+                               f"{len(batch)} rows, but the last update_actor left {have}")
+        return Batch.from_dict({"update_log_probs": captured.values})
 
 
 class RefRole(EngineRole):

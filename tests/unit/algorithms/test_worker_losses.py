@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from megarl.algorithms import mini_batch_normalisers
+from megarl.algorithms import RolloutCorrectionSettings, mini_batch_normalisers
 from megarl.errors import ConfigError
 from megarl.workers.losses import ActorLossSpec, CriticLossSpec, make_actor_loss, make_critic_loss
 
@@ -43,7 +43,8 @@ def test_spec_fields_and_defaults() -> None:
     assert actor == {
         "loss_mode": "vanilla", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
         "loss_agg_mode": "token-mean", "entropy_coeff": 0.0, "use_kl_loss": False, "kl_loss_coef": 0.001,
-        "kl_loss_type": "low_var_kl",
+        "kl_loss_type": "low_var_kl", "old_log_prob_source": "recompute",
+        "rollout_correction": RolloutCorrectionSettings(),
     }
     assert {f.name: f.default for f in dataclasses.fields(CriticLossSpec)} == {
         "cliprange_value": 0.5, "loss_agg_mode": "token-mean",
