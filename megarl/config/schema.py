@@ -186,7 +186,18 @@ class RewardConfig:
     # Built-in scorers are chosen per sample by `data_source`; a custom function overrides them.
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     num_workers: int = 2
-    timeout_s: float = 10.0
+    timeout_s: float = 10.0  # per scoring call
+    # The longest one batch's scoring may take in the worker pool; calls still unanswered then are
+    # cancelled and count as timeouts (so max_failure_share decides). null: no deadline.
+    batch_timeout_s: Optional[float] = 120.0
+    # Resident-memory limit of each scoring worker (MiB); a worker over it is replaced and its call
+    # counts as a crash. 0: no limit.
+    worker_memory_mb: int = 4096
+    # Stop the run when more than this share of one batch's scoring calls failed (error, bad_return,
+    # timeout, crash), naming the function and quoting the first failure. Every scored batch counts,
+    # validation batches included (so with val_before_train a broken function stops the run before
+    # the first update). 1.0: never stop, failed calls score 0.
+    max_failure_share: float = 0.5
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
 

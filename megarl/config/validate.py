@@ -316,6 +316,9 @@ def validate_config(cfg: DictConfig) -> None:
     r.in_range("algorithm.gamma", 0.0, 1.0)
     r.in_range("algorithm.lam", 0.0, 1.0)
     r.in_range("rollout.gpu_memory_utilization", 0.0, 1.0, lo_open=True)
+    r.in_range("reward.max_failure_share", 0.0, 1.0)  # 1.0: a batch of failed calls never stops the run
+    r.positive("reward.batch_timeout_s")
+    r.positive("reward.worker_memory_mb", strict=False)
     if rollout.sleep_level not in (1, 2):
         r.err(f"rollout.sleep_level = {rollout.sleep_level}: must be 1 (keep the weights) or 2 (discard them)")
     if rollout.sync_verify_freq < 0:

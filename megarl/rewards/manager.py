@@ -8,9 +8,15 @@ Where code runs:
   ``isolate_builtin=True`` sends them to the worker pool as well.
 - a user reward function (``custom_fn_path`` + ``custom_fn_name``) always runs in a
   :class:`~megarl.rewards.pool.ScoringPool` of ``num_workers`` processes (default: every core), in
-  chunks of calls per message, with a per-call timeout. A call that raises, hangs, crashes its
-  process or returns something that is not a finite number (or a dict with one under ``score``)
-  scores 0, is counted in the metrics and logged with its reason; training goes on.
+  chunks of calls per message, with a per-call timeout, a deadline for the whole batch
+  (``batch_timeout_s``) and a resident-memory limit per worker (``worker_memory_mb``). A call that
+  raises, hangs, crashes its process or returns something that is not a finite number (or a dict
+  with one under ``score``) scores 0, is counted in the metrics and logged with its reason.
+
+A few failures cost a few samples; a function that fails on most calls would train on zeros. So when
+the share of a batch's calls that failed is above ``max_failure_share`` (1.0: never), ``score``
+raises :class:`RewardFailureError` naming the function and quoting the first failure in time. The
+rule holds for every batch scored, validation batches included.
 """
 
 from __future__ import annotations
@@ -27,12 +33,16 @@ import numpy as np
 import torch
 
 from megarl.algorithms.dapo import overlong_penalty
-from megarl.errors import ConfigError, DataError
+from megarl.errors import ConfigError, DataError, MegarlError
 from megarl.rewards.pool import STATUSES, CallOutcome, ScoringPool
 from megarl.rewards.scorers import check_data_sources, check_scorer_options
 from megarl.rewards.worker import Call, ScoringTarget, build_scorer, score_one
 
 logger = logging.getLogger(__name__)
+
+
+class RewardFailureError(MegarlError, RuntimeError):
+    """Too many of a batch's scoring calls failed; the message names the function and the first failure."""
 
 
 @dataclass
@@ -53,6 +63,18 @@ class RewardResult:
     metrics: dict[str, float]
 
 
+def add_tool_rewards(result: RewardResult, tool_rewards: torch.Tensor, response_mask: torch.Tensor) -> None:
+    """Add each response's tool reward (B,) to its score, in place: ``scores``, the last-token entry
+    of ``token_level_scores``, and ``reward_info["tool_reward"]``."""
+    tool_rewards = tool_rewards.to(result.scores.dtype).cpu()
+    result.scores = result.scores + tool_rewards
+    last = last_valid_positions(response_mask)
+    rows = torch.nonzero(last >= 0).flatten()
+    result.token_level_scores[rows, last[rows]] += tool_rewards[rows].to(result.token_level_scores.device)
+    result.reward_info["tool_reward"] = tool_rewards.double().numpy()
+    result.metrics["reward/tool_reward_mean"] = float(tool_rewards.mean()) if len(tool_rewards) else 0.0
+
+
 def last_valid_positions(response_mask: torch.Tensor) -> torch.Tensor:
     """(B,) int64 index of the last nonzero of each row of ``response_mask`` (B, R); -1 for an empty row."""
     valid = response_mask != 0
@@ -70,6 +92,12 @@ class RewardManager:
         reward_kwargs: with a custom function, its keyword arguments; with built-in scorers,
             ``{scorer name: {option: value}}``, e.g. ``{"arithmetic": {"mode": "exact"}}``.
         num_workers: scoring processes (default: all cores). timeout_s: per call.
+        batch_timeout_s: the longest one batch may take in the worker pool; calls still unanswered
+            then are cancelled and count as timeouts (None: no deadline).
+        worker_memory_mb: resident-memory limit of each scoring worker in MiB (0: none); a worker
+            over it is replaced and its call counts as a crash.
+        max_failure_share: raise RewardFailureError when more than this share of a batch's calls
+            failed (error, bad_return, timeout, crash); 1.0 never raises.
         isolate_builtin: run built-in scorers in the pool too (default: in this process).
         overlong_enable / overlong_buffer_len / overlong_penalty_factor / max_response_length:
             DAPO's soft overlong punishment (:func:`megarl.algorithms.dapo.overlong_penalty`).
@@ -83,6 +111,9 @@ class RewardManager:
         reward_kwargs: Mapping[str, Any] | None = None,
         num_workers: int | None = None,
         timeout_s: float = 10.0,
+        batch_timeout_s: float | None = 120.0,
+        worker_memory_mb: float = 4096.0,
+        max_failure_share: float = 0.5,
         isolate_builtin: bool = False,
         overlong_enable: bool = False,
         overlong_buffer_len: int = 0,
@@ -91,6 +122,14 @@ class RewardManager:
         max_logged_failures: int = 5,
     ) -> None:
         kwargs = dict(reward_kwargs or {})
+        if not 0.0 <= max_failure_share <= 1.0:
+            raise ConfigError(
+                f"reward.max_failure_share = {max_failure_share}: must be in [0, 1] (1.0 turns the rule off)"
+            )
+        if batch_timeout_s is not None and not batch_timeout_s > 0:
+            raise ConfigError(f"reward.batch_timeout_s = {batch_timeout_s}: must be > 0 (or null: no deadline)")
+        self.max_failure_share = max_failure_share
+        self.batch_timeout_s = batch_timeout_s
         self.uses_custom_fn = custom_fn_path is not None
         if not self.uses_custom_fn:
             check_scorer_options(kwargs)
@@ -112,7 +151,9 @@ class RewardManager:
         self._pool: ScoringPool | None = None
         self._in_process = None
         if self.uses_custom_fn or isolate_builtin:
-            self._pool = ScoringPool(target, num_workers or os.cpu_count() or 1, timeout_s)
+            self._pool = ScoringPool(
+                target, num_workers or os.cpu_count() or 1, timeout_s, memory_mb=worker_memory_mb
+            )
         else:
             self._in_process = build_scorer(target)
 
@@ -127,6 +168,9 @@ class RewardManager:
             reward_kwargs=dict(reward.reward_kwargs or {}),
             num_workers=reward.num_workers,
             timeout_s=reward.timeout_s,
+            batch_timeout_s=reward.batch_timeout_s,
+            worker_memory_mb=reward.worker_memory_mb,
+            max_failure_share=reward.max_failure_share,
             overlong_enable=overlong.enable,
             overlong_buffer_len=overlong.len,
             overlong_penalty_factor=overlong.penalty_factor,
@@ -140,7 +184,7 @@ class RewardManager:
 
     def _run(self, calls: list[Call]) -> list[CallOutcome]:
         if self._pool is not None:
-            return self._pool.map(calls)
+            return self._pool.map(calls, batch_timeout_s=self.batch_timeout_s)
         assert self._in_process is not None
         return [CallOutcome.from_reply(*score_one(self._in_process, call)) for call in calls]
 
@@ -173,6 +217,7 @@ class RewardManager:
 
         start = time.perf_counter()
         restarts_before = self._pool.restarts if self._pool is not None else 0
+        output_before = self._pool.output_bytes if self._pool is not None else 0
         calls = [
             (str(s), str(r), g, e)
             for s, r, g, e in zip(data_sources, responses_text, ground_truths, extra_infos)
@@ -182,6 +227,7 @@ class RewardManager:
 
         statuses = Counter(o.status for o in outcomes)
         self._log_failures(outcomes, data_sources)
+        self._check_failure_share(outcomes, statuses, data_sources)
         keys = sorted({k for o in outcomes if o.result for k in o.result} | {"score"})
         reward_info = {
             k: np.array([(o.result or {}).get(k, 0.0) for o in outcomes], dtype=np.float64) for k in keys
@@ -196,6 +242,7 @@ class RewardManager:
         }
         if self._pool is not None:
             metrics["reward/worker_restarts"] = float(self._pool.restarts - restarts_before)
+            metrics["reward/worker_output_bytes"] = float(self._pool.output_bytes - output_before)
         if self.overlong_enable:
             assert self.max_response_length is not None
             penalty = overlong_penalty(
@@ -225,7 +272,31 @@ class RewardManager:
             [row[m != 0].tolist() for row, m in zip(responses, mask)], skip_special_tokens=True
         )
         extra = batch["extra_info"] if "extra_info" in batch.keys() else None
-        return self.score(texts, batch["ground_truth"], batch["data_source"], extra, None, mask)
+        result = self.score(texts, batch["ground_truth"], batch["data_source"], extra, None, mask)
+        if "tool_reward" in batch.keys():  # multi-turn rollouts: the tools' calc_reward (megarl.agent)
+            add_tool_rewards(result, batch["tool_reward"], mask)
+        return result
+
+    def _check_failure_share(
+        self, outcomes: Sequence[CallOutcome], statuses: Counter[str], data_sources: Sequence[str]
+    ) -> None:
+        size = len(outcomes)
+        failed = size - statuses["ok"]
+        if not size or failed / size <= self.max_failure_share:
+            return
+        first = min((i for i, o in enumerate(outcomes) if o.status != "ok"), key=lambda i: outcomes[i].finished_at)
+        what = (
+            self._pool.describe()
+            if self._pool is not None
+            else "built-in scorers (in the driver process)"
+        )
+        counts = ", ".join(f"{status} {statuses[status]}" for status in STATUSES if status != "ok")
+        raise RewardFailureError(
+            f"{what} failed on {failed} of {size} calls of this batch ({failed / size:.0%}, above "
+            f"reward.max_failure_share = {self.max_failure_share:g}): {counts}. First failure (sample "
+            f"{first}, data_source {data_sources[first]!r}): {outcomes[first].status}: {outcomes[first].reason}. "
+            "Fix the function, or set reward.max_failure_share: 1.0 to train on zero rewards anyway."
+        )
 
     def _log_failures(self, outcomes: Sequence[CallOutcome], data_sources: Sequence[str]) -> None:
         failed = [(i, o) for i, o in enumerate(outcomes) if o.status != "ok"]

@@ -1,8 +1,12 @@
 """The scoring worker process: loads a scoring function once, then scores batches of calls.
 
-Started by :class:`megarl.rewards.pool.ScoringPool` as ``python -m megarl.rewards.worker FD`` (a
-fresh interpreter: it never imports the driver's main module, torch or anything else the driver
-holds). Protocol over the connection on file descriptor FD (pickled tuples):
+Started by :class:`megarl.rewards.pool.ScoringPool` as ``python -m megarl.rewards.worker FD MEMORY_MB``
+(a fresh interpreter: it never imports the driver's main module, torch or anything else the driver
+holds), as the leader of its own process group, with stdout and stderr sent to the pool's capture
+file. With MEMORY_MB > 0 the worker exits with :data:`MEMORY_EXIT_CODE` as soon as its resident
+memory goes over MEMORY_MB MiB: checked after every call (so the call that leaked is charged) and by
+a watchdog thread while a call runs. Protocol over the connection on file descriptor FD (pickled
+tuples):
 
     parent -> worker   ScoringTarget; then ("score", [(call_id, (data_source, solution_str,
                        ground_truth, extra_info)), ...]) any number of times; ("stop",)
@@ -18,6 +22,8 @@ import importlib.util
 import math
 import numbers
 import os
+import resource
+import signal
 import sys
 import threading
 import time
@@ -28,6 +34,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 Call = tuple[str, str, Any, Any]  # data_source, solution_str, ground_truth, extra_info
+
+# The exit code of a worker whose resident memory went over its limit; the pool reports it as such.
+MEMORY_EXIT_CODE = 211
+_WATCHDOG_PERIOD_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -115,26 +125,59 @@ def score_one(scorer: Callable[[Call], Any], call: Call) -> tuple[str, Any]:
         if isinstance(exc, KeyboardInterrupt):
             raise
         frames = traceback.extract_tb(exc.__traceback__)
-        where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+        where = ""
+        if frames:
+            last = frames[-1]
+            where = f" at {os.path.basename(last.filename)}:{last.lineno}"
+            if last.line:  # the source line, when the file is readable
+                where += f": `{last.line.strip()[:120]}`"
         return "error", f"{type(exc).__name__}: {str(exc)[:300]}{where}"
     return normalize_result(value)
 
 
+def resident_mb() -> float:
+    """This process's resident memory in MiB (Linux: current, from /proc; elsewhere: the peak)."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            pages = int(statm.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+def _exit_over_memory(limit_mb: float) -> None:
+    if resident_mb() > limit_mb:
+        os._exit(MEMORY_EXIT_CODE)
+
+
+def _watch_memory(limit_mb: float) -> None:
+    """Runs in a thread: a call that keeps allocating is stopped before it returns."""
+    while True:
+        _exit_over_memory(limit_mb)
+        time.sleep(_WATCHDOG_PERIOD_S)
+
+
 def _exit_when_orphaned(parent_pid: int) -> None:
-    """Runs in a thread: the worker must not outlive the driver, even mid-way through a hung call."""
+    """Runs in a thread: the worker must not outlive the driver, even mid-way through a hung call;
+    it takes its process group (anything the user function started) with it."""
     while True:
         if os.getppid() != parent_pid:
+            if os.getpgrp() == os.getpid():
+                os.killpg(os.getpid(), signal.SIGKILL)
             os._exit(1)
         time.sleep(1.0)
 
 
-def serve(conn: Connection) -> None:
+def serve(conn: Connection, memory_mb: float = 0.0) -> None:
     target: ScoringTarget = conn.recv()
     try:
         scorer = build_scorer(target)
     except BaseException as exc:
         conn.send(("load_error", f"{type(exc).__name__}: {exc}"))
         return
+    if memory_mb > 0:  # a module that is over the limit once loaded never reports ready
+        _exit_over_memory(memory_mb)
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -145,13 +188,17 @@ def serve(conn: Connection) -> None:
             return
         for call_id, call in message[1]:
             status, payload = score_one(scorer, call)
+            if memory_mb > 0:
+                _exit_over_memory(memory_mb)
             conn.send((call_id, status, payload))
 
 
 def main() -> None:
-    fd = int(sys.argv[1])
+    fd, memory_mb = int(sys.argv[1]), float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
-    serve(Connection(fd))
+    if memory_mb > 0:
+        threading.Thread(target=_watch_memory, args=(memory_mb,), daemon=True).start()
+    serve(Connection(fd), memory_mb)
 
 
 if __name__ == "__main__":

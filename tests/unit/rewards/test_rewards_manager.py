@@ -101,7 +101,10 @@ def test_builtin_options_and_validation() -> None:
 
 
 def test_builtin_scorer_exception_is_a_counted_failure() -> None:
-    result = RewardManager().score(["7"], ["not a number"], ["arithmetic"], None, None, full_mask([1], 1))
+    # 1 of 1 calls failed: above the default max_failure_share, so the rule is turned off here.
+    result = RewardManager(max_failure_share=1.0).score(
+        ["7"], ["not a number"], ["arithmetic"], None, None, full_mask([1], 1)
+    )
     assert result.scores.tolist() == [0.0] and result.metrics["reward/num_error"] == 1.0
     assert result.reward_info["failed"].tolist() == [1.0]
 
@@ -150,7 +153,9 @@ def test_custom_function_timeouts_crashes_and_garbage() -> None:
         )
     assert result.scores.tolist() == [1.0, 0.0, 1.0]
     assert result.metrics["reward/num_timeout"] == 1.0 and result.metrics["reward/worker_restarts"] == 1.0
-    with RewardManager(custom_fn_path=FNS, custom_fn_name="garbage", num_workers=1) as manager:
+    with RewardManager(
+        custom_fn_path=FNS, custom_fn_name="garbage", num_workers=1, max_failure_share=1.0
+    ) as manager:
         result = manager.score(
             ["nan", "str", "numpy"], ["1"] * 3, ["x"] * 3, None, None, full_mask([1, 1, 1], 1)
         )
