@@ -1,0 +1,165 @@
+"""The per-rank reshard planner against the whole-world one: for many training -> rollout layouts,
+each rank's own plan must equal the slice of `build_reshard_plan(..., senders="by_rank")` that
+concerns it (pieces, local copies, bucket schedule, bytes), every rank must receive exactly its
+minimum, and the rank plans put together must move the HF weights into shards cut by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hybrid_reference import expected_vllm_shard, hf_shapes, id_state_dict, tiny_config
+
+from megarl.errors import ConfigError
+from megarl.hybrid.executor import execute_plan_locally
+from megarl.hybrid.plan import ReshardPlan, build_reshard_plan
+from megarl.hybrid.rank_plan import RankPlan, RankPlanner, plan_for_rank, restrict
+from megarl.hybrid.sender_rule import receivers_at, sender_position
+from megarl.layout import ParallelLayout
+from megarl.models.spec import ModelSpec
+from megarl.models.weight_map import hf_to_megatron_state_dict
+
+pytestmark = pytest.mark.unit
+
+LAYERS = 4
+BUCKET = 2048  # small: larger tensors move in several buckets, so the schedule has many steps
+
+# (train layout, rollout tp, engine layout). The tiny model has 4 heads, 2 key/value heads and a
+# vocabulary of 150 that Megatron pads to 128 * tp rows and vLLM to 192: the vocabulary splits
+# never line up, rollout TP 4 replicates key/value heads, and TP changes in both directions.
+LAYOUTS = {
+    "tp2->hf": (dict(tp=2), 1, "hf"),
+    "pp4->hf": (dict(pp=4), 1, "hf"),
+    "tp2pp2dp2->hf": (dict(tp=2, pp=2, dp=2), 1, "hf"),
+    "tp2dp3->hf": (dict(tp=2, dp=3), 1, "hf"),
+    "cp2dp2->hf": (dict(cp=2, dp=2), 1, "hf"),
+    "tp2pp2->vllm1": (dict(tp=2, pp=2), 1, "vllm"),
+    "dp2->tp2": (dict(dp=2), 2, "vllm"),
+    "tp2dp2->tp2": (dict(tp=2, dp=2), 2, "vllm"),
+    "tp2dp2->tp4": (dict(tp=2, dp=2), 4, "vllm"),
+    "pp2dp2->tp4": (dict(pp=2, dp=2), 4, "vllm"),
+    "tp2pp2dp2->tp2": (dict(tp=2, pp=2, dp=2), 2, "vllm"),
+    "tp2pp2dp3cp2->tp4": (dict(tp=2, pp=2, dp=3, cp=2), 4, "vllm"),
+    "pp4dp3->tp2": (dict(pp=4, dp=3), 2, "vllm"),
+    "tp2pp4dp1->tp4": (dict(tp=2, pp=4), 4, "vllm"),
+    "tp2pp2dp16->tp4": (dict(tp=2, pp=2, dp=16), 4, "vllm"),
+}
+
+
+def _spec(tied: bool) -> ModelSpec:
+    return ModelSpec.from_hf_config(tiny_config(tied, LAYERS))
+
+
+def _layouts(name: str) -> tuple[ParallelLayout, ParallelLayout, str]:
+    train_kw, rollout_tp, engine = LAYOUTS[name]
+    train = ParallelLayout(**{"dp": 1, **train_kw})
+    return train, ParallelLayout.rollout(rollout_tp, train.world_size), engine
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_rank_plan_equals_its_slice_of_the_full_plan(name: str, tied: bool) -> None:
+    train, rollout, engine = _layouts(name)
+    spec, shapes = _spec(tied), hf_shapes(tied, LAYERS)
+    full = build_reshard_plan(spec, train, rollout, engine, torch.float64, BUCKET, hf_shapes=shapes, senders="by_rank")
+    planner = RankPlanner(spec, train, rollout, engine, torch.float64, BUCKET, hf_shapes=shapes)
+    sent = received = 0
+    for rank in range(train.world_size):
+        mine, reference = planner.plan(rank), restrict(full, rank)
+        for part in ("engine_tensors", "train_tensors", "local_pieces", "steps", "bytes"):
+            assert getattr(mine, part) == getattr(reference, part), f"rank {rank}: {part}"
+        assert mine.bytes.received == mine.bytes.minimum
+        assert all(rank in pair for step in mine.steps for pair in step)
+        sent, received = sent + mine.bytes.sent, received + mine.bytes.received
+    assert sent == received == full.total_received() == sum(b.minimum for b in full.bytes.values())
+
+
+def _combine(plans: list[RankPlan]) -> ReshardPlan:
+    """One whole-world plan from every rank's plan (each pair's buckets appear in both ends' plans)."""
+    first = plans[0]
+    steps: list[dict] = []
+    for p in plans:
+        for k, step in enumerate(p.steps):
+            while len(steps) <= k:
+                steps.append({})
+            for pair, pieces in step.items():
+                assert steps[k].setdefault(pair, pieces) == pieces, f"ranks {pair} disagree on step {k}"
+    return ReshardPlan(first.train, first.rollout, first.engine, first.dtype, first.bucket_bytes,
+                       {p.rank: p.engine_tensors for p in plans}, {p.rank: p.train_tensors for p in plans},
+                       {p.rank: p.local_pieces for p in plans}, steps, {p.rank: p.bytes for p in plans})
+
+
+@pytest.mark.parametrize("name", ["tp2pp2dp2->hf", "tp2dp2->tp4", "tp2pp2dp3cp2->tp4", "pp4dp3->tp2"])
+def test_rank_plans_together_deliver_hand_cut_shards(name: str) -> None:
+    train, rollout, engine = _layouts(name)
+    spec, shapes = _spec(False), hf_shapes(False, LAYERS)
+    hf = id_state_dict(shapes)
+    planner = RankPlanner(spec, train, rollout, engine, torch.float64, BUCKET, hf_shapes=shapes)
+    plan = _combine([planner.plan(r) for r in range(train.world_size)])
+    shards = {}
+    for rank in range(train.world_size):
+        c = train.coord(rank)
+        shards[rank] = hf_to_megatron_state_dict(hf, spec, c.tp_rank, train.tp, c.pp_rank, train.pp)
+    for rank, (tensors, stats) in execute_plan_locally(plan, shards).items():
+        expected = hf if engine == "hf" else expected_vllm_shard(hf, rank % rollout.tp, rollout.tp, LAYERS, False)
+        assert sorted(tensors) == sorted(expected)
+        for key, value in expected.items():
+            assert torch.equal(tensors[key], value), f"rank {rank}: {key}"
+        # Independent minimum: elements (unique ids) of the rollout shard the training shard lacks.
+        held = torch.cat([t.reshape(-1) for t in shards[rank].values()])
+        wanted = torch.cat([t.reshape(-1) for t in expected.values()])
+        wanted = wanted[wanted != 0]  # vocabulary padding is zero-filled, not moved
+        assert stats.bytes_received == int((~torch.isin(wanted, held)).sum()) * 8
+
+
+@pytest.mark.parametrize("degrees", [dict(tp=2, pp=2, dp=3, cp=2), dict(tp=4, dp=5), dict(pp=3, dp=2, cp=3)])
+def test_receivers_at_inverts_the_sender_rule(degrees: dict) -> None:
+    train = ParallelLayout(**degrees)
+    replicas = train.dp * train.cp
+    for holders in (1, 2, 3):
+        n = holders * replicas
+        for salt in (0, 1, 7):
+            for position in range(n):
+                brute = sorted(r for r in range(train.world_size) if sender_position(train, r, n, salt) == position)
+                listed = receivers_at(train, position, holders, salt)
+                assert sorted(r for r, _, _ in listed) == brute
+                assert all((train.coord(r).tp_rank, train.coord(r).pp_rank) == (tp, pp) for r, tp, pp in listed)
+
+
+def test_replicas_share_the_sending() -> None:
+    # TP2 x DP4 -> HF engine: ranks 0/2/4/6 hold TP shard 0, ranks 1/3/5/7 shard 1; each rank
+    # needs the other shard. The rule spreads receivers over the four replicas of each shard.
+    train, rollout, engine = ParallelLayout(tp=2, dp=4), ParallelLayout.rollout(1, 8), "hf"
+    planner = RankPlanner(_spec(False), train, rollout, engine, torch.float64, BUCKET, hf_shapes=hf_shapes(False, LAYERS))
+    plans = [planner.plan(r) for r in range(8)]
+    for tp_rank in (0, 1):
+        sent = [plans[r].bytes.sent for r in train.replicas(tp_rank, 0)]
+        senders_of = {pair[0] for p in plans for step in p.steps for pair in step if pair[1] == tp_rank}
+        assert min(sent) > 0 and max(sent) <= 1.5 * min(sent), sent
+        assert len(senders_of) > 1  # one receiver's rows come from several replicas
+
+
+def test_tables_do_not_grow_with_data_parallel_size() -> None:
+    spec, shapes = _spec(False), hf_shapes(False, LAYERS)
+    sizes = []
+    for dp in (1, 4, 64):
+        train = ParallelLayout(tp=2, pp=2, dp=dp)
+        planner = RankPlanner(spec, train, ParallelLayout.rollout(4, train.world_size), "vllm", torch.float64,
+                              BUCKET, hf_shapes=shapes)
+        plan = planner.plan(train.world_size - 1)
+        sizes.append((len(planner.shards), len(planner.params), len(planner._templates),
+                      sum(len(v) for v in planner.sources.values())))
+        assert plan.bytes.received == plan.bytes.minimum
+    assert sizes[0] == sizes[1] == sizes[2]
+
+
+def test_bad_rank_and_inputs_are_refused() -> None:
+    spec, shapes = _spec(False), hf_shapes(False, LAYERS)
+    train = ParallelLayout(tp=2, dp=2)
+    with pytest.raises(ConfigError, match=r"rank 4 outside the world \[0, 4\)"):
+        plan_for_rank(spec, train, ParallelLayout.rollout(2, 4), 4, "vllm", hf_shapes=shapes)
+    with pytest.raises(ConfigError, match="world size"):
+        RankPlanner(spec, train, ParallelLayout.rollout(1, 8), "hf", hf_shapes=shapes)
+    with pytest.raises(ConfigError, match="bucket_bytes"):
+        RankPlanner(spec, train, ParallelLayout.rollout(1, 4), "hf", bucket_bytes=0, hf_shapes=shapes)
+    with pytest.raises(ConfigError, match="senders='nearest' unknown"):
+        build_reshard_plan(spec, train, ParallelLayout.rollout(1, 4), "hf", hf_shapes=shapes, senders="nearest")
