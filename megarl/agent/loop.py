@@ -62,6 +62,7 @@ class AgentSettings:
     max_parallel_calls: int = 8  # threads running tool calls
     max_tool_response_chars: int = 256  # a longer tool output is cut (the model reads the start)
     format: str = "hermes"  # tool-call parser
+    tools: tuple[str, ...] = ()  # tool names for `ToolSet.from_names` (the roles build the set)
 
 
 @dataclass

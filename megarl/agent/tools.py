@@ -15,6 +15,7 @@ is a tool error the model reads, never an exception in the trainer.
 from __future__ import annotations
 
 import ast
+import importlib
 import math
 import operator
 import time
@@ -216,11 +217,20 @@ class ToolSet:
     tools: dict[str, Tool] = field(default_factory=dict)
 
     @classmethod
-    def from_names(cls, names: list[str], timeout_s: float = 10.0) -> "ToolSet":
-        unknown = [n for n in names if n not in BUILTIN_TOOLS]
-        if unknown:
-            raise ValueError(f"unknown tools {unknown}; built in: {sorted(BUILTIN_TOOLS)}")
-        return cls({n: BUILTIN_TOOLS[n](timeout_s=timeout_s) for n in names})
+    def from_names(cls, names: list[str] | tuple[str, ...], timeout_s: float = 10.0) -> "ToolSet":
+        """Built-in tools by name, or a `Tool` subclass as "package.module:ClassName" (its schema's
+        name is the tool's name)."""
+        tools: dict[str, Tool] = {}
+        for name in names:
+            tool_cls = BUILTIN_TOOLS.get(name) or (_import_tool(name) if ":" in name else None)
+            if tool_cls is None:
+                raise ValueError(f"unknown tool {name!r}; built in: {sorted(BUILTIN_TOOLS)}, or give a Tool "
+                                 "subclass as 'package.module:ClassName'")
+            tool = tool_cls(timeout_s=timeout_s)
+            if tool.name in tools:
+                raise ValueError(f"two tools are named {tool.name!r} (from {name!r})")
+            tools[tool.name] = tool
+        return cls(tools)
 
     @property
     def schemas(self) -> list[dict[str, Any]]:
@@ -230,3 +240,14 @@ class ToolSet:
         if name not in self.tools:
             return ToolResult(f"error: there is no tool {name!r}; available: {sorted(self.tools)}", error="unknown_tool")
         return self.tools[name].call(episode, arguments, **kwargs)
+
+
+def _import_tool(path: str) -> type[Tool]:
+    module_name, _, attr = path.partition(":")
+    try:
+        tool_cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"tool {path!r}: cannot import it ({err})") from None
+    if not (isinstance(tool_cls, type) and issubclass(tool_cls, Tool)):
+        raise ValueError(f"tool {path!r} is not a subclass of megarl.agent.tools.Tool")
+    return tool_cls

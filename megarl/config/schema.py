@@ -212,6 +212,20 @@ class ValidationSamplingConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tool calls (megarl.agent): the model's turns alternate with tool outputs."""
+
+    enable: bool = False
+    # Tools by name: built-ins (calculator, code_interpreter) or "package.module:ClassName" (a megarl.agent.tools.Tool)
+    tools: list[str] = field(default_factory=list)
+    max_turns: int = 4  # assistant turns per episode; rollout.response_length caps model + tool tokens over all turns
+    tool_timeout_s: float = 10.0  # per tool call; a call past it answers the model with a timeout error
+    max_parallel_calls: int = 8  # threads running tool calls while the engine generates other requests' turns
+    max_tool_response_chars: int = 256  # a longer tool output is cut before it is tokenised
+    format: str = "hermes"  # tool-call format of the model's turns (megarl.agent.parsers)
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "auto"  # auto | vllm | hf
     n: int = 4  # responses per prompt
@@ -240,6 +254,7 @@ class RolloutConfig:
     # Check every k-th weight sync (the first included) against the senders' fingerprints of each
     # bucket; a changed bucket stops the run naming tensor, slice and ranks. 0: never.
     sync_verify_freq: int = 1
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass

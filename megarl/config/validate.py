@@ -1,20 +1,25 @@
 """Cross-field validation of an experiment config, run before any process or worker starts.
 
 Each rule appends a message naming the key(s), the value found and what would be valid; all
-problems are reported together in one ConfigError.
+problems are reported together in one ConfigError. The rules import nothing heavy (no torch,
+transformers or Megatron), so a config error is reported in a fraction of a second; the one check
+that needs them (a reward model's checkpoint and tokenizer) runs only once every other rule passed.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from megarl.config.model_files import family_specs
 from megarl.errors import ConfigError
 
-# Names accepted where the algorithm registry cannot be imported; the registry is the authority.
+# The built-in names of the algorithm registries (a test keeps them equal); names users register
+# are added when megarl.algorithms is already imported (importing it here would load torch).
 _BUILTIN_ADV = {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "grpo_passk"}
 _BUILTIN_POLICY_LOSSES = {"vanilla", "gspo", "cispo", "gpg", "reinforce"}
 GROUP_ESTIMATORS = {"grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline"}
@@ -40,6 +45,8 @@ ENUMS: dict[str, set[str]] = {
     "algorithm.kl_penalty": KL_TYPES,
 }
 TRACKING_BACKENDS = {"console", "jsonl", "mlflow"}
+# megarl.rewards.model_scores.COMBINES, which imports torch (a test keeps them equal).
+REWARD_MODEL_COMBINES = ("by_style", "weighted_sum")
 # HF config keys that change weight shapes: model.override_config cannot set them over a checkpoint.
 SHAPE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "num_experts",
@@ -49,20 +56,21 @@ SHAPE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_laye
 def registered_names(kind: str) -> set[str]:
     """Names in the algorithm registries (``advantage`` or ``policy_loss``), plus the built-ins."""
     base = _BUILTIN_ADV if kind == "advantage" else _BUILTIN_POLICY_LOSSES
-    try:
-        import megarl.algorithms as algos
-
-        registry = algos.ADVANTAGE_ESTIMATORS if kind == "advantage" else algos.POLICY_LOSSES
-        return set(registry) | base
-    except (ImportError, AttributeError):
-        return set(base)
+    algos = sys.modules.get("megarl.algorithms")
+    registry = getattr(algos, "ADVANTAGE_ESTIMATORS" if kind == "advantage" else "POLICY_LOSSES", None)
+    return set(registry or ()) | base
 
 
 def model_families() -> set[str]:
     """Family names of the YAMLs in model_specs/ (each file's `family` key)."""
-    from megarl.models.spec import load_family_specs  # imports torch (weight map): only when model.spec is set
+    return set(family_specs())
 
-    return set(load_family_specs())
+
+def cp_padded_length(length: int, cp: int) -> int:
+    """`length` padded for context parallelism: a multiple of 2*CP (1 without CP); the arithmetic of
+    megarl.megatron.context_parallel.padded_length, which imports torch (a test keeps them equal)."""
+    align = 2 * cp if cp > 1 else 1
+    return -(-length // align) * align
 
 
 def _divisors(n: int) -> str:
@@ -239,10 +247,8 @@ def _check_token_budget(r: _Rules, role: str, sec: Any, par: Any, seq_len: int) 
     parallelism a sequence is padded to a multiple of 2*CP and each CP rank computes 1/CP of it."""
     if not sec.get("use_dynamic_bsz", False):
         return
-    from megarl.megatron.context_parallel import padded_length  # torch: only with dynamic batching
-
     cp = max(int(par.context_parallel_size), 1)
-    per_rank = padded_length(seq_len, cp) // cp
+    per_rank = cp_padded_length(seq_len, cp) // cp
     budget = sec.ppo_max_token_len_per_gpu
     if budget < per_rank:
         share = f" at context_parallel_size = {cp}, {per_rank} positions per rank" if cp > 1 else ""
@@ -252,23 +258,26 @@ def _check_token_budget(r: _Rules, role: str, sec: Any, par: Any, seq_len: int) 
         )
 
 
-def _check_reward_model(r: _Rules, cfg: DictConfig) -> None:
-    """`reward_model.*`: its checkpoint (score head, one label, vocabulary), layout and pool."""
-    # Imported here: the checkpoint checks read safetensors headers and tokenizers (torch,
-    # transformers), which `megarl config` otherwise does not load.
+def _check_reward_model_checkpoint(r: _Rules, cfg: DictConfig) -> None:
+    """`reward_model.model_path`: score head, one label, a vocabulary that covers the tokenizer."""
+    # Imported here: these checks load the tokenizer (transformers) and read the checkpoint's
+    # index (torch); they run only after every other rule passed.
     from megarl.rewards.model_checkpoint import reward_model_problems
-    from megarl.rewards.model_scores import COMBINES
 
+    for problem in reward_model_problems(str(cfg.reward_model.model_path), cfg.data.tokenizer or cfg.model.path or None):
+        r.err(problem)
+
+
+def _check_reward_model(r: _Rules, cfg: DictConfig) -> None:
+    """`reward_model.*`: combine, layout and pool (its checkpoint: `_check_reward_model_checkpoint`)."""
     rm, res = cfg.reward_model, cfg.resources
-    if rm.combine not in COMBINES:
-        r.err(f"reward_model.combine = {rm.combine!r}; valid: {list(COMBINES)}")
+    if rm.combine not in REWARD_MODEL_COMBINES:
+        r.err(f"reward_model.combine = {rm.combine!r}; valid: {list(REWARD_MODEL_COMBINES)}")
     r.positive("reward_model.micro_batch_size_per_gpu")
     if not rm.model_path:
         r.err("reward_model.enable = true needs reward_model.model_path (a HF sequence-classification directory "
               "with one label)")
         return
-    for problem in reward_model_problems(str(rm.model_path), cfg.data.tokenizer or cfg.model.path or None):
-        r.err(problem)
     config_file = Path(rm.model_path) / "config.json"
     hf = json.loads(config_file.read_text()) if config_file.is_file() else None
     world = pool_size(res.reward_model_pool) if res.reward_model_pool is not None else pool_size(res.actor_pool)
@@ -324,6 +333,7 @@ def validate_config(cfg: DictConfig) -> None:
     if rollout.sync_verify_freq < 0:
         r.err(f"rollout.sync_verify_freq = {rollout.sync_verify_freq}: must be 0 (never verify a weight sync) "
               "or k >= 1 (every k-th sync)")
+    _check_multi_turn(r, rollout.multi_turn)
     if actor.clip_ratio_c <= 1.0:
         r.err(f"actor.clip_ratio_c = {actor.clip_ratio_c}: the dual-clip bound must be > 1.0 (verl's default is 3.0)")
 
@@ -437,5 +447,78 @@ def validate_config(cfg: DictConfig) -> None:
                 f"max_position_embeddings = {max_pos}"
             )
 
+    if not r.errors and cfg.reward_model.enable and cfg.reward_model.model_path:
+        _check_reward_model_checkpoint(r, cfg)
     if r.errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(r.errors))
+
+
+# Built-in names of megarl.agent.tools.BUILTIN_TOOLS and megarl.agent.parsers (a test keeps them equal).
+MULTI_TURN_TOOLS = {"calculator", "code_interpreter"}
+MULTI_TURN_FORMATS = {"hermes"}
+
+
+def _check_multi_turn(r: Any, multi_turn: Any) -> None:
+    """`rollout.multi_turn.*`: limits positive; tools named (built-ins, or "package.module:ClassName")."""
+    for key in ("max_turns", "tool_timeout_s", "max_parallel_calls", "max_tool_response_chars"):
+        r.positive(f"rollout.multi_turn.{key}")
+    if not multi_turn.enable:
+        return
+    if not multi_turn.tools:
+        r.err("rollout.multi_turn.tools is empty: name the tools the model may call "
+              f"(built in: {sorted(MULTI_TURN_TOOLS)}, or 'package.module:ClassName')")
+    for name in multi_turn.tools:
+        if name not in MULTI_TURN_TOOLS and ":" not in str(name):
+            r.err(f"rollout.multi_turn.tools: unknown tool {name!r}; built in: {sorted(MULTI_TURN_TOOLS)}, "
+                  "or a megarl.agent.tools.Tool subclass as 'package.module:ClassName'")
+    if multi_turn.format not in MULTI_TURN_FORMATS:
+        r.err(f"rollout.multi_turn.format = {multi_turn.format!r}: must be one of {sorted(MULTI_TURN_FORMATS)}")
+
+
+# megarl.workers.losses.OLD_LOG_PROB_SOURCES (+ auto) and megarl.algorithms.rollout_correction's
+# CORRECTION_MODES / CORRECTION_LEVELS, which import torch (a test keeps them equal).
+OLD_LOG_PROB_SOURCES = ("auto", "recompute", "update", "rollout")
+CORRECTION_MODES = ("none", "tis", "mis", "icepop")
+CORRECTION_LEVELS = ("token", "sequence", "geometric")
+RATIO_LOSSES = {"vanilla", "gspo", "cispo"}  # policy losses whose ratio is taken against the old log-probs
+
+
+def update_is_on_policy(cfg: DictConfig) -> bool:
+    """The policy cannot change between generation and the actor's update: one PPO epoch of one
+    mini-batch holding the whole batch (so the update's own log-probs are the old log-probs)."""
+    return int(cfg.actor.ppo_epochs) == 1 and int(cfg.actor.ppo_mini_batch_size) == int(cfg.data.train_batch_size)
+
+
+def _check_old_log_probs(r: _Rules, cfg: DictConfig) -> None:
+    actor, corr, rollout = cfg.actor, cfg.algorithm.rollout_correction, cfg.rollout
+    source = actor.old_log_prob_source
+    r.one_of("actor.old_log_prob_source", set(OLD_LOG_PROB_SOURCES))
+    r.one_of("algorithm.rollout_correction.mode", set(CORRECTION_MODES))
+    r.one_of("algorithm.rollout_correction.level", set(CORRECTION_LEVELS))
+    if source == "update" and not update_is_on_policy(cfg):
+        r.err(f"actor.old_log_prob_source = 'update' needs an on-policy update (actor.ppo_epochs = 1 and "
+              f"actor.ppo_mini_batch_size = data.train_batch_size), found ppo_epochs = {actor.ppo_epochs}, "
+              f"ppo_mini_batch_size = {actor.ppo_mini_batch_size}, train_batch_size = {cfg.data.train_batch_size}; "
+              "use recompute or auto")
+    if source == "update" and cfg.algorithm.use_kl_in_reward:
+        r.err("actor.old_log_prob_source = 'update' with algorithm.use_kl_in_reward: the KL in the reward needs "
+              "the old log-probs before the update; use recompute, rollout or auto")
+    needs_rollout = [key for key, on in (("actor.old_log_prob_source = 'rollout'", source == "rollout"),
+                                         (f"algorithm.rollout_correction.mode = {corr.mode!r}", corr.mode != "none"))
+                     if on]
+    if needs_rollout and not rollout.calculate_log_probs:
+        r.err(f"{' and '.join(needs_rollout)} needs the rollout engine's log-probs: set rollout.calculate_log_probs: true")
+    if corr.mode == "icepop" and corr.level != "token":
+        r.err(f"algorithm.rollout_correction.level = {corr.level!r}: icepop masks single tokens; use level token "
+              "(or mode mis for sequence-level masking)")
+    loss_mode = actor.policy_loss.loss_mode
+    if source == "rollout" and corr.mode in ("tis", "mis") and loss_mode in RATIO_LOSSES:
+        r.err(f"algorithm.rollout_correction.mode = {corr.mode!r} with actor.old_log_prob_source = 'rollout' and "
+              f"actor.policy_loss.loss_mode = {loss_mode!r}: the ratio against the rollout log-probs already is the "
+              "importance weight, the correction would apply it twice; use mode icepop or none, a trainer source "
+              "(recompute, update, auto), or loss_mode reinforce")
+    r.positive("algorithm.rollout_correction.threshold")
+    r.positive("algorithm.rollout_correction.lower")
+    if corr.lower is not None and corr.upper is not None and corr.upper < corr.lower:
+        r.err(f"algorithm.rollout_correction.upper = {corr.upper}: must be >= lower = {corr.lower}")
+    r.positive("rollout.max_logprob_gap")

@@ -31,6 +31,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from megarl.agent.rollout import agent_metrics
 from megarl.algorithms import (
     AdvantageInputs,
     AdvantageSettings,
@@ -156,6 +157,7 @@ class RLTrainer:
             # 1-3. prompts -> responses -> scores (DAPO: until enough groups carry a signal)
             batch, gen_metrics = self.collect_scored_batch(step)
             metrics.update(gen_metrics)
+            metrics.update(agent_metrics(batch))  # multi-turn rollouts: turns, tool calls, errors, latency
             self.rollout_sleep()  # training needs the memory: the KV cache (and weights) go
 
             # 4. log-probs of the behaviour policy, the reference, and the critic's values

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
+from megarl.agent.loop import AgentSettings
 from megarl.config import critic_enabled, ref_enabled
 from megarl.config.validate import role_parallel
 from megarl.dtypes import long_name, short_name
@@ -200,6 +201,7 @@ def resolve_run_spec(cfg: DictConfig, model_dir: str, pad_token_id: int, eos_tok
         sync_bucket_bytes=int(ro.update_weights_bucket_mb) * 2**20,
         sync_verify_freq=int(ro.sync_verify_freq),
         calculate_log_probs=bool(ro.calculate_log_probs),
+        multi_turn=multi_turn_settings(cfg.rollout.multi_turn, resp),
     )
 
     val = ro.val_kwargs
@@ -221,3 +223,15 @@ def resolve_run_spec(cfg: DictConfig, model_dir: str, pad_token_id: int, eos_tok
 
 def with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     return dataclasses.replace(params, seed=int(seed))
+
+
+def multi_turn_settings(multi_turn: Any, response_length: int) -> Optional[AgentSettings]:
+    """`rollout.multi_turn.*` as the agent loop's settings (None when off); the response budget over
+    all turns is the rollout's response length."""
+    if not multi_turn.enable:
+        return None
+    return AgentSettings(max_turns=int(multi_turn.max_turns), max_response_length=int(response_length),
+                         tool_timeout_s=float(multi_turn.tool_timeout_s),
+                         max_parallel_calls=int(multi_turn.max_parallel_calls),
+                         max_tool_response_chars=int(multi_turn.max_tool_response_chars),
+                         format=str(multi_turn.format), tools=tuple(str(t) for t in multi_turn.tools))

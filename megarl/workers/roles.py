@@ -18,7 +18,11 @@ from typing import Any
 
 import torch
 
+from megarl.agent.loop import AgentLoop
+from megarl.agent.rollout import multi_turn_generate
+from megarl.agent.tools import ToolSet
 from megarl.convert.engine_load import load_converted_weights
+from megarl.data.tokenizer import load_tokenizer
 from megarl.hybrid.sync import WeightSync
 from megarl.megatron.engine import MegatronEngine
 from megarl.models.spec import ModelSpec
@@ -206,6 +210,8 @@ class RolloutRole:
         self.actor: ActorRole | None = None
         self.weight_sync: WeightSync | None = None
         self.weights_version = -1
+        self.agent: AgentLoop | None = None  # the multi-turn loop, built on first use
+        self.agent_group: Any = None  # the gloo group of this rank's rollout TP group (multi-turn, TP > 1)
 
     def connect_roles(self, roles: dict[str, Any]) -> None:
         self.actor = roles.get("actor")
@@ -236,10 +242,39 @@ class RolloutRole:
         }
 
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
-        out = self.engine.generate(prompts, sampling)
+        """Responses to this rank's prompts: one engine call, or with `spec.multi_turn` the agent
+        loop (turns and tool calls; the rollout TP group's first rank drives it and runs the tools)."""
+        if self.spec.multi_turn is None:
+            out = self.engine.generate(prompts, sampling)
+        else:
+            out = multi_turn_generate(self._agent_loop(), prompts, sampling, driver=self._drives_agent(),
+                                      share=self._share_in_rollout_group)
         if not self.spec.calculate_log_probs and "rollout_log_probs" in out:
             out.pop("rollout_log_probs")
         return out
+
+    def _agent_loop(self) -> AgentLoop:
+        if self.agent is None:
+            settings = self.spec.multi_turn
+            self.agent = AgentLoop(self.engine, load_tokenizer(self.spec.model_dir),
+                                   ToolSet.from_names(settings.tools, settings.tool_timeout_s), settings)
+        return self.agent
+
+    def _drives_agent(self) -> bool:
+        return self.context.rank % self.spec.tensor_parallel_size == 0
+
+    def _share_in_rollout_group(self, obj: Any) -> Any:
+        """The driving rank's `obj` on every rank of this rollout TP group (identity at TP=1)."""
+        if self.spec.tensor_parallel_size == 1:
+            return obj
+        if self.agent_group is None:  # every rank creates every group, in the same order
+            tp, world = self.spec.tensor_parallel_size, torch.distributed.get_world_size()
+            groups = [torch.distributed.new_group(list(range(s, s + tp)), backend="gloo") for s in range(0, world, tp)]
+            self.agent_group = groups[self.context.rank // tp]
+        holder = [obj]
+        src = self.context.rank - self.context.rank % self.spec.tensor_parallel_size
+        torch.distributed.broadcast_object_list(holder, src=src, group=self.agent_group)
+        return holder[0]
 
     def sleep(self) -> bool:
         """Release the KV cache and the weight copy until the next sync (`spec.free_cache_engine`).

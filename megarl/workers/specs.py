@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from megarl.agent.loop import AgentSettings
 from megarl.layout import ParallelLayout
 from megarl.megatron.optim import EngineConfig
 from megarl.rollout.base import EngineOptions
@@ -74,6 +75,7 @@ class RolloutSpec:
     `engine`: auto | vllm | hf; `free_cache_engine`: the engine sleeps (KV cache and weight copy
     released) while the training roles work; `sync_bucket_bytes`: size of one weight-sync bucket;
     `calculate_log_probs`: keep the sampled tokens' log-probs (`rollout_log_probs`).
+    `multi_turn`: the agent loop's limits and tools, when responses alternate with tool calls.
     """
 
     model_dir: str
@@ -84,3 +86,4 @@ class RolloutSpec:
     sync_bucket_bytes: int = 512 * 2**20
     sync_verify_freq: int = 1  # verify every k-th weight sync (0: never)
     calculate_log_probs: bool = True
+    multi_turn: Optional[AgentSettings] = None  # set: multi-turn rollouts with tools (megarl.agent)

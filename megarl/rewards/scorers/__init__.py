@@ -31,6 +31,7 @@ DATA_SOURCE_SCORERS: dict[str, str] = {
     "HuggingFaceH4/MATH-500": "math",
     "countdown": "countdown",
     "arithmetic": "arithmetic",
+    "arithmetic_tools": "gsm8k",  # megarl.data.tasks.arithmetic_tools: the last number of the answer counts
 }
 
 
