@@ -1,7 +1,9 @@
 """The `megarl` command line: train, config, data, convert, checkpoint, sync, bench, report.
 
 Each subsystem adds its own subcommands through a ``register_cli(subparsers)`` function in its own
-module; this file only wires them together.
+module; this file only wires them together. Only the module of the command being run is imported
+(several import torch, transformers or Megatron, which take seconds), so `megarl config ...` and
+`megarl train` with a config error answer without them.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ import importlib
 import sys
 from typing import Callable, Optional, Sequence
 
+from megarl import __version__
+from megarl.config import all_keys, load_config, to_yaml
+from megarl.config.run_files import check_run_files
 from megarl.errors import MegarlError
 
 EPILOG = """examples:
@@ -45,28 +50,28 @@ def _add_config_commands(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument("config", nargs="?", help="experiment YAML (omit for the defaults)")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6 rollout.n=8")
         p.set_defaults(func=_config_show if name == "show" else _config_validate)
+        if name == "validate":
+            p.add_argument("--schema-only", action="store_true",
+                           help="check the config alone, not the files it names (data, tokenizer, model, reward "
+                                "function), e.g. a cluster recipe on a laptop")
     p = sub.add_parser("keys", help="list every valid dotted key")
     p.set_defaults(func=_config_keys)
 
 
 def _config_show(args: argparse.Namespace) -> int:
-    from megarl.config import load_config, to_yaml
-
     print(to_yaml(load_config(args.config, args.overrides, validate=False)), end="")
     return 0
 
 
 def _config_validate(args: argparse.Namespace) -> int:
-    from megarl.config import load_config
-
-    load_config(args.config, args.overrides, validate=True)
-    print(f"{args.config or '(defaults)'}: valid")
+    cfg = load_config(args.config, args.overrides, validate=True)
+    if not args.schema_only:
+        check_run_files(cfg)  # the checks `megarl train` makes before it writes or starts anything
+    print(f"{args.config or '(defaults)'}: valid" + (" (files not checked)" if args.schema_only else ""))
     return 0
 
 
 def _config_keys(args: argparse.Namespace) -> int:
-    from megarl.config import all_keys
-
     print("\n".join(all_keys()))
     return 0
 
@@ -79,7 +84,9 @@ def _missing(name: str, helptext: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
+    """The `megarl` parser. `command`: the subcommand about to run; only its module is imported, the
+    others appear by name and help line (all of them when None, e.g. for `megarl --help`)."""
     parser = argparse.ArgumentParser(
         prog="megarl",
         description="Megatron-centric reinforcement learning for LLMs (PPO, GRPO, DAPO and relatives).",
@@ -90,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_config_commands(subparsers)
     for name, module_name, helptext in _PLUGINS:
+        if name != command:
+            p = subparsers.add_parser(name, help=helptext)
+            p.add_argument("args", nargs=argparse.REMAINDER)
+            continue
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as err:
@@ -103,14 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _version() -> str:
-    from megarl import __version__
+def _command(argv: Sequence[str]) -> Optional[str]:
+    """The subcommand named in `argv` (its first word that is not an option), or None."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
 
+
+def _version() -> str:
     return f"megarl {__version__}"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(_command(argv))
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from megarl.config.run_files import check_run_files
 from megarl.data.dataset import RLDataset
 from megarl.data.loader import RLDataLoader
 from megarl.data.tokenizer import load_tokenizer
@@ -43,27 +44,25 @@ def _config_digest(data: dict) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def materialize_model(cfg: DictConfig, tokenizer: Any, out_dir: Path) -> Path:
-    """A HF model directory for the run's initial weights.
+@dataclass(frozen=True)
+class InitialModelPlan:
+    """The random-init model a run builds: its HF config (with the tokenizer's vocabulary) and the
+    digest that `MODEL_READY` holds once it is saved."""
 
-    `model.path` without `init_from_scratch` is used as it is (seen through `model.override_config`,
-    see `with_config_overrides`). Otherwise a model is built from
-    `model.hf_config` (over `model.path`'s config.json, if given) with the vocabulary of the
-    tokenizer, initialised with `trainer.seed`, and saved once under the run directory; a resumed
-    run finds it there (same config digest) and does not rebuild it.
-    """
-    overrides = OmegaConf.to_container(cfg.model.override_config, resolve=True)
+    model_type: str
+    hf: dict[str, Any]
+    digest: str
+
+
+def initial_model_plan(cfg: DictConfig, tokenizer: Any) -> Optional[InitialModelPlan]:
+    """The model `materialize_model` builds, or None when `model.path` is used as it is."""
     if cfg.model.path and not cfg.model.init_from_scratch:
-        path = Path(cfg.model.path)
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model.path = {str(path)!r}: no config.json there")
-        return with_config_overrides(path, overrides, out_dir) if overrides else path
-
+        return None
     hf: dict[str, Any] = {}
     if cfg.model.path:
         hf.update(json.loads((Path(cfg.model.path) / "config.json").read_text()))
     hf.update(OmegaConf.to_container(cfg.model.hf_config, resolve=True))
-    hf.update(overrides)
+    hf.update(OmegaConf.to_container(cfg.model.override_config, resolve=True))
     model_type = hf.pop("model_type", None)
     if not model_type:
         raise ConfigError("model.hf_config.model_type is required to build a model from a config (e.g. qwen2, llama)")
@@ -75,6 +74,51 @@ def materialize_model(cfg: DictConfig, tokenizer: Any, out_dir: Path) -> Path:
             hf[key] = value
     hf.setdefault("torch_dtype", "float32")
     digest = _config_digest({"model_type": model_type, "hf": hf, "seed": int(cfg.trainer.seed)})
+    return InitialModelPlan(model_type, hf, digest)
+
+
+def check_initial_model_kept(cfg: DictConfig, tokenizer: Any, out_dir: Path, checkpoint: Path) -> None:
+    """A resumed run must find the initial model it was started with (the reference and the roles
+    not in the checkpoint load it): refuse, before anything is written, a config that would build
+    another one (a changed tokenizer vocabulary, model config or `trainer.seed`)."""
+    plan = initial_model_plan(cfg, tokenizer)
+    marker = out_dir / MODEL_READY
+    if plan is None or not marker.is_file() or marker.read_text().strip() == plan.digest:
+        return
+    on_disk_file = out_dir / "config.json"
+    on_disk = json.loads(on_disk_file.read_text()) if on_disk_file.is_file() else {}
+    wanted = {"model_type": plan.model_type, **plan.hf}
+    differ = [f"{k}: {on_disk[k]!r} there, {v!r} now" for k, v in sorted(wanted.items())
+              if k in on_disk and on_disk[k] != v and k != "torch_dtype"]
+    earlier = checkpoint / "config.yaml"
+    if earlier.is_file():
+        seed = OmegaConf.load(earlier).get("trainer", {}).get("seed")
+        if seed is not None and int(seed) != int(cfg.trainer.seed):
+            differ.append(f"trainer.seed: {seed} in the checkpoint's run, {cfg.trainer.seed} now")
+    raise ConfigError(
+        f"cannot resume {checkpoint}: this run would build another initial model than {out_dir} "
+        f"({'; '.join(differ[:6]) or 'its config digest differs'}); nothing was written. Resume with the same "
+        "model, tokenizer (data.tokenizer) and trainer.seed, or start in another trainer.default_local_dir"
+    )
+
+
+def materialize_model(cfg: DictConfig, tokenizer: Any, out_dir: Path) -> Path:
+    """A HF model directory for the run's initial weights.
+
+    `model.path` without `init_from_scratch` is used as it is (seen through `model.override_config`,
+    see `with_config_overrides`). Otherwise a model is built from
+    `model.hf_config` (over `model.path`'s config.json, if given) with the vocabulary of the
+    tokenizer, initialised with `trainer.seed`, and saved once under the run directory; a resumed
+    run finds it there (same config digest) and does not rebuild it.
+    """
+    plan = initial_model_plan(cfg, tokenizer)
+    if plan is None:
+        path = Path(cfg.model.path)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.path = {str(path)!r}: no config.json there")
+        overrides = OmegaConf.to_container(cfg.model.override_config, resolve=True)
+        return with_config_overrides(path, overrides, out_dir) if overrides else path
+    model_type, hf, digest = plan.model_type, plan.hf, plan.digest
     marker = out_dir / MODEL_READY
     if marker.is_file() and marker.read_text().strip() == digest:
         return out_dir
@@ -101,9 +145,12 @@ def with_config_overrides(model_path: Path, overrides: dict[str, Any], out_dir: 
         link = out_dir / entry.name
         if entry.name != "config.json" and not link.exists():
             link.symlink_to(entry.resolve())
-    tmp = out_dir / "config.json.tmp"
-    tmp.write_text(json.dumps(config, indent=2, sort_keys=True))
-    tmp.replace(out_dir / "config.json")
+    text = json.dumps(config, indent=2, sort_keys=True)
+    target = out_dir / "config.json"
+    if not target.is_file() or target.read_text() != text:  # a resumed run finds it as it was
+        tmp = out_dir / "config.json.tmp"
+        tmp.write_text(text)
+        tmp.replace(target)
     logger.info("model: %s with override_config %s -> %s", model_path, sorted(overrides), out_dir)
     return out_dir
 
@@ -145,9 +192,14 @@ def total_training_steps(cfg: DictConfig, batches_per_epoch: int) -> int:
 
 
 def prepare_run(cfg: DictConfig) -> RunContext:
-    """Everything the driver needs before starting workers; fails on bad data before Ray starts."""
+    """Everything the driver needs before starting workers; fails on bad data before Ray starts.
+
+    Nothing of the run directory is written (initial model, config.yaml) before every check passed:
+    the files the run reads (`check_run_files`, as `megarl config validate` does), the data, the
+    rewards, and for a resumed run its checkpoint, model keys and initial model.
+    """
+    check_run_files(cfg)
     run_dir = Path(cfg.trainer.default_local_dir).absolute()
-    run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = load_run_tokenizer(cfg)
     train_loader, val_dataset = build_datasets(cfg, tokenizer)
     reward_manager = RewardManager.from_config(cfg.reward, response_length(cfg))
@@ -158,6 +210,9 @@ def prepare_run(cfg: DictConfig) -> RunContext:
     resume = select_resume(CheckpointDirs(run_dir / "checkpoints"), run_dir, cfg.trainer.resume_mode,
                            cfg.trainer.resume_from_path, bool(cfg.trainer.resume_fallback),
                            model=OmegaConf.to_container(cfg.model, resolve=True))
+    if resume is not None:
+        check_initial_model_kept(cfg, tokenizer, run_dir / "initial_model", resume[1])
+    run_dir.mkdir(parents=True, exist_ok=True)
     model_dir = materialize_model(cfg, tokenizer, run_dir / "initial_model")
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     return RunContext(

@@ -1,0 +1,136 @@
+"""The files a run reads, checked before anything of the run is written and before Ray starts.
+
+`megarl config validate` and `megarl train` (through `megarl.trainer.setup.prepare_run`) call the
+same `check_run_files`, after the config itself validated: data files, tokenizer directory, user
+reward function, and the model directories the roles start from (config.json, a supported
+architecture, complete safetensors weights; see `model_files`). Every problem is reported at once,
+each naming its key and path. Nothing here imports torch or transformers: the checks read file
+headers, not contents (the tokenizer and the parquet rows are loaded later by the run itself).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig
+
+from megarl.config.model_files import architecture_problem, model_dir_problems, read_hf_config
+from megarl.config.validate import critic_enabled, model_hf_config
+from megarl.errors import ConfigError
+
+PARQUET_MAGIC = b"PAR1"
+# Files of which a HF tokenizer directory has at least one (as megarl.data.tokenizer requires).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def parquet_problem(path: Path, key: str) -> Optional[str]:
+    """Why `path` is not a readable parquet file (missing, a directory, no PAR1 magic at both ends)."""
+    if not path.exists():
+        return f"{key} = {str(path)!r}: no such file (`megarl data make` writes example datasets)"
+    if not path.is_file():
+        return f"{key} = {str(path)!r}: not a file (give parquet files, not a directory)"
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(4)
+        f.seek(max(size - 4, 0))
+        tail = f.read(4)
+    if size < 12 or head != PARQUET_MAGIC or tail != PARQUET_MAGIC:
+        return f"{key} = {str(path)!r}: not a parquet file ({size} bytes; no PAR1 marker at its start and end)"
+    return None
+
+
+def tokenizer_problem(cfg: DictConfig) -> Optional[str]:
+    """Why the run's tokenizer directory (`data.tokenizer`, else `model.path`) cannot be loaded."""
+    key = "data.tokenizer" if cfg.data.tokenizer else "model.path"
+    path = cfg.data.tokenizer or cfg.model.path
+    if not path:
+        return "data.tokenizer: no tokenizer given (set data.tokenizer, or model.path to a directory holding one)"
+    directory = Path(path)
+    if not directory.is_dir():
+        if key == "model.path":
+            return None  # the model's own check reports the missing directory
+        return f"{key} = {path!r}: no such directory (a HF tokenizer directory is expected)"
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        present = sorted(p.name for p in directory.iterdir())[:10]
+        return (f"{key} = {path!r}: not a tokenizer directory, none of {list(TOKENIZER_FILES)} there "
+                f"(present: {present})")
+    return None
+
+
+def reward_function_problem(path: Optional[str], name: str) -> Optional[str]:
+    """Why `reward.custom_reward_function` cannot be loaded: the file is missing, is not Python, or
+    defines no top-level `name` (a def, an assignment or an import of that name)."""
+    if not path:
+        return None
+    file = Path(path)
+    if not file.is_file():
+        return f"reward.custom_reward_function.path = {path!r}: no such file"
+    try:
+        tree = ast.parse(file.read_text(), filename=str(file))
+    except (SyntaxError, UnicodeDecodeError, ValueError) as err:
+        return f"reward.custom_reward_function.path = {path!r}: not valid Python ({err})"
+    defined: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined.update((a.asname or a.name).split(".")[0] for a in node.names)
+    if name not in defined:
+        functions = sorted(n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+        return (f"reward.custom_reward_function.name = {name!r}: {path} defines no such top-level function "
+                f"(functions there: {functions})")
+    return None
+
+
+def model_problems(cfg: DictConfig) -> list[str]:
+    """The actor's model (`model.*`) and the critic's starting point (`critic.model_path`)."""
+    model = cfg.model
+    problems: list[str] = []
+    if model.path and not model.init_from_scratch:
+        problems += model_dir_problems(Path(model.path), "model.path", need_weights=True, family=model.spec)
+    else:
+        if model.path:  # random init over the directory's config.json
+            _, problems = read_hf_config(Path(model.path), "model.path")
+        if not problems:
+            try:
+                hf = model_hf_config(cfg) or {}
+            except ConfigError as err:
+                return [str(err)]
+            inline = "model_type" in model.hf_config or "model_type" in model.override_config
+            where = "model.hf_config" if inline or not model.path else f"model.path: {Path(model.path) / 'config.json'}"
+            arch = architecture_problem(hf, where, model.spec)
+            if arch:
+                problems.append(arch)
+    if critic_enabled(cfg) and cfg.critic.model_path:
+        problems += model_dir_problems(Path(cfg.critic.model_path), "critic.model_path", need_weights=True,
+                                       family=model.spec)
+    return problems
+
+
+def run_file_problems(cfg: DictConfig) -> list[str]:
+    """Every problem with the files the run `cfg` reads ([] when none). `cfg` must have validated."""
+    problems: list[str] = []
+    for section in ("train_files", "val_files"):
+        for i, path in enumerate(cfg.data[section]):
+            problem = parquet_problem(Path(path), f"data.{section}[{i}]")
+            if problem:
+                problems.append(problem)
+    for problem in (tokenizer_problem(cfg),
+                    reward_function_problem(cfg.reward.custom_reward_function.path,
+                                            cfg.reward.custom_reward_function.name)):
+        if problem:
+            problems.append(problem)
+    problems += model_problems(cfg)
+    return problems
+
+
+def check_run_files(cfg: DictConfig) -> None:
+    """Raise ConfigError listing every problem with the files the run reads."""
+    problems = run_file_problems(cfg)
+    if problems:
+        raise ConfigError("the run cannot start:\n  " + "\n  ".join(problems))
