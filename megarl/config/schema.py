@@ -118,6 +118,19 @@ class ActorConfig:
     param_offload: bool = False
     grad_offload: bool = False
     optimizer_offload: bool = False
+    # Where the PPO ratio's old log-probs come from (metric training/old_log_prob_source: 0/1/2):
+    #   recompute (0): a forward pass of the actor before the update (phase old_log_prob);
+    #   update (1): the update's own log-probs, detached (ratio exactly 1: the vanilla policy
+    #     gradient), no pass. Only when the policy cannot change between generation and the update:
+    #     ppo_epochs 1 and ppo_mini_batch_size = data.train_batch_size; not with
+    #     algorithm.use_kl_in_reward, which needs them before the update;
+    #   rollout (2): the rollout engine's log-probs (rollout.calculate_log_probs), no pass (verl's
+    #     bypass mode); the KL in the reward then uses them too;
+    #   auto: update where it is allowed, else recompute.
+    # Without the pass, the rollout-vs-trainer gap (training/rollout_logprob_abs_diff_*,
+    # rollout.max_logprob_gap, rollout_corr/*) is measured on the update's first optimizer step's
+    # log-probs, after the update; actor/entropy always comes from the update.
+    old_log_prob_source: str = "auto"
 
 
 @dataclass
@@ -254,6 +267,12 @@ class RolloutConfig:
     # Check every k-th weight sync (the first included) against the senders' fingerprints of each
     # bucket; a changed bucket stops the run naming tensor, slice and ranks. 0: never.
     sync_verify_freq: int = 1
+    # Stop the run when a step's mean |rollout log-prob - trainer log-prob| over the response tokens
+    # (training/rollout_logprob_abs_diff_mean, nats) exceeds this: the rollout engine is not sampling
+    # from the trained policy (weights not synced, precision mismatch). Measured on CPU: fp32 1e-7
+    # (same weights), bf16 rollout of fp32 weights ~1e-3; GPU bf16 engines reach ~1e-2. null: never.
+    # Needs calculate_log_probs.
+    max_logprob_gap: Optional[float] = 0.1
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
@@ -275,6 +294,24 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    # Correct the policy loss for the rollout engine's log-probs differing from the trainer's:
+    # w = exp(trainer log-prob - rollout log-prob) per token (needs rollout.calculate_log_probs).
+    #   none: no correction (the rollout_corr/* mismatch metrics are still logged)
+    #   tis: truncated IS, each token's loss x min(w, threshold)
+    #   mis: masked IS, x w where lower <= w <= upper, else 0 (the token or sequence is dropped)
+    #   icepop: tokens whose w is outside [lower, upper] dropped, the others unweighted (level token)
+    # Dropped tokens keep their place in the loss normaliser.
+    mode: str = "none"
+    # w per token (token), or on every token of a response the product (sequence) or the geometric
+    # mean (geometric) of its tokens' w
+    level: str = "token"
+    threshold: float = 2.0  # tis: the cut
+    lower: float = 0.5  # mis, icepop: the band of kept weights
+    upper: float = 2.0
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     gamma: float = 1.0
@@ -285,6 +322,7 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     pass_k: Optional[int] = None  # grpo_passk: k of pass@k; null = rollout.n
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass

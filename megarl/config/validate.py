@@ -334,6 +334,7 @@ def validate_config(cfg: DictConfig) -> None:
         r.err(f"rollout.sync_verify_freq = {rollout.sync_verify_freq}: must be 0 (never verify a weight sync) "
               "or k >= 1 (every k-th sync)")
     _check_multi_turn(r, rollout.multi_turn)
+    _check_old_log_probs(r, cfg)  # actor.old_log_prob_source, algorithm.rollout_correction, max_logprob_gap
     if actor.clip_ratio_c <= 1.0:
         r.err(f"actor.clip_ratio_c = {actor.clip_ratio_c}: the dual-clip bound must be > 1.0 (verl's default is 3.0)")
 

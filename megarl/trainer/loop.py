@@ -7,7 +7,8 @@ One step (see `RLTrainer.train_step`):
   3. scores <- the reward manager (rule scorers or a user function; DAPO overlong shaping) and the
      reward model (`reward_model.enable`), each row judged as its `reward_model.style` says
      DAPO: drop groups whose responses all score the same; generate more until the batch is full
-  4. old log-probs (actor), reference log-probs, values (critic)
+  4. old log-probs (an actor pass; or, without it, the update's own or the rollout's:
+     `actor.old_log_prob_source`), reference log-probs, values (critic)
   5. advantages on the driver's CPU (KL in the reward first when configured)
   6. critic update, then actor update (after the critic warm-up)
   7. metrics, validation every `test_freq` steps, checkpoint every `save_freq` steps
@@ -36,10 +37,14 @@ from megarl.algorithms import (
     AdvantageInputs,
     AdvantageSettings,
     DynamicSamplingState,
+    RolloutCorrectionSettings,
     apply_kl_penalty,
+    check_logprob_gap,
     filter_groups,
     get_advantage_estimator,
+    logprob_gap,
     make_kl_controller,
+    mismatch_metrics,
     sequence_metric,
 )
 from megarl.cluster.host_worker import HostWorker
@@ -58,6 +63,7 @@ from megarl.trainer.workers import Workers
 from megarl.tracking.memory import phase_metrics as memory_phase_metrics
 from megarl.tracking.memory import step_metrics as memory_step_metrics
 from megarl.tracking.metrics import compute_data_metrics, compute_throughput, compute_timing_metrics, count_tokens
+from megarl.workers.losses import OLD_LOG_PROB_SOURCES
 from megarl.workers.roles import ActorRole, CriticRole, EngineRole, RefRole, RewardModelRole, RolloutRole
 from megarl.workers.specs import EngineRoleSpec
 
@@ -160,10 +166,16 @@ class RLTrainer:
             metrics.update(agent_metrics(batch))  # multi-turn rollouts: turns, tool calls, errors, latency
             self.rollout_sleep()  # training needs the memory: the KV cache (and weights) go
 
-            # 4. log-probs of the behaviour policy, the reference, and the critic's values
-            with self.phase("old_log_prob"), self.onloaded(actor, self.spec.actor, params_only=True):
-                batch = batch.union(actor.call_dp(ActorRole.compute_log_prob, batch))
-            metrics.update(rollout_logprob_gap(batch))
+            # 4. log-probs of the behaviour policy (a pass of the actor, unless the update itself or the
+            #    rollout engine supplies them: actor.old_log_prob_source), the reference, the critic's values
+            source = self.spec.actor.loss.old_log_prob_source
+            metrics["training/old_log_prob_source"] = OLD_LOG_PROB_SOURCES.index(source)
+            if source == "recompute":
+                with self.phase("old_log_prob"), self.onloaded(actor, self.spec.actor, params_only=True):
+                    batch = batch.union(actor.call_dp(ActorRole.compute_log_prob, batch))
+                metrics.update(self.rollout_mismatch(batch, batch["old_log_probs"], step))
+            elif source == "rollout":
+                batch["old_log_probs"] = batch["rollout_log_probs"]
             if ref is not None:
                 with self.phase("ref"), self.onloaded(ref, self.spec.ref, params_only=True):
                     batch = batch.union(ref.call_dp(RefRole.compute_ref_log_prob, batch))
@@ -183,7 +195,14 @@ class RLTrainer:
             if step > cfg.trainer.critic_warmup:
                 with self.phase("update_actor"), self.onloaded(actor, self.spec.actor):
                     metrics.update(actor.call_dp(ActorRole.update_actor, batch)[0])
+                    if source != "recompute":  # the trainer's log-probs of the sampling weights
+                        update_log_probs = actor.call_dp(ActorRole.update_log_probs,
+                                                         batch.select("response_mask"))["update_log_probs"]
                 self.weights_version += 1
+                if source != "recompute":
+                    if source == "update":
+                        batch["old_log_probs"] = update_log_probs
+                    metrics.update(self.rollout_mismatch(batch, update_log_probs, step))
 
         # 7. metrics
         if cfg.trainer.rollout_data_dir:
@@ -370,6 +389,13 @@ class RLTrainer:
         batch["returns"] = returns
         return batch, metrics
 
+    def rollout_mismatch(self, batch: Batch, trainer_log_probs: torch.Tensor, step: int) -> dict[str, float]:
+        """The rollout-vs-trainer gap and mismatch metrics; stops the run above `rollout.max_logprob_gap`."""
+        metrics = rollout_logprob_gap(batch, trainer_log_probs, self.spec.actor.loss.rollout_correction)
+        if "training/rollout_logprob_abs_diff_mean" in metrics:
+            check_logprob_gap(step, metrics["training/rollout_logprob_abs_diff_mean"], self.spec.max_logprob_gap)
+        return metrics
+
     def remax_baseline(self, batch: Batch) -> torch.Tensor:
         """ReMax: the reward of one greedy response per prompt, broadcast to that prompt's samples."""
         first = np.sort(np.unique(batch["uid"], return_index=True)[1])
@@ -403,13 +429,15 @@ class RLTrainer:
         return int(res.actor_pool.nnodes * res.actor_pool.devices_per_node)
 
 
-def rollout_logprob_gap(batch: Batch) -> dict[str, float]:
-    """How far the rollout engine's log-probs are from the trainer's for the same tokens and weights
-    (a weight-sync or numerics problem shows here first)."""
+def rollout_logprob_gap(batch: Batch, trainer_log_probs: torch.Tensor,
+                        correction: RolloutCorrectionSettings) -> dict[str, float]:
+    """How far the rollout engine's log-probs are from the trainer's (B, R) for the same tokens and
+    weights (a weight-sync or numerics problem shows here first): `training/rollout_logprob_abs_diff_*`,
+    `training/rollout_probs_diff_*` and the `rollout_corr/*` mismatch metrics, over the response
+    tokens whose trainer log-prob is known (NaN: a row the update's first step did not hold)."""
     if "rollout_log_probs" not in batch:
         return {}
-    mask = batch["response_mask"].bool()
-    diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[mask]
-    if diff.numel() == 0:
-        return {}
-    return {"training/rollout_probs_diff_mean": float(diff.mean()), "training/rollout_probs_diff_max": float(diff.max())}
+    mask = batch["response_mask"].bool() & torch.isfinite(trainer_log_probs)
+    rollout = batch["rollout_log_probs"]
+    return {**logprob_gap(trainer_log_probs, rollout, mask),
+            **mismatch_metrics(trainer_log_probs, rollout, mask, correction)}

@@ -14,7 +14,8 @@ from omegaconf import DictConfig
 
 from megarl.agent.loop import AgentSettings
 from megarl.config import critic_enabled, ref_enabled
-from megarl.config.validate import role_parallel
+from megarl.algorithms import RolloutCorrectionSettings
+from megarl.config.validate import role_parallel, update_is_on_policy
 from megarl.dtypes import long_name, short_name
 from megarl.layout import ParallelLayout
 from megarl.megatron.optim import EngineConfig
@@ -40,6 +41,7 @@ class RunSpec:
     response_length: int
     reward_model: Optional[EngineRoleSpec] = None
     reward_combine: RewardCombine = RewardCombine()
+    max_logprob_gap: Optional[float] = None  # rollout.max_logprob_gap: the driver stops the run above it
 
 
 def response_length(cfg: DictConfig) -> int:
@@ -101,6 +103,8 @@ def resolve_run_spec(cfg: DictConfig, model_dir: str, pad_token_id: int, eos_tok
         use_kl_loss=bool(actor.use_kl_loss),
         kl_loss_coef=float(actor.kl_loss_coef),
         kl_loss_type=str(actor.kl_loss_type),
+        old_log_prob_source=old_log_prob_source(cfg),
+        rollout_correction=rollout_correction_settings(cfg.algorithm.rollout_correction),
     )
     actor_spec = EngineRoleSpec(
         name="actor",
@@ -218,11 +222,28 @@ def resolve_run_spec(cfg: DictConfig, model_dir: str, pad_token_id: int, eos_tok
         response_length=resp,
         reward_model=rm_spec,
         reward_combine=RewardCombine(str(rm.combine), float(rm.rule_weight), float(rm.model_weight)),
+        max_logprob_gap=float(ro.max_logprob_gap) if ro.max_logprob_gap is not None else None,
     )
 
 
 def with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     return dataclasses.replace(params, seed=int(seed))
+
+
+def old_log_prob_source(cfg: DictConfig) -> str:
+    """`actor.old_log_prob_source` with auto resolved: the update's own log-probs when the update is
+    on-policy and nothing needs them before it (the KL in the reward does), else the recompute pass."""
+    source = str(cfg.actor.old_log_prob_source)
+    if source != "auto":
+        return source
+    return "update" if update_is_on_policy(cfg) and not cfg.algorithm.use_kl_in_reward else "recompute"
+
+
+def rollout_correction_settings(rollout_correction: Any) -> RolloutCorrectionSettings:
+    """`algorithm.rollout_correction.*` as the actor loss's correction settings."""
+    return RolloutCorrectionSettings(mode=str(rollout_correction.mode), level=str(rollout_correction.level),
+                                     threshold=float(rollout_correction.threshold),
+                                     lower=float(rollout_correction.lower), upper=float(rollout_correction.upper))
 
 
 def multi_turn_settings(multi_turn: Any, response_length: int) -> Optional[AgentSettings]:
