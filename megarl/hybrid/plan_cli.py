@@ -8,6 +8,11 @@ time. The prediction is a bound from bandwidth alone: every rank sends and recei
 are full duplex), a transfer within a node runs at `--intra-gbps` and one between nodes at
 `--inter-gbps`, so a rank needs max(receive time, send time) and the sync the largest of those.
 Latency, bucket scheduling and the local copies are left out.
+
+Two planners: the whole-world one (`build_reshard_plan`, least-loaded senders: what the weight sync
+runs) and the per-rank one (`megarl.hybrid.rank_plan`, senders by a closed-form rule), whose cost
+per rank does not grow with the world; `--senders auto` uses the latter above 64 ranks. Both move
+exactly the minimum; they differ only in who sends what.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ EXAMPLES = """examples:
   megarl sync plan config.json --train tp=2,dp=2 --rollout-tp 1 --gpus-per-node 2 --json
 """
 LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "ep")
+# Above this world size `--senders auto` plans rank by rank: the whole-world planner's cost grows
+# with the world (about 3 s at 64 ranks for a 72B shape), the per-rank one's does not.
+AUTO_BY_RANK_ABOVE = 64
 DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -54,32 +62,75 @@ class RankTraffic:
         return max(recv, send)
 
 
-def summarize(plan: Any, gpus_per_node: int, intra_gbps: float, inter_gbps: float) -> dict[str, Any]:
-    """The traffic of a `ReshardPlan` per rank and in all, and the predicted sync time."""
+@dataclass
+class Traffic:
+    """What a plan moves: per rank bytes (received, sent, minimum), bytes per (sender, receiver)
+    pair, and the number of buckets."""
+
+    ranks: dict[int, RankTraffic]
+    pairs: dict[tuple[int, int], int]
+    buckets: int
+
+
+def plan_traffic(plan: Any) -> Traffic:
+    """The traffic of a whole-world `ReshardPlan`."""
+    ranks = {r: RankTraffic(received=b.received, sent=b.sent, minimum=b.minimum) for r, b in plan.bytes.items()}
+    pairs: dict[tuple[int, int], int] = {}
+    for step in plan.steps:
+        for pair, pieces in step.items():
+            pairs[pair] = pairs.get(pair, 0) + sum(p.nbytes for p in pieces)
+    return Traffic(ranks, pairs, sum(len(step) for step in plan.steps))
+
+
+def rank_planner_traffic(planner: Any) -> Traffic:
+    """The traffic of every rank's plan from a `RankPlanner`: each pair is some rank's receive,
+    so the receiving halves suffice (the sending halves are the same pieces)."""
+    ranks: dict[int, RankTraffic] = {}
+    pairs: dict[tuple[int, int], int] = {}
+    buckets = 0
+    for rank in range(planner.train.world_size):
+        counts, received = planner.received_pairs(rank)
+        ranks[rank] = RankTraffic(received=counts.received, minimum=counts.minimum)
+        for pair, (nbytes, n) in received.items():
+            pairs[pair] = nbytes
+            buckets += n
+    for (src, _), nbytes in pairs.items():
+        ranks[src].sent += nbytes
+    return Traffic(ranks, pairs, buckets)
+
+
+def summarize(plan: Any, gpus_per_node: int, intra_gbps: float, inter_gbps: float,
+              traffic: Traffic | None = None, senders: str = "least_loaded") -> dict[str, Any]:
+    """The traffic of a `ReshardPlan` or `RankPlan` (`traffic` given) per rank and in all, and
+    the predicted sync time."""
     if gpus_per_node < 1 or intra_gbps <= 0 or inter_gbps <= 0:
         raise ConfigError("--gpus-per-node must be >= 1 and the bandwidths > 0")
-    ranks = {r: RankTraffic(received=b.received, sent=b.sent, minimum=b.minimum) for r, b in plan.bytes.items()}
-    for step in plan.steps:
-        for (src, dst), pieces in step.items():
-            if src // gpus_per_node != dst // gpus_per_node:
-                nbytes = sum(p.nbytes for p in pieces)
-                ranks[dst].received_inter_node += nbytes
-                ranks[src].sent_inter_node += nbytes
+    traffic = traffic or plan_traffic(plan)
+    ranks = traffic.ranks
+    for (src, dst), nbytes in traffic.pairs.items():
+        if src // gpus_per_node != dst // gpus_per_node:
+            ranks[dst].received_inter_node += nbytes
+            ranks[src].sent_inter_node += nbytes
     seconds = {r: t.seconds(intra_gbps * 1e9, inter_gbps * 1e9) for r, t in ranks.items()}
     slowest = max(seconds, key=seconds.get)
     return {
         "world_size": plan.world_size, "train": _layout(plan.train), "rollout_tp": plan.rollout.tp,
         "engine": plan.engine, "dtype": str(plan.dtype).replace("torch.", ""), "gpus_per_node": gpus_per_node,
+        "senders": senders,
         "bytes_received": sum(t.received for t in ranks.values()),
         "bytes_minimum": sum(t.minimum for t in ranks.values()),
         "bytes_inter_node": sum(t.received_inter_node for t in ranks.values()),
         "largest_rank_received": max(t.received for t in ranks.values()),
         "largest_rank_sent": max(t.sent for t in ranks.values()),
-        "buckets": sum(len(step) for step in plan.steps),
+        "buckets": traffic.buckets,
         "intra_node_gbps": intra_gbps, "inter_node_gbps": inter_gbps,
         "predicted_seconds": seconds[slowest], "slowest_rank": slowest,
         "ranks": {r: {**vars(t), "predicted_seconds": seconds[r]} for r, t in ranks.items()},
     }
+
+
+SENDERS_MEANING = {"least_loaded": "whole-world plan, as the weight sync runs it",
+                   "by_rank": "each rank's own plan; the same bytes received, senders chosen by rule"}
 
 
 def _layout(layout: Any) -> dict[str, int]:
@@ -95,6 +146,7 @@ def render(summary: dict[str, Any], per_rank: bool) -> str:
     lines = [
         f"sync {train} -> {summary['engine']} rollout tp={summary['rollout_tp']} ({summary['world_size']} ranks, "
         f"{summary['dtype']}, {summary['gpus_per_node']} GPUs per node)",
+        f"  senders           {summary['senders']} ({SENDERS_MEANING[summary['senders']]})",
         f"  received in all   {_gib(summary['bytes_received'])} (minimum {_gib(summary['bytes_minimum'])}), "
         f"{summary['buckets']} buckets",
         f"  across nodes      {_gib(summary['bytes_inter_node'])}",
@@ -128,6 +180,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--intra-gbps", type=float, default=150.0, help="GB/s per GPU within a node")
     p.add_argument("--inter-gbps", type=float, default=25.0, help="GB/s per GPU between nodes")
+    p.add_argument("--senders", choices=("auto", "least_loaded", "by_rank"), default="auto",
+                   help="least_loaded: the whole-world plan the weight sync runs; by_rank: every rank's own "
+                        f"plan (`megarl.hybrid.rank_plan`, faster at scale); auto: by_rank above {AUTO_BY_RANK_ABOVE} ranks")
     p.add_argument("--per-rank", action="store_true", help="also print every rank's traffic")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=_plan)
@@ -137,6 +192,7 @@ def _plan(args: argparse.Namespace) -> int:
     # Imported here: the other `megarl` commands start without torch.
     from megarl.dtypes import torch_dtype
     from megarl.hybrid.plan import build_reshard_plan
+    from megarl.hybrid.rank_plan import RankPlanner
     from megarl.layout import ParallelLayout
     from megarl.models.spec import ModelSpec
 
@@ -152,9 +208,16 @@ def _plan(args: argparse.Namespace) -> int:
     if engine == "hf" and args.rollout_tp != 1:
         raise ConfigError("--engine hf holds whole tensors: it needs --rollout-tp 1 (use --engine vllm)")
     spec = ModelSpec.from_hf_config(args.model, family=args.spec)
-    plan = build_reshard_plan(spec, train, ParallelLayout.rollout(args.rollout_tp, world), engine,
-                              dtype=torch_dtype(args.dtype), bucket_bytes=int(args.bucket_mib * 2**20))
-    summary = summarize(plan, args.gpus_per_node, args.intra_gbps, args.inter_gbps)
+    rollout = ParallelLayout.rollout(args.rollout_tp, world)
+    dtype, bucket_bytes = torch_dtype(args.dtype), int(args.bucket_mib * 2**20)
+    senders = args.senders if args.senders != "auto" else ("least_loaded" if world <= AUTO_BY_RANK_ABOVE else "by_rank")
+    if senders == "by_rank":
+        planner = RankPlanner(spec, train, rollout, engine, dtype, bucket_bytes)
+        summary = summarize(planner, args.gpus_per_node, args.intra_gbps, args.inter_gbps,
+                            rank_planner_traffic(planner), senders)
+    else:
+        plan = build_reshard_plan(spec, train, rollout, engine, dtype=dtype, bucket_bytes=bucket_bytes)
+        summary = summarize(plan, args.gpus_per_node, args.intra_gbps, args.inter_gbps)
     if args.json:
         json.dump(summary, sys.stdout, indent=1)
         print()

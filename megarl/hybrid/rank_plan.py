@@ -104,6 +104,10 @@ class RankPlanner:
                     self.users.setdefault(b.hf_name, set()).add((t, i))
         self._templates: dict[tuple[int, int], list[_Template]] = {}
 
+    @property
+    def world_size(self) -> int:
+        return self.train.world_size
+
     def templates(self, t: int, i: int) -> list[_Template]:
         """Segments of parameter `i` of rollout TP rank `t`, in block and row order (cached)."""
         key = (t, i)
@@ -163,6 +167,14 @@ class RankPlanner:
         if counts.received != counts.minimum:
             raise AssertionError(f"reshard plan: rank {rank} receives {counts.received} bytes, minimum {counts.minimum}")
         return counts, local_pieces, remote
+
+    def received_pairs(self, rank: int) -> tuple[RankBytes, dict[Pair, tuple[int, int]]]:
+        """`rank`'s bytes (`sent` left 0) and, per (sender, rank) pair, the bytes and buckets it
+        receives: what a whole-world summary needs (every pair is some rank's receive)."""
+        counts, _, remote = self.received(rank)
+        steps = _bucket(remote, self.bucket_bytes)
+        return counts, {pair: (sum(p.nbytes for p in pieces), sum(pair in step for step in steps))
+                        for pair, pieces in remote.items()}
 
     def _sent(self, rank: int, own: tuple[int, int]) -> list[Piece]:
         """Pieces `rank` sends, per receiver in the receiver's parameter and row order."""

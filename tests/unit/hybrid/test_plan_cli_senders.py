@@ -1,0 +1,65 @@
+"""`megarl sync plan --senders`: the per-rank planner's summary (every rank's receiving half put
+together) must equal the summary of the whole-world plan built with the same sender rule, and
+receive the same bytes as the least-loaded plan the weight sync runs; `auto` switches to the
+per-rank planner above 64 ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hybrid_reference import hf_shapes, tiny_config
+
+from megarl.cli import main
+from megarl.hybrid.plan import build_reshard_plan
+from megarl.hybrid.plan_cli import summarize
+from megarl.layout import ParallelLayout
+from megarl.models.spec import ModelSpec
+
+pytestmark = pytest.mark.unit
+
+LAYERS = 4
+
+
+@pytest.fixture()
+def config(tmp_path: Path) -> Path:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(tiny_config(False, LAYERS)))
+    return path
+
+
+def plan_json(capsys: pytest.CaptureFixture, config: Path, train: str, rollout_tp: int, *extra: str) -> dict:
+    assert main(["sync", "plan", str(config), "--train", train, "--rollout-tp", str(rollout_tp), "--dtype", "fp32",
+                 "--bucket-mib", "0.001", "--gpus-per-node", "4", "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("train, rollout_tp", [("tp=2,pp=2,dp=4", 2), ("tp=2,dp=3", 1), ("pp=2,dp=2,cp=2", 4)])
+def test_by_rank_summary_equals_the_whole_world_plan_with_the_same_rule(
+        capsys: pytest.CaptureFixture, config: Path, train: str, rollout_tp: int) -> None:
+    by_rank = plan_json(capsys, config, train, rollout_tp, "--senders", "by_rank")
+    least = plan_json(capsys, config, train, rollout_tp, "--senders", "least_loaded")
+    assert (by_rank["senders"], least["senders"]) == ("by_rank", "least_loaded")
+    # Independent path: the whole-world planner with the same rule, summarized plan by plan.
+    degrees = dict(part.split("=") for part in train.split(","))
+    layout = ParallelLayout(**{k: int(v) for k, v in degrees.items()})
+    spec = ModelSpec.from_hf_config(tiny_config(False, LAYERS))
+    full = build_reshard_plan(spec, layout, ParallelLayout.rollout(rollout_tp, layout.world_size),
+                              "hf" if rollout_tp == 1 else "vllm", torch.float32, int(0.001 * 2**20),
+                              hf_shapes=hf_shapes(False, LAYERS), senders="by_rank")
+    reference = json.loads(json.dumps(summarize(full, 4, 150.0, 25.0, senders="by_rank")))
+    assert by_rank == reference
+    assert by_rank["bytes_received"] == by_rank["bytes_minimum"] == least["bytes_received"] > 0
+    assert [r["received"] for r in by_rank["ranks"].values()] == [r["received"] for r in least["ranks"].values()]
+    assert sum(r["sent"] for r in by_rank["ranks"].values()) == by_rank["bytes_received"]
+
+
+def test_auto_plans_rank_by_rank_above_64_ranks(capsys: pytest.CaptureFixture, config: Path) -> None:
+    assert plan_json(capsys, config, "tp=2,pp=2,dp=16", 2)["senders"] == "least_loaded"  # 64 ranks
+    big = plan_json(capsys, config, "tp=2,pp=2,dp=32", 2)  # 128 ranks
+    assert big["senders"] == "by_rank" and big["world_size"] == 128
+    assert big["bytes_received"] == big["bytes_minimum"]
+    assert main(["sync", "plan", str(config), "--train", "tp=2,dp=2", "--rollout-tp", "1", "--senders", "by_rank"]) == 0
+    assert "senders           by_rank (each rank's own plan" in capsys.readouterr().out
