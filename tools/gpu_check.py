@@ -52,7 +52,7 @@ THIRD_PARTY_MODULES = ("ray", "ray.util.placement_group", "ray.util.scheduling_s
 REWARD_KEY = "critic/score/mean"
 LOSS_KEYS = ("actor/pg_loss", "actor/grad_norm")
 SYNC_RECEIVED, SYNC_MINIMUM = "sync/bytes_received", "sync/bytes_minimum"
-PROBS_DIFF_MAX = "training/rollout_probs_diff_max"
+LOGPROB_DIFF_MAX = "training/rollout_logprob_abs_diff_max"  # max |rollout - trainer log-prob|
 # The step's peak allocated device memory over the larger of its training-phase and rollout-phase
 # peaks (megarl.tracking.memory.colocated_peak_ratio); logged with CUDA only.
 PEAK_RATIO, PEAK_RATIO_MAX = "perf/colocated_peak_ratio", 1.1
@@ -280,11 +280,11 @@ def metric_problems(metrics: dict[int, dict[str, Any]], steps: int, probs_diff_t
             if m[SYNC_RECEIVED] != m.get(SYNC_MINIMUM):
                 problems.append(f"step {step}: weight sync moved {m[SYNC_RECEIVED]} bytes, the plan's minimum is "
                                 f"{m.get(SYNC_MINIMUM)}")
-        diff = m.get(PROBS_DIFF_MAX)
+        diff = m.get(LOGPROB_DIFF_MAX)
         if diff is None or not math.isfinite(diff):
-            problems.append(f"step {step}: {PROBS_DIFF_MAX} = {diff!r} (missing or not finite)")
+            problems.append(f"step {step}: {LOGPROB_DIFF_MAX} = {diff!r} (missing or not finite)")
         elif diff > probs_diff_tol:
-            problems.append(f"step {step}: {PROBS_DIFF_MAX} = {diff:.3g} > {probs_diff_tol:g} (rollout and trainer "
+            problems.append(f"step {step}: {LOGPROB_DIFF_MAX} = {diff:.3g} > {probs_diff_tol:g} (rollout and trainer "
                             "disagree on the same weights: a sync or numerics problem)")
         ratio = m.get(PEAK_RATIO)
         if ratio is not None and ratio > PEAK_RATIO_MAX:
@@ -311,7 +311,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     for step, m in sorted(metrics.items()):
         print(f"step {step}: reward {m.get(REWARD_KEY)}, pg_loss {m.get('actor/pg_loss')}, "
               f"grad_norm {m.get('actor/grad_norm')}, sync {m.get(SYNC_RECEIVED)}/{m.get(SYNC_MINIMUM)} bytes, "
-              f"probs_diff_max {m.get(PROBS_DIFF_MAX)}, colocated peak ratio {m.get(PEAK_RATIO)}")
+              f"logprob_abs_diff_max {m.get(LOGPROB_DIFF_MAX)}, colocated peak ratio {m.get(PEAK_RATIO)}")
     if args.memory_out is not None:
         args.memory_out.parent.mkdir(parents=True, exist_ok=True)
         args.memory_out.write_text(json.dumps({"limit": PEAK_RATIO_MAX, "steps": memory_summary(metrics)}, indent=1))

@@ -78,7 +78,7 @@ def test_multi_turn_grpo_with_a_calculator(tmp_path: Path, warm_model: tuple[Pat
         assert step["reward/tool_reward_mean"] == pytest.approx(step["agent/tool_reward/mean"])
         assert step["agent/retokenize_mismatch"] == 0.0
         # The engine's log-probs line up with the trainer's on every model token of every turn.
-        assert step["training/rollout_probs_diff_max"] < 1e-3
+        assert step["training/rollout_logprob_abs_diff_max"] < 1e-3
     rows = [json.loads(line) for line in (tmp_path / "rollouts" / "2.jsonl").read_text().splitlines()]
     assert len(rows) == 16
     called = [r for r in rows if "<tool_call>" in r["output"]]

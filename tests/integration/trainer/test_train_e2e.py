@@ -129,7 +129,8 @@ SYNC_AND_GEN = [("sync_weights", "rollout", "wake_up:weights"), ("sync_weights",
 OFFLOAD_CASES = {
     # Every offload key is on in one of the two cases, and each case offloads a different subset of
     # the actor's state. GRPO with a KL loss: actor parameters and gradients, the reference.
-    "grpo": (dict(actor={"use_kl_loss": True, "kl_loss_coef": 0.01}),
+    # (old_log_prob_source recompute: the old-log-prob pass runs, so its onload is traced too.)
+    "grpo": (dict(actor={"use_kl_loss": True, "kl_loss_coef": 0.01, "old_log_prob_source": "recompute"}),
              dict(actor={"param_offload": True, "grad_offload": True}, ref={"param_offload": True}),
              ("actor/kl_loss",), ["sync_weights:actor:params", "old_log_prob:actor:params", "ref:ref:params",
                                   "update_actor:actor"]),
@@ -174,7 +175,7 @@ def test_offloaded_roles_train_exactly_like_resident_ones(tmp_path: Path, task_d
     assert "memory/update_actor/peak_rss_gb" in got[2] and "perf/cpu_memory_used_gb" in got[2]
 
 
-GRPO_KL = dict(actor={"use_kl_loss": True, "kl_loss_coef": 0.01})
+GRPO_KL = dict(actor={"use_kl_loss": True, "kl_loss_coef": 0.01, "old_log_prob_source": "recompute"})
 PPO_CRITIC = OFFLOAD_CASES["ppo"][0]
 WAKE_SYNC_WAKE = [("sync_weights", "rollout", "wake_up:weights"), ("sync_weights", "rollout", "wake_up")]
 

@@ -147,7 +147,7 @@ def test_train_overrides_make_a_valid_config(device: str, tmp_path: Path):
 def _step(reward: float | None = 0.5, diff: float = 1e-6, received: float = 100.0, minimum: float = 100.0) -> dict:
     return {"critic/score/mean": reward, "actor/pg_loss": -0.01, "actor/grad_norm": 1.0,
             "sync/bytes_received": received, "sync/bytes_minimum": minimum,
-            "training/rollout_probs_diff_max": diff}
+            "training/rollout_logprob_abs_diff_max": diff}
 
 
 def test_metric_verdicts():
