@@ -192,6 +192,14 @@ def _memory_phases(r: dict[str, Any]) -> str:
             f"offload/resident {fmt(s['step_time_offload_over_resident'])}")
 
 
+def _plan_scale(r: dict[str, Any]) -> str:
+    """Per-rank sync planning: time and peak memory of one rank's plan at each world size."""
+    parts = [f"{x['world_size']} ranks {fmt(x['max_seconds'])} s / {fmt(x['max_peak_mib'])} MiB" for x in r["results"]]
+    full = [f"{x['world_size']} ranks {fmt(x['full_planner']['seconds'])} s" for x in r["results"] if "full_planner" in x]
+    return (f"{r['model']}, one rank's plan: " + "; ".join(parts)
+            + (f" (whole-world planner: {'; '.join(full)})" if full else ""))
+
+
 def _generic(r: dict[str, Any]) -> str:
     numbers = [(k, v) for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
     return "; ".join(f"{k} {fmt(v)}" for k, v in numbers[:8]) or "(see JSON)"
@@ -199,7 +207,7 @@ def _generic(r: dict[str, Any]) -> str:
 
 COMPONENT_HEADLINES: dict[str, Callable[[dict[str, Any]], str]] = {
     "algorithms": _algorithms, "engine": _engine, "reshard": _reshard, "rollout": _rollout, "convert": _convert,
-    "recompute": _recompute, "memory_phases": _memory_phases,
+    "recompute": _recompute, "memory_phases": _memory_phases, "plan_scale": _plan_scale,
 }
 
 
