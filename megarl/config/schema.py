@@ -59,6 +59,9 @@ class DataConfig:
     val_batch_size: Optional[int] = None  # null: the whole validation set in one batch
     truncation: str = "error"  # error | left | right | middle
     filter_overlong_prompts: bool = True
+    # A row that fails its checks (prompt, data_source, ground truth, text that is not UTF-8) is
+    # skipped, counted and logged when the dataset is opened, instead of stopping the run.
+    skip_bad_rows: bool = False
     apply_chat_template: str = "auto"  # auto | true | false
     shuffle: bool = True
     seed: int = 1

@@ -5,6 +5,10 @@ millions of rows is not read into Python objects. Rows are tokenised when they a
 ``filter_overlong_prompts`` one batched pass (``datasets.map``, optionally in ``num_proc`` processes,
 cached) measures every prompt, validates every row and drops the prompts longer than
 ``max_prompt_length``. Only an int64 array of kept row numbers is held in memory.
+
+Every row problem is a DataError naming file, row and column, text that is not UTF-8 included (the
+row is found by reading the file's columns again as bytes, :mod:`megarl.data.utf8`). With
+``skip_bad_rows`` such rows are left out instead, counted (``num_skipped_bad_rows``) and logged.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 
 from megarl.data.padding import TRUNCATION_MODES, PromptTooLongError, left_pad, truncate_ids
 from megarl.data.prompt import PromptRenderer
+from megarl.data.row_check import BAD_ROW_LENGTH, RowChecker, RowLocator, style_of
 from megarl.data.schema import (
     ABILITY,
     DATA_SOURCE,
@@ -29,18 +34,18 @@ from megarl.data.schema import (
     GROUND_TRUTH,
     REWARD_MODEL,
     check_columns,
-    ground_truth_of,
     read_parquet_schema,
     row_error,
-    validate_prompt,
 )
+from megarl.data.utf8 import non_utf8_rows
 from megarl.errors import ConfigError, DataError
 from megarl.protocol.batch import Batch
 
 logger = logging.getLogger(__name__)
 
 PAD_TO_MODES = ("max_length", "longest")
-_FINGERPRINT_VERSION = "megarl-prompt-length-v1"
+_FINGERPRINT_VERSION = "megarl-prompt-length-v2"
+_LOGGED_PROBLEMS = 3  # skipped rows whose problem is logged in full
 
 
 @contextlib.contextmanager
@@ -53,67 +58,6 @@ def _quiet_datasets() -> Iterator[None]:
     finally:
         if was_enabled:
             datasets.enable_progress_bars()
-
-
-class _RowLocator:
-    """Maps a global row number (over the concatenated files) to (file, row within file)."""
-
-    def __init__(self, files: Sequence[str], row_counts: Sequence[int]) -> None:
-        self.files = list(files)
-        self.starts = np.concatenate([[0], np.cumsum(row_counts)]).astype(np.int64)
-
-    def __call__(self, global_row: int) -> tuple[str, int]:
-        position = int(np.searchsorted(self.starts, global_row, side="right")) - 1
-        return self.files[position], int(global_row - self.starts[position])
-
-
-class _RowChecker:
-    """Validates rows and measures prompt lengths; runs inside ``datasets.map`` (picklable)."""
-
-    def __init__(
-        self,
-        renderer: PromptRenderer,
-        locate: _RowLocator,
-        prompt_key: str,
-        require_ground_truth: bool,
-        has_reward_model: bool,
-        model_scored_rows: bool = False,
-    ) -> None:
-        self.renderer = renderer
-        self.locate = locate
-        self.prompt_key = prompt_key
-        self.require_ground_truth = require_ground_truth
-        self.model_scored_rows = model_scored_rows
-        # The columns ``datasets.map`` passes, in order (then the row numbers).
-        self.input_columns = [prompt_key, DATA_SOURCE] + ([REWARD_MODEL] if has_reward_model else [])
-
-    def check(self, global_row: int, prompt: Any, data_source: Any, reward_model: Any) -> Any:
-        """Return the validated prompt; DataError naming file, row and column otherwise."""
-        try:
-            prompt = validate_prompt(prompt)
-        except ValueError as exc:
-            raise row_error(*self.locate(global_row), self.prompt_key, str(exc)) from None
-        if not isinstance(data_source, str) or not data_source:
-            raise row_error(
-                *self.locate(global_row), DATA_SOURCE, f"expected a non-empty string, got {data_source!r}"
-            )
-        if self.require_ground_truth and not (self.model_scored_rows and _style_of(reward_model) == "model"):
-            try:
-                ground_truth_of(reward_model)
-            except ValueError as exc:
-                raise row_error(*self.locate(global_row), REWARD_MODEL, str(exc)) from None
-        return prompt
-
-    def __call__(self, *columns: list[Any]) -> dict[str, list[int]]:
-        prompts, sources, rows = columns[0], columns[1], columns[-1]
-        reward_models = columns[2] if len(columns) == 4 else [None] * len(rows)
-        checked = [self.check(r, p, s, m) for r, p, s, m in zip(rows, prompts, sources, reward_models)]
-        return {"prompt_length": self.renderer.lengths(checked)}
-
-
-def _style_of(reward_model: Any) -> Any:
-    """A row's ``reward_model.style`` ("rule", "model"), None when it has none."""
-    return reward_model.get("style") if isinstance(reward_model, dict) else None
 
 
 def _file_fingerprint(path: str) -> str:
@@ -138,6 +82,8 @@ class RLDataset:
         require_ground_truth: ``reward_model.ground_truth`` must be present (rule-based rewards).
         model_scored_rows: rows whose ``reward_model.style`` is "model" are judged by a reward model:
             they need no ground truth, and their data sources need no rule scorer.
+        skip_bad_rows: leave out rows that fail their checks (prompt, data_source, ground truth, text
+            that is not UTF-8) instead of raising; counted in ``num_skipped_bad_rows`` and logged.
         num_proc: processes for the length pass (None: this process).
         cache_dir: ``datasets`` cache directory (None: its default).
     """
@@ -156,6 +102,7 @@ class RLDataset:
         pad_to: str = "max_length",
         require_ground_truth: bool = True,
         model_scored_rows: bool = False,
+        skip_bad_rows: bool = False,
         num_proc: int | None = None,
         cache_dir: str | None = None,
     ) -> None:
@@ -184,13 +131,14 @@ class RLDataset:
         self.pad_token_id = int(pad_id)
         self.require_ground_truth = require_ground_truth
         self.model_scored_rows = model_scored_rows
+        self.skip_bad_rows = skip_bad_rows
         self.renderer = PromptRenderer(tokenizer, apply_chat_template, chat_template_kwargs)
 
         required = [prompt_key, DATA_SOURCE] + ([REWARD_MODEL] if require_ground_truth else [])
         for path in files:
             check_columns(path, read_parquet_schema(path), required)
         parts = [self._open(path, cache_dir) for path in files]
-        self._locate = _RowLocator(files, [len(p) for p in parts])
+        self._locate = RowLocator(files, [len(p) for p in parts])
         try:
             self._table = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
         except ValueError as exc:
@@ -198,25 +146,32 @@ class RLDataset:
                 f"files {files} have columns of different types and cannot be concatenated: {exc}"
             ) from exc
         self.num_rows_read = len(self._table)
-        self._checker = _RowChecker(
+        self._checker = RowChecker(
             self.renderer,
             self._locate,
             prompt_key,
             require_ground_truth,
             REWARD_MODEL in self._table.column_names,
             model_scored_rows,
+            skip_bad_rows,
         )
 
         # Dataset index -> global row; None keeps every row (index == row).
         self._kept_rows: np.ndarray | None = None
         self.num_dropped_overlong = 0
+        self.num_skipped_bad_rows = 0
+        self._skipped_rows = np.zeros(0, dtype=np.int64)  # global rows left out as bad
         self.prompt_lengths: np.ndarray | None = None  # per kept row, when measured
-        if filter_overlong_prompts:
+        if filter_overlong_prompts or skip_bad_rows:
             lengths = self._measure_prompts(num_proc)
-            keep = lengths <= max_prompt_length
+            bad = lengths == BAD_ROW_LENGTH
+            overlong = ~bad & (lengths > max_prompt_length) if filter_overlong_prompts else np.zeros_like(bad)
+            keep = ~bad & ~overlong
             self._kept_rows = np.flatnonzero(keep).astype(np.int64)
             self.prompt_lengths = lengths[keep]
-            self.num_dropped_overlong = int((~keep).sum())
+            self.num_dropped_overlong = int(overlong.sum())
+            self.num_skipped_bad_rows = int(bad.sum())
+            self._skipped_rows = np.flatnonzero(bad).astype(np.int64)
             if self.num_dropped_overlong:
                 logger.warning(
                     "dropped %d of %d prompts longer than max_prompt_length=%d (files: %s)",
@@ -228,7 +183,7 @@ class RLDataset:
         if len(self) == 0:
             raise DataError(
                 f"{files}: no rows left (read {self.num_rows_read}, "
-                f"dropped {self.num_dropped_overlong} overlong)"
+                f"dropped {self.num_dropped_overlong} overlong, skipped {self.num_skipped_bad_rows} bad)"
             )
 
     @classmethod
@@ -236,12 +191,13 @@ class RLDataset:
         cls, data: Any, files: Sequence[str], tokenizer: PreTrainedTokenizerBase, **overrides: Any
     ) -> RLDataset:
         """From the ``data`` section of the experiment config (prompt_key, max_prompt_length,
-        truncation, filter_overlong_prompts, apply_chat_template); ``overrides`` win."""
+        truncation, filter_overlong_prompts, skip_bad_rows, apply_chat_template); ``overrides`` win."""
         options = {
             "prompt_key": data.prompt_key,
             "max_prompt_length": data.max_prompt_length,
             "truncation": data.truncation,
             "filter_overlong_prompts": data.filter_overlong_prompts,
+            "skip_bad_rows": data.skip_bad_rows,
             "apply_chat_template": data.apply_chat_template,
         }
         return cls(files, tokenizer, **{**options, **overrides})
@@ -255,29 +211,76 @@ class RLDataset:
             raise DataError(f"{path}: could not be loaded ({type(exc).__name__}: {exc})") from exc
 
     def _measure_prompts(self, num_proc: int | None) -> np.ndarray:
+        """Prompt length of every row read; BAD_ROW_LENGTH for a row skipped (``skip_bad_rows``)."""
+        lengths = np.full(self.num_rows_read, BAD_ROW_LENGTH, dtype=np.int64)
+        problems: dict[int, str] = {}
+        rows = np.arange(self.num_rows_read, dtype=np.int64)
+        if self.skip_bad_rows:  # text that cannot be decoded never reaches the checker
+            for row, problem in self._non_utf8().items():
+                problems[row] = problem
+            rows = np.setdiff1d(rows, np.fromiter(problems, dtype=np.int64, count=len(problems)))
+        table = self._table if len(rows) == self.num_rows_read else self._table.select(rows)
         digest = hashlib.sha256()
         for part in [
             _FINGERPRINT_VERSION,
             self.prompt_key,
             str(self.require_ground_truth),
             str(self.model_scored_rows),
+            str(self.skip_bad_rows),
+            ",".join(map(str, sorted(problems))),
             *map(_file_fingerprint, self.files),
             *self.renderer.fingerprint_parts(),
         ]:
             digest.update(part.encode())
             digest.update(b"\0")
-        with _quiet_datasets():
-            measured = self._table.map(
-                self._checker,
-                batched=True,
-                batch_size=1000,
-                with_indices=True,
-                input_columns=self._checker.input_columns,
-                remove_columns=self._table.column_names,
-                num_proc=num_proc,
-                new_fingerprint=digest.hexdigest()[:32],
-            )
-        return measured.with_format("numpy")["prompt_length"][:].astype(np.int64)
+        try:
+            with _quiet_datasets():
+                measured = table.map(
+                    self._checker,
+                    batched=True,
+                    batch_size=1000,
+                    with_indices=True,
+                    input_columns=self._checker.input_columns,
+                    remove_columns=table.column_names,
+                    num_proc=num_proc,
+                    new_fingerprint=digest.hexdigest()[:32],
+                )
+        except UnicodeDecodeError:
+            raise self._utf8_error() from None
+        measured = measured.with_format("numpy")
+        # The pass numbers the rows of `table`: map them back to global rows.
+        lengths[rows] = measured["prompt_length"][:].astype(np.int64)
+        if self.skip_bad_rows:
+            skipped = rows[lengths[rows] == BAD_ROW_LENGTH]
+            if len(skipped):
+                texts = measured.with_format(None).select(
+                    np.flatnonzero(lengths[rows] == BAD_ROW_LENGTH)[:_LOGGED_PROBLEMS])["problem"]
+                problems.update(zip(skipped[:_LOGGED_PROBLEMS].tolist(), texts))
+                problems.update({int(r): "" for r in skipped[_LOGGED_PROBLEMS:]})
+            if problems:
+                first = sorted(problems)[:_LOGGED_PROBLEMS]
+                logger.warning(
+                    "skipped %d of %d rows that fail their checks (data.skip_bad_rows); the first: %s",
+                    len(problems), self.num_rows_read, "; ".join(problems[r] for r in first),
+                )
+        return lengths
+
+    def _non_utf8(self) -> dict[int, str]:
+        """Global row -> problem, for every row holding text that is not valid UTF-8."""
+        found: dict[int, str] = {}
+        for path, start in zip(self.files, self._locate.starts):
+            for row, column, problem in non_utf8_rows(path):
+                found.setdefault(int(start) + row, str(row_error(path, row, column, problem)))
+        return found
+
+    def _utf8_error(self, rows: Sequence[int] | None = None) -> DataError:
+        """The DataError for the first row (of ``rows``, default all) whose text is not UTF-8."""
+        wanted = None if rows is None else set(rows)
+        for path, start in zip(self.files, self._locate.starts):
+            for row, column, problem in non_utf8_rows(path):
+                if wanted is None or int(start) + row in wanted:
+                    return row_error(path, row, column, problem)
+        return DataError(f"{self.files}: text that is not valid UTF-8 (the row could not be located)")
 
     def __len__(self) -> int:
         return self.num_rows_read if self._kept_rows is None else len(self._kept_rows)
@@ -292,19 +295,32 @@ class RLDataset:
         """(file, row within that file) of dataset index ``index``."""
         return self._locate(self._global_row(index))
 
+    def _rows_checked(self) -> datasets.Dataset:
+        """Every row read, less the rows skipped as bad (overlong rows stay)."""
+        if not self.num_skipped_bad_rows:
+            return self._table
+        return self._table.select(np.setdiff1d(np.arange(self.num_rows_read), self._skipped_rows))
+
     def data_sources(self) -> list[str]:
-        """The distinct ``data_source`` values of all rows read (before filtering)."""
-        return sorted(str(s) for s in self._table.unique(DATA_SOURCE))
+        """The distinct ``data_source`` values of all rows read (before the overlong filter; rows
+        skipped as bad left out)."""
+        try:
+            return sorted(str(s) for s in self._rows_checked().unique(DATA_SOURCE))
+        except UnicodeDecodeError:
+            raise self._utf8_error() from None
 
     def rule_data_sources(self) -> list[str]:
         """The distinct ``data_source`` values of the rows the rule scorers judge: every row, or with
         ``model_scored_rows`` those whose ``reward_model.style`` is not "model"."""
         if not self.model_scored_rows or REWARD_MODEL not in self._table.column_names:
             return self.data_sources()
-        columns = self._table.select_columns([DATA_SOURCE, REWARD_MODEL])
-        return sorted({str(source) for batch in columns.iter(batch_size=10000)
-                       for source, reward_model in zip(batch[DATA_SOURCE], batch[REWARD_MODEL])
-                       if _style_of(reward_model) != "model"})
+        columns = self._rows_checked().select_columns([DATA_SOURCE, REWARD_MODEL])
+        try:
+            return sorted({str(source) for batch in columns.iter(batch_size=10000)
+                           for source, reward_model in zip(batch[DATA_SOURCE], batch[REWARD_MODEL])
+                           if style_of(reward_model) != "model"})
+        except UnicodeDecodeError:
+            raise self._utf8_error() from None
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.get_rows([index])[0]
@@ -315,7 +331,10 @@ class RLDataset:
         ``reward_model.style``: "rule", "model" or None), ``extra_info`` (dict), ``ability``,
         ``index`` (dataset index) and ``row`` (global row over the files)."""
         rows = [self._global_row(int(i)) for i in indices]
-        columns = self._table[rows]
+        try:
+            columns = self._table[rows]
+        except UnicodeDecodeError:
+            raise self._utf8_error(rows) from None
         missing = [None] * len(rows)
         sources = columns[DATA_SOURCE]
         reward_models = columns.get(REWARD_MODEL, missing)

@@ -55,11 +55,14 @@ def check_columns(path: str, schema: pa.Schema, required: Sequence[str]) -> None
 
 
 def validate_prompt(value: Any) -> str | list[dict[str, str]]:
-    """Return the prompt if it is a string or a non-empty list of {role, content} string messages.
+    """Return the prompt if it is a non-blank string or a non-empty list of {role, content} string
+    messages, not all of them blank.
 
     Raises ValueError describing what is wrong (the caller adds file, row and column).
     """
     if isinstance(value, str):
+        if not value.strip():
+            raise ValueError(f"the prompt is a blank string ({value!r})")
         return value
     if not isinstance(value, list) or not value:
         raise ValueError(f"expected a non-empty list of chat messages or a string, got {_describe(value)}")
@@ -73,6 +76,8 @@ def validate_prompt(value: Any) -> str | list[dict[str, str]]:
                 raise ValueError(
                     f"message {position} has no string '{key}' (got {_describe(message.get(key))})"
                 )
+    if not any(message["content"].strip() for message in value):
+        raise ValueError(f"every message's 'content' is blank ({len(value)} messages)")
     return value
 
 

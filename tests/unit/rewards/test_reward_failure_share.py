@@ -9,7 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 
+from megarl.config import load_config
 from megarl.config.schema import RewardConfig
 from megarl.data.tokenizer import build_char_tokenizer
 from megarl.errors import ConfigError
@@ -125,3 +127,22 @@ def test_the_trainers_scoring_call_raises_in_training_and_in_validation(user_fil
             validate([gen], lambda prompts: prompts, lambda g: RLTrainer.score(trainer, g)[0], n=1)
         scored, metrics = RLTrainer.score(trainer, gen[[2]])
     assert metrics["reward/num_failed"] == 0 and scored["token_level_scores"].tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+def test_config_validation_names_the_new_keys(tmp_path: Path) -> None:
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump({
+        "data": {"train_files": ["train.parquet"], "max_prompt_length": 32, "max_response_length": 16},
+        "model": {"hf_config": {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4,
+                                "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128,
+                                "vocab_size": 64, "max_position_embeddings": 128}},
+        "actor": {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2},
+        "rollout": {"n": 4},
+    }))
+    cfg = load_config(path, ["reward.batch_timeout_s=null", "reward.worker_memory_mb=0", "reward.max_failure_share=1.0"])
+    assert cfg.reward.batch_timeout_s is None and cfg.reward.max_failure_share == 1.0
+    with pytest.raises(ConfigError) as error:
+        load_config(path, ["reward.max_failure_share=1.5", "reward.batch_timeout_s=0", "reward.worker_memory_mb=-1"])
+    text = str(error.value)
+    assert "reward.max_failure_share = 1.5: must be in [0.0, 1.0]" in text
+    assert "reward.batch_timeout_s = 0.0: must be > 0" in text and "reward.worker_memory_mb = -1: must be >= 0" in text
