@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from megarl.config.model_files import weights_problems
 from megarl.config.run_files import check_run_files
 from megarl.data.dataset import RLDataset
 from megarl.data.loader import RLDataLoader
@@ -80,10 +81,16 @@ def initial_model_plan(cfg: DictConfig, tokenizer: Any) -> Optional[InitialModel
 def check_initial_model_kept(cfg: DictConfig, tokenizer: Any, out_dir: Path, checkpoint: Path) -> None:
     """A resumed run must find the initial model it was started with (the reference and the roles
     not in the checkpoint load it): refuse, before anything is written, a config that would build
-    another one (a changed tokenizer vocabulary, model config or `trainer.seed`)."""
+    another one (a changed tokenizer vocabulary, model config or `trainer.seed`), or damaged weights."""
     plan = initial_model_plan(cfg, tokenizer)
     marker = out_dir / MODEL_READY
-    if plan is None or not marker.is_file() or marker.read_text().strip() == plan.digest:
+    if plan is None or not marker.is_file():
+        return
+    if marker.read_text().strip() == plan.digest:
+        damaged = weights_problems(out_dir, "initial model")
+        if damaged:
+            raise ConfigError(f"cannot resume {checkpoint}: {'; '.join(damaged)}; nothing was written. Remove {out_dir} "
+                              "to rebuild it (the same config and trainer.seed give the same weights)")
         return
     on_disk_file = out_dir / "config.json"
     on_disk = json.loads(on_disk_file.read_text()) if on_disk_file.is_file() else {}
