@@ -22,6 +22,7 @@ rule holds for every batch scored, validation batches included.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -34,7 +35,7 @@ import torch
 
 from megarl.algorithms.dapo import overlong_penalty
 from megarl.errors import ConfigError, DataError, MegarlError
-from megarl.rewards.pool import STATUSES, CallOutcome, ScoringPool
+from megarl.rewards.pool import CANCELLED, STATUSES, CallOutcome, ScoringPool
 from megarl.rewards.scorers import check_data_sources, check_scorer_options
 from megarl.rewards.worker import Call, ScoringTarget, build_scorer, score_one
 
@@ -184,7 +185,9 @@ class RewardManager:
 
     def _run(self, calls: list[Call]) -> list[CallOutcome]:
         if self._pool is not None:
-            return self._pool.map(calls, batch_timeout_s=self.batch_timeout_s)
+            # Past this many failures the batch raises whatever the other calls return: stop there.
+            lost_after = math.floor(self.max_failure_share * len(calls)) if self.max_failure_share < 1 else None
+            return self._pool.map(calls, batch_timeout_s=self.batch_timeout_s, stop_after_failures=lost_after)
         assert self._in_process is not None
         return [CallOutcome.from_reply(*score_one(self._in_process, call)) for call in calls]
 
@@ -281,16 +284,19 @@ class RewardManager:
         self, outcomes: Sequence[CallOutcome], statuses: Counter[str], data_sources: Sequence[str]
     ) -> None:
         size = len(outcomes)
-        failed = size - statuses["ok"]
+        failed = size - statuses["ok"] - statuses[CANCELLED]
         if not size or failed / size <= self.max_failure_share:
             return
-        first = min((i for i, o in enumerate(outcomes) if o.status != "ok"), key=lambda i: outcomes[i].finished_at)
+        first = min((i for i, o in enumerate(outcomes) if o.status not in ("ok", CANCELLED)),
+                    key=lambda i: outcomes[i].finished_at)
         what = (
             self._pool.describe()
             if self._pool is not None
             else "built-in scorers (in the driver process)"
         )
         counts = ", ".join(f"{status} {statuses[status]}" for status in STATUSES if status != "ok")
+        if statuses[CANCELLED]:
+            counts += f"; {statuses[CANCELLED]} calls not run once the batch was lost"
         raise RewardFailureError(
             f"{what} failed on {failed} of {size} calls of this batch ({failed / size:.0%}, above "
             f"reward.max_failure_share = {self.max_failure_share:g}): {counts}. First failure (sample "
@@ -299,7 +305,7 @@ class RewardManager:
         )
 
     def _log_failures(self, outcomes: Sequence[CallOutcome], data_sources: Sequence[str]) -> None:
-        failed = [(i, o) for i, o in enumerate(outcomes) if o.status != "ok"]
+        failed = [(i, o) for i, o in enumerate(outcomes) if o.status not in ("ok", CANCELLED)]
         for i, outcome in failed[: self.max_logged_failures]:
             logger.warning(
                 "reward for sample %d (data_source %r) is 0: %s: %s",

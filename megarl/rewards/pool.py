@@ -38,6 +38,8 @@ from megarl.rewards.worker import MEMORY_EXIT_CODE, Call, ScoringTarget
 logger = logging.getLogger(__name__)
 
 STATUSES = ("ok", "error", "bad_return", "timeout", "crash")
+# Calls left unrun once a batch had more failures than the caller allows (``stop_after_failures``).
+CANCELLED = "cancelled"
 PROGRESS_AFTER_S = 5.0  # a batch longer than this logs a progress line ...
 PROGRESS_EVERY_S = 5.0  # ... this often
 _TICK_S = 0.5  # the longest the driver waits without looking at its workers
@@ -230,16 +232,31 @@ class ScoringPool:
         self.output_bytes += size
         return size
 
-    def map(self, calls: Sequence[Call], *, batch_timeout_s: float | None = None) -> list[CallOutcome]:
+    def map(
+        self,
+        calls: Sequence[Call],
+        *,
+        batch_timeout_s: float | None = None,
+        stop_after_failures: int | None = None,
+    ) -> list[CallOutcome]:
         """Score every call; outcomes are in the order of ``calls``. Never raises for a bad call.
 
         ``batch_timeout_s``: when the batch runs longer, the calls not yet answered are cancelled
         (their workers killed and replaced) and reported as ``timeout``; None: no batch deadline.
+        ``stop_after_failures``: once more calls than this have failed, the calls not yet answered
+        are not run (status CANCELLED): for a caller to whom such a batch is lost anyway (a function
+        that crashes its worker on every call would otherwise restart a worker per call).
         """
         start = time.monotonic()
         batch_deadline = start + batch_timeout_s if batch_timeout_s is not None else math.inf
         next_progress = start + PROGRESS_AFTER_S
         outcomes: list[CallOutcome | None] = [None] * len(calls)
+        failures = 0
+
+        def settle(i: int, outcome: CallOutcome) -> None:
+            nonlocal failures
+            outcomes[i] = outcome
+            failures += outcome.status != "ok"
         # Several chunks per worker balance uneven call times; chunks of many calls amortise IPC.
         chunk = max(1, math.ceil(len(calls) / (4 * max(1, len(self._workers)))))
         queue: deque[list[int]] = deque(
@@ -249,7 +266,7 @@ class ScoringPool:
         def fail_current(worker: _Worker, status: str, reason: str) -> None:
             """Charge the running call, requeue the rest of the worker's chunk, replace the worker."""
             victim = worker.pending.popleft()
-            outcomes[victim] = CallOutcome(status, reason=reason)
+            settle(victim, CallOutcome(status, reason=reason))
             requeue_and_replace(worker)
 
         def requeue_and_replace(worker: _Worker) -> None:
@@ -273,20 +290,20 @@ class ScoringPool:
                             f"scoring worker answered call {call_id}, expected {worker.pending[0]}"
                         )
                     worker.pending.popleft()
-                    outcomes[call_id] = CallOutcome.from_reply(status, payload)
+                    settle(call_id, CallOutcome.from_reply(status, payload))
                     worker.deadline = time.monotonic() + self.timeout_s
             except (EOFError, OSError):
                 return False
             return True
 
-        def cancel_the_rest(reason: str) -> None:
+        def cancel_the_rest(status: str, reason: str) -> None:
             for worker in [w for w in self._workers if w.pending]:
                 queue.appendleft(list(worker.pending))
                 worker.pending.clear()
                 requeue_and_replace(worker)
             for ids in queue:
                 for i in ids:
-                    outcomes[i] = CallOutcome("timeout", reason=reason)
+                    outcomes[i] = CallOutcome(status, reason=reason)
             queue.clear()
 
         while queue or any(w.pending for w in self._workers):
@@ -324,10 +341,14 @@ class ScoringPool:
                 elif time.monotonic() >= worker.deadline:
                     fail_current(worker, "timeout", f"call did not return within {self.timeout_s:g} s")
             now = time.monotonic()
-            if now >= batch_deadline and (queue or any(w.pending for w in self._workers)):
+            unanswered = bool(queue or any(w.pending for w in self._workers))
+            if unanswered and stop_after_failures is not None and failures > stop_after_failures:
+                cancel_the_rest(CANCELLED, f"not run: {failures} calls of the batch had failed already")
+            elif unanswered and now >= batch_deadline:
                 cancel_the_rest(
+                    "timeout",
                     f"cancelled: the scoring batch ran past its deadline of {batch_timeout_s:g} s "
-                    "(reward.batch_timeout_s)"
+                    "(reward.batch_timeout_s)",
                 )
             elif now >= next_progress:
                 self._log_progress(outcomes, now - start, batch_timeout_s)

@@ -41,6 +41,12 @@ def early_and_late(data_source, solution_str, ground_truth, extra_info=None):
 
 def sleeps(data_source, solution_str, ground_truth, extra_info=None):
     time.sleep(30)
+
+
+def exits(data_source, solution_str, ground_truth, extra_info=None):
+    import os
+
+    os._exit(1)
 '''
 
 
@@ -86,6 +92,19 @@ def test_share_of_one_turns_the_rule_off_and_bad_values_are_refused(user_file: s
         RewardManager(max_failure_share=1.5)
     with pytest.raises(ConfigError, match="reward.batch_timeout_s = 0"):
         RewardManager(batch_timeout_s=0)
+
+
+def test_a_lost_batch_stops_early_instead_of_restarting_a_worker_per_call(user_file: str) -> None:
+    with RewardManager(custom_fn_path=user_file, custom_fn_name="exits", num_workers=2) as manager:
+        with pytest.raises(RewardFailureError) as error:
+            score(manager, ["x"] * 24)
+        restarts = manager._pool.restarts
+    text = str(error.value)
+    # More than 12 of 24 crashed: the batch is lost whatever the rest return, so the rest never run.
+    crashed = int(text.split("crash ")[1].split(";")[0])
+    assert 12 < crashed < 24 and f"{24 - crashed} calls not run once the batch was lost" in text
+    assert "crash: worker exited with code 1 during the call" in text
+    assert restarts <= crashed + 2  # one per crash, plus the workers stopped mid-call
 
 
 def test_batch_deadline_from_config_turns_a_hang_into_a_stop(user_file: str) -> None:
