@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from megarl.errors import ConfigError
-from megarl.hybrid.sender_rule import replica_rank, sender_position
+from megarl.hybrid.sender_rule import (
+    EVERY_EP_RANK, ShardKey, holder_rank, holder_ranks, replicas_per_holder, sender_position, shard_keys,
+)
 from megarl.hybrid.slices import Block, LocalTensor, engine_params, hf_tensor_shapes, megatron_shards
 from megarl.layout import ParallelLayout
 
@@ -92,7 +94,7 @@ def _unit_bytes(t: LocalTensor, dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class _Source:
-    coord_key: tuple[int, int]  # (tp, pp) model shard
+    coord_key: ShardKey  # (tp, pp, ep_rank or EVERY_EP_RANK)
     name: str
     start: int  # HF rows
     stop: int
@@ -125,13 +127,13 @@ def build_reshard_plan(
     if senders not in SENDER_RULES:
         raise ConfigError(f"reshard plan: senders={senders!r} unknown; valid: {SENDER_RULES}")
     check_plan_inputs(train, rollout, bucket_bytes)
-    spec.check_layout(train.tp, train.pp)
+    spec.check_layout(train.tp, train.pp, train.ep)
     shapes = hf_shapes if hf_shapes is not None else hf_tensor_shapes(spec)
     world = train.world_size
     coords = [train.coord(r) for r in range(world)]  # once: step 2 reads them per segment
 
     shard_cache, sources = source_index(spec, train, shapes)
-    train_tensors = {r: shard_cache[(c.tp_rank, c.pp_rank)] for r, c in enumerate(coords)}
+    train_tensors = {r: rank_tensors(shard_cache, train, r) for r in range(world)}
     shard_by_name = {key: {t.name: t for t in ts} for key, ts in shard_cache.items()}
 
     engine_tensors = {g: engine_params(spec, engine, rollout.coord(g).tp_rank, rollout.tp, shapes)
@@ -140,13 +142,12 @@ def build_reshard_plan(
     segments: list[_Segment] = []
     plan_bytes = {r: RankBytes() for r in range(world)}
     for dst in range(world):
-        c = coords[dst]
         for i, param in enumerate(engine_tensors[dst]):
             unit = _unit_bytes(param, dtype)
             salt = i
             for block in param.blocks:
                 plan_bytes[dst].needed += block.length * unit
-                cut = _segments(block, sources, (c.tp_rank, c.pp_rank), dst, param, unit, shard_by_name)
+                cut = _segments(block, sources, shard_keys(train, dst), dst, param, unit, shard_by_name)
                 for seg in cut:
                     seg.salt, salt = salt, salt + 1
                 # What the rank holds, counted before any sender is chosen.
@@ -164,7 +165,7 @@ def build_reshard_plan(
             continue
         dst_dp = coords[seg.dst].dp_rank
         options = [(sent[r], coords[r].dp_rank != dst_dp, r, h) for h in seg.holders
-                   for r in train.replicas(*h.coord_key)]
+                   for r in holder_ranks(train, h.coord_key)]
         _, _, seg.src, seg.source = min(options, key=lambda o: o[:3])
         sent[seg.src] += seg.nbytes
     # 3. Merge adjacent segments from the same source into pieces.
@@ -193,27 +194,38 @@ def check_plan_inputs(train: ParallelLayout, rollout: ParallelLayout, bucket_byt
 
 
 def source_index(spec: "ModelSpec", train: ParallelLayout, shapes: dict[str, tuple[int, ...]]
-                 ) -> tuple[dict[tuple[int, int], list[LocalTensor]], dict[str, list[_Source]]]:
-    """Every model shard's (tp, pp) Megatron tensors, and per HF name the blocks some shard holds
-    (shards in (tp, pp) order: the holder order the sender rule counts in). Cost: tp * pp shards,
-    independent of dp and cp."""
-    shard_cache: dict[tuple[int, int], list[LocalTensor]] = {}
+                 ) -> tuple[dict[ShardKey, list[LocalTensor]], dict[str, list[_Source]]]:
+    """Every shard's Megatron tensors, and per HF name the blocks some shard holds (the holder
+    order the sender rule counts in). Shards: (tp, pp, EVERY_EP_RANK) for what every expert-
+    parallel rank of a model shard holds (everything when ep = 1), and with ep > 1 (tp, pp, e) for
+    the experts of ep rank e. Cost: tp * pp model shards, independent of dp, cp and ep."""
+    shard_cache: dict[ShardKey, list[LocalTensor]] = {}
     sources: dict[str, list[_Source]] = {}
+    split = train.ep > 1
     for tp in range(train.tp):
         for pp in range(train.pp):
-            shard_cache[(tp, pp)] = megatron_shards(spec, tp, train.tp, pp, train.pp, shapes)
-            for t in shard_cache[(tp, pp)]:
-                for b in t.blocks:
-                    sources.setdefault(b.hf_name, []).append(_Source((tp, pp), t.name, b.start, b.stop, b.offset))
+            parts = [((tp, pp, EVERY_EP_RANK), dict(experts=False if split else None))]
+            parts += [((tp, pp, e), dict(ep_rank=e, ep_size=train.ep, experts=True)) for e in range(train.ep if split else 0)]
+            for key, kwargs in parts:
+                shard_cache[key] = megatron_shards(spec, tp, train.tp, pp, train.pp, shapes, **kwargs)
+                for t in shard_cache[key]:
+                    for b in t.blocks:
+                        sources.setdefault(b.hf_name, []).append(_Source(key, t.name, b.start, b.stop, b.offset))
     return shard_cache, sources
+
+
+def rank_tensors(shard_cache: dict[ShardKey, list[LocalTensor]], train: ParallelLayout, rank: int) -> list[LocalTensor]:
+    """The Megatron tensors training rank `rank` holds."""
+    every, experts = shard_keys(train, rank)
+    return shard_cache[every] + (shard_cache[experts] if train.ep > 1 else [])
 
 
 def rule_sender(train: ParallelLayout, holders: list[_Source], dst: int, salt: int) -> tuple[int, _Source]:
     """The (rank, holder) `sender_rule` assigns to receiver `dst` for rows all `holders` hold."""
-    replicas = train.dp * train.cp
-    position = sender_position(train, dst, len(holders) * replicas, salt)
-    holder = holders[position // replicas]
-    return replica_rank(train, *holder.coord_key, position % replicas), holder
+    per_holder = replicas_per_holder(train, holders[0].coord_key)  # the same for all: expert rows or not
+    position = sender_position(train, dst, len(holders), per_holder, salt)
+    holder = holders[position // per_holder]
+    return holder_rank(train, holder.coord_key, position % per_holder), holder
 
 
 @dataclass
@@ -233,9 +245,9 @@ class _Segment:
     salt: int = 0  # parameter index + segment index in it: the sender rule's per-segment shift
 
 
-def _segments(block: Block, sources: dict[str, list[_Source]], own: tuple[int, int], dst: int,
+def _segments(block: Block, sources: dict[str, list[_Source]], own: tuple[ShardKey, ...], dst: int,
               param: LocalTensor, unit: int,
-              shard_by_name: dict[tuple[int, int], dict[str, LocalTensor]]) -> list[_Segment]:
+              shard_by_name: dict[ShardKey, dict[str, LocalTensor]]) -> list[_Segment]:
     """Cut one engine block at every source boundary; segments the receiver holds get src=dst."""
     cands = [s for s in sources.get(block.hf_name, []) if s.start < block.stop and s.stop > block.start]
     cuts = sorted({block.start, block.stop} | {x for s in cands for x in (s.start, s.stop)
@@ -249,7 +261,7 @@ def _segments(block: Block, sources: dict[str, list[_Source]], own: tuple[int, i
         if axis != param.axis:
             raise ConfigError(f"reshard plan: {block.hf_name} split on axis {axis} in training, {param.axis} in the engine")
         seg = _Segment(dst, param, axis, block.offset + lo - block.start, hi - lo, (hi - lo) * unit, lo, holders)
-        mine = [s for s in holders if s.coord_key == own]
+        mine = [s for s in holders if s.coord_key in own]
         if mine:
             seg.src, seg.source = dst, mine[0]
         out.append(seg)

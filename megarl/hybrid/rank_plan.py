@@ -29,9 +29,9 @@ import torch
 from megarl.errors import ConfigError
 from megarl.hybrid.plan import (
     DEFAULT_BUCKET_BYTES, Piece, RankBytes, ReshardPlan, _bucket, _merge, _Segment, _segments, _unit_bytes,
-    check_plan_inputs, join_pieces, rule_sender, segment_piece, source_index,
+    check_plan_inputs, join_pieces, rank_tensors, rule_sender, segment_piece, source_index,
 )
-from megarl.hybrid.sender_rule import receivers_at
+from megarl.hybrid.sender_rule import EVERY_EP_RANK, receivers_at, replicas_per_holder, shard_keys
 from megarl.hybrid.slices import LocalTensor, engine_params, hf_tensor_shapes
 from megarl.layout import ParallelLayout
 
@@ -78,7 +78,7 @@ class _Template:
     that rollout TP rank (only the sender depends on the receiver)."""
 
     seg: _Segment  # dst and src unset
-    holder_keys: frozenset[tuple[int, int]]
+    holder_keys: frozenset[tuple[int, int, int]]
 
 
 class RankPlanner:
@@ -89,7 +89,7 @@ class RankPlanner:
                  dtype: torch.dtype = torch.float32, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  hf_shapes: dict[str, tuple[int, ...]] | None = None) -> None:
         check_plan_inputs(train, rollout, bucket_bytes)
-        spec.check_layout(train.tp, train.pp)
+        spec.check_layout(train.tp, train.pp, train.ep)
         shapes = hf_shapes if hf_shapes is not None else hf_tensor_shapes(spec)
         self.train, self.rollout, self.engine = train, rollout, engine
         self.dtype, self.bucket_bytes = dtype, bucket_bytes
@@ -116,7 +116,7 @@ class RankPlanner:
             unit = _unit_bytes(param, self.dtype)
             out = []
             for block in param.blocks:
-                for seg in _segments(block, self.sources, (-1, -1), -1, param, unit, self.shard_by_name):
+                for seg in _segments(block, self.sources, (), -1, param, unit, self.shard_by_name):
                     seg.salt = i + len(out)
                     out.append(_Template(seg, frozenset(h.coord_key for h in seg.holders)))
             self._templates[key] = out
@@ -125,23 +125,19 @@ class RankPlanner:
     def plan(self, rank: int) -> RankPlan:
         """`rank`'s pieces, schedule and bytes. Raises AssertionError if it would receive more
         than the minimum (a planner bug, as in `build_reshard_plan`)."""
-        c = self.train.coord(rank)
-        own = (c.tp_rank, c.pp_rank)
         counts, local_pieces, remote = self.received(rank)
-        for piece in self._sent(rank, own):  # every receiver whose rule names this rank
+        for piece in self._sent(rank):  # every receiver whose rule names this rank
             counts.sent += piece.nbytes
             remote.setdefault((rank, piece.dst), []).append(piece)
         return RankPlan(rank, self.train, self.rollout, self.engine, self.dtype, self.bucket_bytes,
-                        self.params[self.rollout.coord(rank).tp_rank], self.shards[own], local_pieces,
-                        _bucket(remote, self.bucket_bytes), counts)
+                        self.params[self.rollout.coord(rank).tp_rank], rank_tensors(self.shards, self.train, rank),
+                        local_pieces, _bucket(remote, self.bucket_bytes), counts)
 
     def received(self, rank: int) -> tuple[RankBytes, list[Piece], dict[Pair, list[Piece]]]:
         """The receiving half of `rank`'s plan: its bytes (`sent` left 0), the pieces it copies
         locally and those it receives, by (sender, rank). Raises AssertionError if it would
         receive more than the minimum."""
-        train = self.train
-        c = train.coord(rank)
-        own = (c.tp_rank, c.pp_rank)
+        own = shard_keys(self.train, rank)
         t = self.rollout.coord(rank).tp_rank
         counts = RankBytes()
         segments: list[_Segment] = []  # this rank's engine parameters, in the full plan's order
@@ -149,12 +145,12 @@ class RankPlanner:
             for tpl in self.templates(t, i):
                 seg = _copy(tpl.seg, rank)
                 counts.needed += seg.nbytes
-                mine = [h for h in seg.holders if h.coord_key == own]
+                mine = [h for h in seg.holders if h.coord_key in own]
                 if mine:
                     seg.src, seg.source = rank, mine[0]
                     counts.local += seg.nbytes
                 else:
-                    seg.src, seg.source = rule_sender(train, seg.holders, rank, seg.salt)
+                    seg.src, seg.source = rule_sender(self.train, seg.holders, rank, seg.salt)
                 segments.append(seg)
         local_pieces: list[Piece] = []
         remote: dict[Pair, list[Piece]] = {}
@@ -176,38 +172,44 @@ class RankPlanner:
         return counts, {pair: (sum(p.nbytes for p in pieces), sum(pair in step for step in steps))
                         for pair, pieces in remote.items()}
 
-    def _sent(self, rank: int, own: tuple[int, int]) -> list[Piece]:
+    def _sent(self, rank: int) -> list[Piece]:
         """Pieces `rank` sends, per receiver in the receiver's parameter and row order."""
         train = self.train
         c = train.coord(rank)
         my_replica = c.dp_rank * train.cp + c.cp_rank
-        replicas = train.dp * train.cp
+        own = shard_keys(train, rank)
         rollout_tp = self.rollout.tp
-        touched = sorted({u for t_ in self.shards[own] for b in t_.blocks for u in self.users.get(b.hf_name, ())})
+        mine = [t_ for key in dict.fromkeys(own) if key in self.shards for t_ in self.shards[key]]
+        touched = sorted({u for t_ in mine for b in t_.blocks for u in self.users.get(b.hf_name, ())})
         out: list[Piece] = []
         for t, i in touched:
             pieces: dict[int, list[Piece]] = {}  # receiver -> its pieces from this rank, in order
             previous: set[int] = set()  # receivers of the previous segment from this rank
             for tpl in self.templates(t, i):
                 now: set[int] = set()
-                for k, holder in enumerate(tpl.seg.holders):
-                    if holder.coord_key != own:
+                holders = tpl.seg.holders
+                per_holder = replicas_per_holder(train, holders[0].coord_key)
+                # This rank's index among the holder's ranks (`sender_rule.holder_rank`).
+                j = my_replica if holders[0].coord_key[2] == EVERY_EP_RANK else my_replica // train.ep
+                for k, holder in enumerate(holders):
+                    if holder.coord_key not in own:
                         continue
-                    position = k * replicas + my_replica
-                    for dst, tp_rank, pp_rank in receivers_at(train, position, len(tpl.seg.holders), tpl.seg.salt):
+                    for dst, (tp_rank, pp_rank, ep_rank) in receivers_at(train, k * per_holder + j, len(holders),
+                                                                         per_holder, tpl.seg.salt):
                         # Rollout TP is the fastest rank coordinate (`ParallelLayout.rollout`).
-                        if dst % rollout_tp != t or (tp_rank, pp_rank) in tpl.holder_keys:
+                        if dst % rollout_tp != t or not tpl.holder_keys.isdisjoint(
+                                ((tp_rank, pp_rank, EVERY_EP_RANK), (tp_rank, pp_rank, ep_rank))):
                             continue  # another engine slice, or the receiver holds the rows itself
                         seg = _copy(tpl.seg, dst)
                         seg.src, seg.source = rank, holder
                         piece = segment_piece(seg)
-                        mine = pieces.setdefault(dst, [])
+                        mine_for_dst = pieces.setdefault(dst, [])
                         # Only a piece right after one of ours in the receiver's order may join it.
-                        joined = join_pieces(mine[-1], piece) if dst in previous else None
+                        joined = join_pieces(mine_for_dst[-1], piece) if dst in previous else None
                         if joined is not None:
-                            mine[-1] = joined
+                            mine_for_dst[-1] = joined
                         else:
-                            mine.append(piece)
+                            mine_for_dst.append(piece)
                         now.add(dst)
                 previous = now
             for dst in sorted(pieces):

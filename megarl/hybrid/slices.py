@@ -121,12 +121,17 @@ def _unsplit_blocks(entry: WeightEntry, hf_names: list[str], shapes: dict[str, t
 
 
 def megatron_shards(spec: "ModelSpec", tp_rank: int, tp_size: int, pp_rank: int, pp_size: int,
-                    shapes: dict[str, tuple[int, ...]]) -> list[LocalTensor]:
-    """Every Megatron parameter of training model shard (tp_rank, pp_rank), by local-spec name
-    (stage-local layer indices), with its HF blocks. Shapes are the local shard's shapes."""
+                    shapes: dict[str, tuple[int, ...]], ep_rank: int = 0, ep_size: int = 1,
+                    experts: bool | None = None) -> list[LocalTensor]:
+    """Every Megatron parameter of training model shard (tp_rank, pp_rank) and expert-parallel rank
+    `ep_rank`, by local-spec name (stage-local layer and expert indices), with its HF blocks.
+    Shapes are the local shard's shapes. `experts`: only the per-expert weights (True), only the
+    others (False), or all (None)."""
     out = []
     padded_vocab = spec.padded_vocab_size(tp_size)
-    for entry, name, hf_names in stage_entries(spec, pp_rank, pp_size):
+    for entry, name, hf_names in stage_entries(spec, pp_rank, pp_size, ep_rank=ep_rank, ep_size=ep_size):
+        if experts is not None and entry.per_expert != experts:
+            continue
         axis = entry_axis(entry)
         blocks = _unsplit_blocks(entry, hf_names, shapes, spec)
         full = padded_vocab if entry.vocab_padded else sum(b.length for b in blocks)
