@@ -14,11 +14,12 @@ PYTEST_ARGS ?=
 # Tiers that run on a CPU machine without extra environments (vllm has its own: `make test-vllm`).
 TEST_MARKERS ?= not gpu and not vllm
 
-.PHONY: install demo demo-rm test test-unit clean help
+.PHONY: install demo demo-rm demo-tools test test-unit clean help
 
 help:
 	@echo "make demo   - install, then run the quickstart (tiny GRPO on CPU)"
 	@echo "make demo-rm - install, then PPO on CPU with a reward model fitted on the task"
+	@echo "make demo-tools - install, then multi-turn GRPO on CPU with a calculator tool"
 	@echo "make test   - install, then run the test suite (unit, distributed, integration tiers)"
 	@echo "make bench  - install, then run the benchmarks (JSON + markdown under benchmarks/results)"
 	@echo "make clean  - remove the virtual environment and caches"
@@ -51,6 +52,15 @@ demo-rm: install
 	test -f $(DEMO_DATA)/reward_model/model.safetensors || $(BIN)/python -m megarl.rewards.fit_preference_model \
 		--data $(DEMO_DATA)/train.parquet --tokenizer $(DEMO_DATA)/tokenizer --out $(DEMO_DATA)/reward_model
 	$(BIN)/megarl train configs/ppo_rm_cpu.yaml $(DEMO_ARGS)
+
+# Multi-turn GRPO with a calculator tool (configs/tools_cpu.yaml): the task and its tokenizer, a short
+# warm start on calculator demonstrations (once; remove $(TOOLS_DATA)/warm_start to redo it), the run.
+TOOLS_DATA := data/arithmetic_tools
+demo-tools: install
+	$(BIN)/megarl data make arithmetic_tools --out $(TOOLS_DATA) --tokenizer-out $(TOOLS_DATA)/tokenizer
+	test -f $(TOOLS_DATA)/warm_start/model.safetensors || $(BIN)/python -m megarl.agent.warm_start \
+		--data $(TOOLS_DATA)/train.parquet --tokenizer $(TOOLS_DATA)/tokenizer --out $(TOOLS_DATA)/warm_start
+	$(BIN)/megarl train configs/tools_cpu.yaml $(DEMO_ARGS)
 
 # The main tiers, then the vllm tier in its own environment (mk/vllm.mk). SKIP_VLLM=1 skips the latter.
 test: install

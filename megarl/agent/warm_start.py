@@ -71,3 +71,51 @@ def fit_demonstrations(hf_config: dict[str, Any], tokenizer: Any, episodes: Sequ
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     return {"loss_first": losses[0], "loss_last": losses[-1]}
+
+
+def calculator_demonstrations(tokenizer: Any, train_parquet: str | Path, limit: int) -> list[tuple[list[int], list[int]]]:
+    """Episodes of the `arithmetic_tools` task's rows done right: call the calculator on the prompt's
+    expression, then answer with its result."""
+    import pyarrow.parquet as pq
+
+    from megarl.data.tasks.arithmetic_tools import call_text
+
+    rows = pq.read_table(str(train_parquet)).to_pylist()[:limit]
+    episodes = []
+    for row in rows:
+        prompt, answer = row["prompt"][-1]["content"], str(row["reward_model"]["ground_truth"])
+        episodes.append(conversation_ids(tokenizer, prompt, [call_text(prompt.rstrip("=")), f"{answer}<|im_end|>"],
+                                         [answer]))
+    return episodes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    from megarl.data.tokenizer import load_tokenizer
+
+    parser = argparse.ArgumentParser(description="Warm-start a tiny Qwen2 model on calculator demonstrations "
+                                                 "of the arithmetic_tools task (`megarl data make arithmetic_tools`)")
+    parser.add_argument("--data", required=True, help="train.parquet of the task")
+    parser.add_argument("--tokenizer", required=True, help="the task's tokenizer directory")
+    parser.add_argument("--out", required=True, help="model directory to write (model + tokenizer)")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps (few: the RL run does the rest)")
+    parser.add_argument("--demonstrations", type=int, default=256, help="rows of --data to imitate")
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    tokenizer = load_tokenizer(args.tokenizer)
+    config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": args.hidden_size,
+              "intermediate_size": 2 * args.hidden_size, "num_hidden_layers": args.layers, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": False}
+    episodes = calculator_demonstrations(tokenizer, args.data, args.demonstrations)
+    fit = fit_demonstrations(config, tokenizer, episodes, args.out, steps=args.steps, lr=args.lr, seed=args.seed)
+    print(f"warm start: {len(episodes)} demonstrations, {args.steps} steps, token loss "
+          f"{fit['loss_first']:.3f} -> {fit['loss_last']:.3f}; model -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

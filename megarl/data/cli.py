@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 from megarl.data.parquet_io import write_parquet
 from megarl.data.schema import read_parquet_schema
 from megarl.data.tasks import ArithmeticTask, CountdownTask
+from megarl.data.tasks.arithmetic_tools import ArithmeticToolsTask, build_tools_tokenizer
 from megarl.data.tokenizer import build_char_tokenizer
 
 
@@ -52,13 +53,19 @@ def _countdown(args: argparse.Namespace) -> CountdownTask:
 
 
 def make(args: argparse.Namespace) -> int:
-    task = _arithmetic(args) if args.task == "arithmetic" else _countdown(args)
+    if args.task == "arithmetic_tools":
+        task: Any = ArithmeticToolsTask(digits=args.digits, operators=args.operators)
+    else:
+        task = _arithmetic(args) if args.task == "arithmetic" else _countdown(args)
     out = Path(args.out)
     for split, size in (("train", args.train_size), ("val", args.val_size)):
         count = write_parquet(task.rows(size, args.seed, split), out / f"{split}.parquet")
         print(f"{split}: {count} rows -> {out / f'{split}.parquet'}")
     if args.tokenizer_out:
-        tokenizer = build_char_tokenizer(task.alphabet() + args.extra_chars, args.tokenizer_out)
+        if args.task == "arithmetic_tools":  # ChatML and the tool-call tags as single tokens
+            tokenizer = build_tools_tokenizer(args.tokenizer_out)
+        else:
+            tokenizer = build_char_tokenizer(task.alphabet() + args.extra_chars, args.tokenizer_out)
         print(f"tokenizer: {len(tokenizer)} tokens -> {args.tokenizer_out}")
     return 0
 
@@ -116,6 +123,12 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     countdown.add_argument("--operators", default="+-*/")
     countdown.add_argument("--prompt-style", choices=["compact", "verbose"], default="compact")
     countdown.set_defaults(func=make)
+
+    tools = tasks.add_parser("arithmetic_tools", help='"483920+771035=" with a calculator tool (multi-turn)')
+    _add_common(tools)
+    tools.add_argument("--digits", type=int, default=6, help="digits of each operand")
+    tools.add_argument("--operators", default="+", help="subset of '+-*'")
+    tools.set_defaults(func=make)
 
     inspect_parser = commands.add_parser(
         "inspect", help="print schema, row count and first rows of a parquet file"

@@ -51,7 +51,8 @@ def test_multi_turn_grpo_with_a_calculator(tmp_path: Path, warm_model: tuple[Pat
                  "max_response_length": 64, "train_batch_size": 4, "apply_chat_template": "true"},
         "model": {"path": str(model)},
         "actor": {"optim": {"lr": 1e-4, "weight_decay": 0.0}, "megatron": {"tensor_model_parallel_size": 2},
-                  "ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 8},
+                  # two mini-batches: the old log-probs come from a pass of the actor (the gap metric below)
+                  "ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 8},
         "rollout": {"engine": "hf", "n": 4,
                     "multi_turn": {"enable": True, "tools": ["calculator"], "max_turns": 3, "tool_timeout_s": 5.0}},
         "algorithm": {"adv_estimator": "grpo"},
