@@ -97,12 +97,12 @@ def test_share_of_one_turns_the_rule_off_and_bad_values_are_refused(user_file: s
 def test_a_lost_batch_stops_early_instead_of_restarting_a_worker_per_call(user_file: str) -> None:
     with RewardManager(custom_fn_path=user_file, custom_fn_name="exits", num_workers=2) as manager:
         with pytest.raises(RewardFailureError) as error:
-            score(manager, ["x"] * 24)
+            score(manager, ["x"] * 10)
         restarts = manager._pool.restarts
     text = str(error.value)
-    # More than 12 of 24 crashed: the batch is lost whatever the rest return, so the rest never run.
+    # More than 5 of 10 crashed: the batch is lost whatever the rest return, so the rest never run.
     crashed = int(text.split("crash ")[1].split(";")[0])
-    assert 12 < crashed < 24 and f"{24 - crashed} calls not run once the batch was lost" in text
+    assert 5 < crashed < 10 and f"{10 - crashed} calls not run once the batch was lost" in text
     assert "crash: worker exited with code 1 during the call" in text
     assert restarts <= crashed + 2  # one per crash, plus the workers stopped mid-call
 
