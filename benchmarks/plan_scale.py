@@ -14,7 +14,13 @@ With `--world-check` (default up to 256 ranks) the receiving half of every rank 
 today) is timed on the same layout. The HF shapes come from a meta-device model once
 (`shapes_seconds`, also independent of the world size).
 
-    python benchmarks/plan_scale.py [--layouts 8x4x2,8x8x4,8x8x16] [--out benchmarks/results/plan_scale.json]
+The same for a Qwen3-235B-A22B shape trained with expert parallelism, TP4 x PP2 x EP8 at DP 8, 32
+and 128 (64, 256, 1,024 ranks), into the HF engine at rollout TP 1 (vLLM's fused expert parameters
+are not resharded yet): every rank receives the whole model, so its plan is large (about 145k
+slices in and as many out) but should not grow with the world.
+
+    python benchmarks/plan_scale.py [--layouts 8x4x2,8x8x4,8x8x16] [--moe-layouts 4x2x8x8,...]
+        [--out benchmarks/results/plan_scale.json]
 """
 
 from __future__ import annotations
@@ -48,23 +54,31 @@ QWEN25_72B = {
     "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
     "hidden_act": "silu",
 }
+# Qwen3-235B-A22B's config.json: 94 layers, 128 experts (top-8) of width 1536, 4 key/value heads.
+QWEN3_235B_A22B = {
+    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 4096,
+    "intermediate_size": 12288, "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4,
+    "head_dim": 128, "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 1536, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "tie_word_embeddings": False, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+}
 GOAL_SECONDS, GOAL_MIB = 5.0, 200.0  # per rank, at 1,024 ranks
 
 
 def parse_layout(text: str) -> ParallelLayout:
-    """"8x4x2" -> TP8 x PP4 x DP2."""
-    tp, pp, dp = (int(x) for x in text.split("x"))
-    return ParallelLayout(tp=tp, pp=pp, dp=dp)
+    """"8x4x2" -> TP8 x PP4 x DP2; "4x2x8x8" -> TP4 x PP2 x DP8 x EP8."""
+    degrees = [int(x) for x in text.split("x")]
+    return ParallelLayout(**dict(zip(("tp", "pp", "dp", "ep"), degrees)))
 
 
-def plan_one(spec: ModelSpec, train: ParallelLayout, rollout: ParallelLayout, rank: int,
+def plan_one(spec: ModelSpec, train: ParallelLayout, rollout: ParallelLayout, engine: str, rank: int,
              shapes: dict[str, tuple[int, ...]], bucket_bytes: int, repeats: int) -> dict[str, Any]:
     """Plan `rank` from scratch `repeats` times (the fastest counts: the machine is shared), then
     once more under tracemalloc for its peak memory."""
     best = None
     for _ in range(repeats):
         t0 = time.perf_counter()
-        planner = RankPlanner(spec, train, rollout, "vllm", torch.bfloat16, bucket_bytes, hf_shapes=shapes)
+        planner = RankPlanner(spec, train, rollout, engine, torch.bfloat16, bucket_bytes, hf_shapes=shapes)
         t1 = time.perf_counter()
         plan = planner.plan(rank)
         t2 = time.perf_counter()
@@ -73,7 +87,7 @@ def plan_one(spec: ModelSpec, train: ParallelLayout, rollout: ParallelLayout, ra
             best = (t0, t1, t2)
     t0, t1, t2 = best
     tracemalloc.start()
-    RankPlanner(spec, train, rollout, "vllm", torch.bfloat16, bucket_bytes, hf_shapes=shapes).plan(rank)
+    RankPlanner(spec, train, rollout, engine, torch.bfloat16, bucket_bytes, hf_shapes=shapes).plan(rank)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     b = plan.bytes
@@ -83,11 +97,11 @@ def plan_one(spec: ModelSpec, train: ParallelLayout, rollout: ParallelLayout, ra
                 needed=b.needed, steps=len(plan.steps), peers=len({p for s in plan.steps for p in s}))
 
 
-def world_check(spec: ModelSpec, train: ParallelLayout, rollout: ParallelLayout,
+def world_check(spec: ModelSpec, train: ParallelLayout, rollout: ParallelLayout, engine: str,
                 shapes: dict[str, tuple[int, ...]], bucket_bytes: int) -> dict[str, Any]:
     """Every rank's receiving half (shared tables): total received == sum of the minima."""
     t0 = time.perf_counter()
-    planner = RankPlanner(spec, train, rollout, "vllm", torch.bfloat16, bucket_bytes, hf_shapes=shapes)
+    planner = RankPlanner(spec, train, rollout, engine, torch.bfloat16, bucket_bytes, hf_shapes=shapes)
     received = minimum = 0
     for rank in range(train.world_size):
         counts, _, _ = planner.received(rank)
@@ -96,18 +110,67 @@ def world_check(spec: ModelSpec, train: ParallelLayout, rollout: ParallelLayout,
     return dict(received=received, minimum=minimum, seconds=time.perf_counter() - t0)
 
 
-def full_planner(spec: ModelSpec, train: ParallelLayout, rollout: ParallelLayout,
+def full_planner(spec: ModelSpec, train: ParallelLayout, rollout: ParallelLayout, engine: str,
                  shapes: dict[str, tuple[int, ...]], bucket_bytes: int) -> dict[str, Any]:
     t0 = time.perf_counter()
-    plan = build_reshard_plan(spec, train, rollout, "vllm", torch.bfloat16, bucket_bytes, hf_shapes=shapes)
+    plan = build_reshard_plan(spec, train, rollout, engine, torch.bfloat16, bucket_bytes, hf_shapes=shapes)
     return dict(seconds=time.perf_counter() - t0, received=plan.total_received(),
                 largest_sent=max(b.sent for b in plan.bytes.values()))
 
 
+def scale(model: str, config: dict[str, Any], layouts: str, rollout_tp: int, args: argparse.Namespace,
+          ranks_per_layout: int) -> dict[str, Any]:
+    """One model at each layout: sampled ranks planned alone, optional world checks."""
+    spec = ModelSpec.from_hf_config(config)
+    t0 = time.perf_counter()
+    shapes = hf_tensor_shapes(spec)
+    shapes_seconds = time.perf_counter() - t0
+    engine = "hf" if rollout_tp == 1 else "vllm"
+    bucket = int(args.bucket_mib * 2**20)
+    rows = []
+    for text in layouts.split(","):
+        train = parse_layout(text)
+        world = train.world_size
+        rollout = ParallelLayout.rollout(rollout_tp, world)
+        ranks = sorted({0, world - 1, world // 2 + 3}) if ranks_per_layout >= 3 else sorted({0, world - 1})
+        sample = [plan_one(spec, train, rollout, engine, r, shapes, bucket, args.repeats) for r in ranks]
+        name = f"TP{train.tp}xPP{train.pp}xDP{train.dp}" + (f"xEP{train.ep}" if train.ep > 1 else "")
+        row: dict[str, Any] = dict(layout=name, world_size=world, ranks=sample,
+                                   max_seconds=max(s["seconds"] for s in sample),
+                                   max_peak_mib=max(s["peak_mib"] for s in sample))
+        if world <= args.world_check and not spec.num_experts:
+            row["world"] = world_check(spec, train, rollout, engine, shapes, bucket)
+        if world <= args.compare_full and not spec.num_experts:
+            row["full_planner"] = full_planner(spec, train, rollout, engine, shapes, bucket)
+            assert row["full_planner"]["received"] == row.get("world", {}).get("received", row["full_planner"]["received"])
+        rows.append(row)
+        print(f"{model}: {name:>18} {world:5d} ranks: per rank {row['max_seconds']:.2f} s, peak {row['max_peak_mib']:.1f} MiB"
+              + (f"; whole-world planner {row['full_planner']['seconds']:.1f} s" if "full_planner" in row else ""),
+              flush=True)
+    print(f"\n{model} shape -> {engine} rollout TP{rollout_tp}, bf16; HF shapes {shapes_seconds:.2f} s once")
+    print(f"{'layout':>18} {'ranks':>5} {'rank':>5} {'tables s':>8} {'plan s':>7} {'peak MiB':>8} "
+          f"{'recv GiB':>8} {'min GiB':>8} {'sent GiB':>8} {'peers':>5} {'steps':>5}")
+    for row in rows:
+        for s in row["ranks"]:
+            print(f"{row['layout']:>18} {row['world_size']:5d} {s['rank']:5d} {s['tables_seconds']:8.2f} "
+                  f"{s['plan_seconds']:7.2f} {s['peak_mib']:8.1f} {s['received'] / 2**30:8.2f} "
+                  f"{s['minimum'] / 2**30:8.2f} {s['sent'] / 2**30:8.2f} {s['peers']:5d} {s['steps']:5d}")
+    print()
+    largest = max(rows, key=lambda r: r["world_size"])
+    summary = dict(largest_world=largest["world_size"], per_rank_seconds=largest["max_seconds"],
+                   per_rank_peak_mib=largest["max_peak_mib"],
+                   goal_met=largest["max_seconds"] < GOAL_SECONDS and largest["max_peak_mib"] < GOAL_MIB,
+                   seconds_ratio_largest_over_smallest=largest["max_seconds"] / rows[0]["max_seconds"])
+    return dict(model=model, rollout_tp=rollout_tp, engine=engine, shapes_seconds=shapes_seconds,
+                summary=summary, results=rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", default="8x4x2,8x8x4,8x8x16", help="TPxPPxDP, comma separated")
+    parser.add_argument("--layouts", default="8x4x2,8x8x4,8x8x16", help="dense model: TPxPPxDP, comma separated")
     parser.add_argument("--rollout-tp", type=int, default=8)
+    parser.add_argument("--moe-layouts", default="4x2x8x8,4x2x32x8,4x2x128x8",
+                        help="MoE model: TPxPPxDPxEP, comma separated ('' skips it); rollout TP 1 (HF engine)")
     parser.add_argument("--bucket-mib", type=float, default=64.0)
     parser.add_argument("--world-check", type=int, default=256, help="check every rank's bytes up to this world size")
     parser.add_argument("--compare-full", type=int, default=64, help="time the whole-world planner up to this world size")
@@ -115,49 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
 
-    spec = ModelSpec.from_hf_config(QWEN25_72B)
-    t0 = time.perf_counter()
-    shapes = hf_tensor_shapes(spec)
-    shapes_seconds = time.perf_counter() - t0
-    bucket = int(args.bucket_mib * 2**20)
-    rows = []
-    for text in args.layouts.split(","):
-        train = parse_layout(text)
-        world = train.world_size
-        rollout = ParallelLayout.rollout(args.rollout_tp, world)
-        ranks = sorted({0, world // 2 + 3, world - 1})
-        sample = [plan_one(spec, train, rollout, r, shapes, bucket, args.repeats) for r in ranks]
-        row: dict[str, Any] = dict(layout=f"TP{train.tp}xPP{train.pp}xDP{train.dp}", world_size=world, ranks=sample,
-                                   max_seconds=max(s["seconds"] for s in sample),
-                                   max_peak_mib=max(s["peak_mib"] for s in sample))
-        if world <= args.world_check:
-            row["world"] = world_check(spec, train, rollout, shapes, bucket)
-        if world <= args.compare_full:
-            row["full_planner"] = full_planner(spec, train, rollout, shapes, bucket)
-            assert row["full_planner"]["received"] == row.get("world", {}).get("received", row["full_planner"]["received"])
-        rows.append(row)
-        print(f"{row['layout']:>16} {world:5d} ranks: per rank {row['max_seconds']:.2f} s, peak {row['max_peak_mib']:.1f} MiB"
-              + (f"; whole-world planner {row['full_planner']['seconds']:.1f} s" if "full_planner" in row else ""),
-              flush=True)
-
-    print(f"\nQwen2.5-72B shape -> vLLM TP{args.rollout_tp}, bf16; HF shapes {shapes_seconds:.2f} s once")
-    print(f"{'layout':>16} {'ranks':>5} {'rank':>5} {'tables s':>8} {'plan s':>7} {'peak MiB':>8} "
-          f"{'recv GiB':>8} {'min GiB':>8} {'sent GiB':>8} {'peers':>5} {'steps':>5}")
-    for row in rows:
-        for s in row["ranks"]:
-            print(f"{row['layout']:>16} {row['world_size']:5d} {s['rank']:5d} {s['tables_seconds']:8.2f} "
-                  f"{s['plan_seconds']:7.2f} {s['peak_mib']:8.1f} {s['received'] / 2**30:8.2f} "
-                  f"{s['minimum'] / 2**30:8.2f} {s['sent'] / 2**30:8.2f} {s['peers']:5d} {s['steps']:5d}")
-    largest = max(rows, key=lambda r: r["world_size"])
-    summary = dict(largest_world=largest["world_size"], per_rank_seconds=largest["max_seconds"],
-                   per_rank_peak_mib=largest["max_peak_mib"],
-                   goal_met=largest["max_seconds"] < GOAL_SECONDS and largest["max_peak_mib"] < GOAL_MIB,
-                   seconds_ratio_largest_over_smallest=largest["max_seconds"] / rows[0]["max_seconds"])
-    write_json(args.out, dict(benchmark="plan_scale", model="Qwen2.5-72B (shapes)", rollout_tp=args.rollout_tp,
-                              engine="vllm", dtype="bfloat16", bucket_mib=args.bucket_mib,
-                              shapes_seconds=shapes_seconds, goal=dict(seconds=GOAL_SECONDS, peak_mib=GOAL_MIB),
-                              summary=summary, results=rows, machine=machine_info()))
-    print(f"wrote {args.out}")
+    dense = scale("Qwen2.5-72B", QWEN25_72B, args.layouts, args.rollout_tp, args, 3)
+    payload = dict(benchmark="plan_scale", model=dense["model"] + " (shapes)", rollout_tp=args.rollout_tp,
+                   engine=dense["engine"], dtype="bfloat16", bucket_mib=args.bucket_mib,
+                   shapes_seconds=dense["shapes_seconds"], goal=dict(seconds=GOAL_SECONDS, peak_mib=GOAL_MIB),
+                   summary=dense["summary"], results=dense["results"])
+    if args.moe_layouts:
+        payload["moe"] = scale("Qwen3-235B-A22B", QWEN3_235B_A22B, args.moe_layouts, 1, args, 2)
+    write_json(args.out, {**payload, "machine": machine_info()})
+    print(f"wrote {args.out.name}")
     return 0
 
 

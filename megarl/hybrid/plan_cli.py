@@ -9,7 +9,8 @@ are full duplex), a transfer within a node runs at `--intra-gbps` and one betwee
 `--inter-gbps`, so a rank needs max(receive time, send time) and the sync the largest of those.
 Latency, bucket scheduling and the local copies are left out.
 
-Two planners: the whole-world one (`build_reshard_plan`, least-loaded senders: what the weight sync
+Expert-parallel training layouts (ep > 1) are planned too (the live weight sync does not take
+them yet). Two planners: the whole-world one (`build_reshard_plan`, least-loaded senders: what the weight sync
 runs) and the per-rank one (`megarl.hybrid.rank_plan`, senders by a closed-form rule), whose cost
 per rank does not grow with the world; `--senders auto` uses the latter above 64 ranks. Both move
 exactly the minimum; they differ only in who sends what.
@@ -197,8 +198,9 @@ def _plan(args: argparse.Namespace) -> int:
     from megarl.models.spec import ModelSpec
 
     degrees = parse_layout(args.train)
-    if degrees["ep"] != 1:
-        raise ConfigError(f"--train {args.train}: the weight sync does not plan expert-parallel actors yet (ep=1 only)")
+    if (degrees["dp"] * degrees["cp"]) % degrees["ep"]:
+        raise ConfigError(f"--train {args.train}: ep={degrees['ep']} must divide dp*cp={degrees['dp'] * degrees['cp']} "
+                          "(expert-parallel groups are made of data- and context-parallel ranks)")
     train = ParallelLayout(**degrees)
     world = train.world_size
     if args.rollout_tp < 1 or world % args.rollout_tp:

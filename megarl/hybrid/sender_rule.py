@@ -19,6 +19,8 @@ makes the per-rank planner's cost independent of the world size.
 
 from __future__ import annotations
 
+import functools
+
 from megarl.layout import ParallelLayout
 
 ShardKey = tuple[int, int, int]  # (tp_rank, pp_rank, ep_rank); ep_rank -1: held by every expert-parallel rank
@@ -47,6 +49,7 @@ def holder_ranks(train: ParallelLayout, key: ShardKey) -> list[int]:
     return [holder_rank(train, key, j) for j in range(replicas_per_holder(train, key))]
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a receiver asks once per segment it does not hold
 def replica_major(train: ParallelLayout, rank: int, per_holder: int) -> int:
     """`rank`'s index when ranks are ordered by replica group fastest, then TP, then PP; a replica
     group is the dp*cp / `per_holder` consecutive replica indices that one candidate stands for."""

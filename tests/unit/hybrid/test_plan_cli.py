@@ -73,7 +73,8 @@ def test_text_output(capsys: pytest.CaptureFixture, config: Path) -> None:
     (["--train", "tp=0", "--rollout-tp", "1"], "'tp=0' is not"),
     (["--train", "tp=2", "--rollout-tp", "3"], "--rollout-tp 3 must be >= 1 and divide the world size 2"),
     (["--train", "tp=2", "--rollout-tp", "2", "--engine", "hf"], "--engine hf holds whole tensors"),
-    (["--train", "tp=2,ep=2", "--rollout-tp", "1"], "expert-parallel actors"),
+    (["--train", "tp=2,ep=2", "--rollout-tp", "1"], "ep=2 must divide dp*cp=1"),
+    (["--train", "dp=2,ep=2", "--rollout-tp", "1"], "ep=2 needs a mixture-of-experts model"),
 ])
 def test_bad_layouts_are_named(capsys: pytest.CaptureFixture, config: Path, args: list[str], message: str) -> None:
     assert main(["sync", "plan", str(config), *args]) == 1
