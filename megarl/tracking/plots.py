@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,18 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save_png(plt: Any, fig: Any, path: Path) -> None:
+    """Write `fig` to a temporary file beside `path`, then rename: a failed write (a full disk)
+    leaves no empty or truncated PNG, only the previous complete one if there was one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
+
+
 def _moving_average(values: list[float], window: int) -> list[float]:
     """Trailing mean over up to ``window`` values (shorter at the start)."""
     out, total = [], 0.0
@@ -115,8 +128,7 @@ def _line_plot(
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _save_png(plt, fig, path)
     return True
 
 
@@ -192,8 +204,7 @@ def plot_timing(table: MetricTable, path: Path) -> bool:
     handles, names = ax.get_legend_handles_labels()  # reversed: legend top = top of the stack
     ax.legend(handles[::-1], names[::-1], fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _save_png(plt, fig, path)
     return True
 
 

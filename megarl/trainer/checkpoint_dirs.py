@@ -108,6 +108,15 @@ class CheckpointDirs:
         tmp.mkdir()
         return tmp
 
+    def discard(self, tmp: Union[str, Path]) -> None:
+        """Remove a temporary dir `begin` returned, after a save that failed (logged)."""
+        tmp = Path(tmp)
+        if tmp.parent.resolve() != self.root.resolve() or not tmp.name.startswith(TMP_PREFIX):
+            raise CheckpointError(f"discard({tmp}): not a temporary checkpoint dir under {self.root}")
+        if tmp.exists():
+            logger.warning("checkpoint: removing the partial save %s", tmp)
+            _remove(tmp)
+
     def commit(self, tmp: Union[str, Path], step: int, fsync_files: bool = True) -> Path:
         """Mark ``tmp`` complete, rename it to ``global_step_<step>``, update the latest file, prune.
 

@@ -4,7 +4,9 @@ written to a temporary directory and renamed when complete (see `CheckpointDirs`
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -14,6 +16,7 @@ import torch
 from megarl.cluster.worker_group import RoleView
 from megarl.errors import CheckpointError
 from megarl.trainer.checkpoint_dirs import STATE_FILE, CheckpointDirs
+from megarl.trainer.checkpoint_verify import verify_checkpoint
 from megarl.workers.roles import EngineRole
 
 logger = logging.getLogger(__name__)
@@ -34,6 +37,43 @@ def check_driver_state_restored(saved: dict[str, Any], restored: dict[str, Any],
                               + "; ".join(differ))
 
 
+def is_disk_full(error: BaseException) -> bool:
+    """True when `error` or anything it wraps is ENOSPC ("No space left on device"), also when it
+    happened in a worker: a remote error carries the original exception as `.cause`, or at least
+    its text (exception chains do not survive pickling)."""
+    seen: set[int] = set()
+    pending: list[Optional[BaseException]] = [error]
+    while pending:
+        err = pending.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            return True
+        cause = getattr(err, "cause", None)  # ray.exceptions.RayTaskError: the worker's exception
+        pending += [err.__cause__, err.__context__, cause if isinstance(cause, BaseException) else None]
+    return any(text in str(error) for text in (_ENOSPC_TEXT, f"[Errno {errno.ENOSPC}]"))
+
+
+_ENOSPC_TEXT = os.strerror(errno.ENOSPC)  # "No space left on device"
+
+
+def disk_full_message(target: Path, previous: Optional[tuple[int, Path]], error: BaseException) -> str:
+    """First line: the save that failed and the state of the previous checkpoint (checked again,
+    sizes and CRC-32 of its files, before saying it is intact); then the original error."""
+    head = f"{_ENOSPC_TEXT} while saving checkpoint {target}; the partial save was removed"
+    if previous is None:
+        head += "; there is no earlier checkpoint to resume from"
+    else:
+        report = verify_checkpoint(previous[1])
+        if report.ok:
+            head += f"; the previous checkpoint {previous[1]} is intact (step {previous[0]}, verified)"
+        else:
+            head += f"; the previous checkpoint {previous[1]} did NOT verify:\n{report.message()}"
+    first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    return f"{head}\nFree space on that disk (or point trainer.default_local_dir elsewhere) and resume. Error: {first}"
+
+
 class TrainerCheckpointer:
     """Saves and restores `engines` ({name: role view}, e.g. actor and critic) and a driver state dict.
 
@@ -46,12 +86,24 @@ class TrainerCheckpointer:
         self.config_file = config_file
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
-        tmp = self.dirs.begin(step)
-        for name, view in self.engines.items():
-            view.call_all(EngineRole.save_checkpoint, str(tmp / name))
-        torch.save(state, tmp / STATE_FILE)
-        shutil.copy(self.config_file, tmp / "config.yaml")
-        path = self.dirs.commit(tmp, step)
+        """Write the checkpoint of `step`; on any failure the partial save is removed. A full disk
+        (on the driver or any worker) raises `CheckpointError` saying so and whether the previous
+        checkpoint is intact."""
+        previous = self.dirs.latest()
+        tmp: Optional[Path] = None
+        try:
+            tmp = self.dirs.begin(step)
+            for name, view in self.engines.items():
+                view.call_all(EngineRole.save_checkpoint, str(tmp / name))
+            torch.save(state, tmp / STATE_FILE)
+            shutil.copy(self.config_file, tmp / "config.yaml")
+            path = self.dirs.commit(tmp, step)
+        except BaseException as err:
+            if tmp is not None:
+                self.dirs.discard(tmp)
+            if is_disk_full(err):
+                raise CheckpointError(disk_full_message(self.dirs.step_dir(step), previous, err)) from err
+            raise
         logger.info("checkpoint: step %d -> %s", step, path)
         return path
 
