@@ -8,7 +8,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from megarl.config import critic_enabled, ref_enabled
+from megarl.config import critic_enabled, load_config, ref_enabled
+from megarl.config.run_files import check_run_files
 from megarl.config.validate import pool_size
 
 logger = logging.getLogger(__name__)
@@ -96,10 +97,9 @@ def register_cli(subparsers: Any) -> None:
 
 
 def _train_command(args: Any) -> int:
-    from megarl.config import load_config
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config, args.overrides)  # every config error before anything starts
+    check_run_files(cfg)  # and every file problem, before torch, Ray and Megatron are imported
     metrics = train(cfg)
     if metrics:
         print("final validation: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))

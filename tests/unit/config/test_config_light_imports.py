@@ -64,6 +64,9 @@ def test_file_checks_import_nothing_heavy(config: Path) -> None:
     weights.write_bytes(weights.read_bytes()[:-8])
     code, heavy, err = run_cli("config", "validate", str(config))
     assert code == 1 and heavy == [] and f"model.path: {weights}: truncated" in err
+    # `megarl train` reports it before importing what the run needs.
+    code, heavy, err = run_cli("train", str(config))
+    assert code == 1 and heavy == [] and f"model.path: {weights}: truncated" in err
 
 
 def test_light_constants_equal_the_modules_they_mirror(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
