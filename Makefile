@@ -57,7 +57,8 @@ demo-rm: install
 # warm start on calculator demonstrations (once; remove $(TOOLS_DATA)/warm_start to redo it), the run.
 TOOLS_DATA := data/arithmetic_tools
 demo-tools: install
-	$(BIN)/megarl data make arithmetic_tools --out $(TOOLS_DATA) --tokenizer-out $(TOOLS_DATA)/tokenizer
+	$(BIN)/megarl data make arithmetic_tools --out $(TOOLS_DATA) --tokenizer-out $(TOOLS_DATA)/tokenizer \
+		--train-size 2000 --val-size 64
 	test -f $(TOOLS_DATA)/warm_start/model.safetensors || $(BIN)/python -m megarl.agent.warm_start \
 		--data $(TOOLS_DATA)/train.parquet --tokenizer $(TOOLS_DATA)/tokenizer --out $(TOOLS_DATA)/warm_start
 	$(BIN)/megarl train configs/tools_cpu.yaml $(DEMO_ARGS)
