@@ -45,7 +45,9 @@ PHASES = ("sync_weights", "gen", "old_log_prob", "update_actor")
 def phase_peaks(run_dir: Path) -> dict[str, float]:
     """Mean over steps > 1 of each phase's peak resident set (GiB, largest worker)."""
     rows = [r["metrics"] for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] > 1]
-    return {p: mean([m[f"memory/{p}/peak_rss_gb"] for m in rows if f"memory/{p}/peak_rss_gb" in m]) for p in PHASES}
+    # A phase a run skips has no peak (old_log_prob, when the update supplies the old log-probs).
+    return {p: mean(values) for p in PHASES
+            if (values := [m[f"memory/{p}/peak_rss_gb"] for m in rows if f"memory/{p}/peak_rss_gb" in m])}
 
 
 def model_parameters(run_dir: Path) -> int:
