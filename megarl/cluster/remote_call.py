@@ -9,6 +9,7 @@ call; `gather` waits on several handles (from several groups) together.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,15 +43,41 @@ def describe_failure(call: RankCall, error: BaseException) -> str:
         # str() holds the remote traceback and the original exception's message.
         return f"{where} raised in {call.method}():\n{error}"
     if isinstance(error, RayActorError):
-        return f"{where} died during {call.method}(): {error}"
+        return f"{where} died during {call.method}(): {death_reason(error)}"
     return f"{where} failed in {call.method}(): {type(error).__name__}: {error}"
+
+
+_EXIT_TYPE = re.compile(r"Worker exit type: (\S+)")
+_EXIT_DETAIL = re.compile(r"Worker exit detail: (.*?)(?: Some common causes|$)", re.DOTALL)
+
+
+def death_reason(error: RayActorError) -> str:
+    """Why a worker process is gone, in one line, from Ray's multi-line actor-death text.
+
+    Ray's text lists the actor id, namespace and a paragraph of possible causes; what tells
+    them apart is the worker's exit type and detail, kept here. A process that vanished without
+    a word (SIGKILL, the kernel's OOM killer, a segfault) reads "its process exited unexpectedly".
+    """
+    text = str(error)
+    exit_type = _EXIT_TYPE.search(text)
+    detail = _EXIT_DETAIL.search(text)
+    if exit_type is None:
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        return lines[-1][:300] if lines else type(error).__name__
+    reason = f"exit type {exit_type.group(1)}"
+    if detail is not None:
+        reason += f", {' '.join(detail.group(1).split())[:300]}"
+    if exit_type.group(1) in ("SYSTEM_ERROR", "NODE_OUT_OF_MEMORY"):
+        return f"its process exited unexpectedly (killed, e.g. by SIGKILL or the OOM killer, or crashed; {reason})"
+    return f"its process exited ({reason})"
 
 
 def _summary(call: RankCall, error: BaseException) -> str:
     """One line: who failed and the last line of its error."""
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    verb = "died" if isinstance(error, RayActorError) else "raised"
-    return f"{call.role} rank {call.rank} ({call.node}) {verb}: {lines[-1] if lines else type(error).__name__}"
+    if isinstance(error, RayActorError):
+        return f"{call.role} rank {call.rank} ({call.node}) died: {death_reason(error)}"
+    return f"{call.role} rank {call.rank} ({call.node}) raised: {lines[-1] if lines else type(error).__name__}"
 
 
 def _root_cause_order(failure: tuple[RankCall, BaseException]) -> tuple[bool, int]:

@@ -221,7 +221,8 @@ class WorkerGroup(_Calls):
         self.node_infos: list[NodeInfo] = self._submit(
             range(self.world_size), None, worker_cls.node_info, [((), {})] * self.world_size, list
         ).result(timeout_s)
-        self._node_labels = [f"{info.ip} ({info.node_id[:8]}, pid {info.pid})" for info in self.node_infos]
+        self._node_labels = [f"{info.ip} (host {info.hostname}, node {info.node_id[:8]}, pid {info.pid})"
+                             for info in self.node_infos]
         self.rank_coords: list[RankCoord] = [
             RankCoord.data_parallel_only(rank, self.world_size) for rank in range(self.world_size)
         ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ def install(step: int) -> None:
         path = Path(f) if isinstance(f, (str, os.PathLike)) else None
         if path is not None and path.name == STATE_FILE and path.parent.name.startswith(f".tmp-step_{step}-"):
             path.write_bytes(b"\x80" * 64)  # what fitted before the disk was full
+            print(f"full-disk stand-in: ENOSPC at {time.time():.3f}", file=sys.stderr, flush=True)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         return _real_save(obj, f, *args, **kwargs)
 
