@@ -272,9 +272,10 @@ class RolloutConfig:
     sync_verify_freq: int = 1
     # Stop the run when a step's mean |rollout log-prob - trainer log-prob| over the response tokens
     # (training/rollout_logprob_abs_diff_mean, nats) exceeds this: the rollout engine is not sampling
-    # from the trained policy (weights not synced, precision mismatch). Measured on CPU: fp32 1e-7
-    # (same weights), bf16 rollout of fp32 weights ~1e-3; GPU bf16 engines reach ~1e-2. null: never.
-    # Needs calculate_log_probs.
+    # from the trained policy (weights not synced, precision mismatch). Measured on CPU (quickstart):
+    # 1.4e-7 with fp32 on both sides, 2e-3 with a bf16 rollout of the fp32 weights; 0.93 after five
+    # optimizer steps not synced to the rollout (tiny model, lr 1e-3). Not yet measured on GPU bf16
+    # engines: look at the metric of a first run there. null: never. Needs calculate_log_probs.
     max_logprob_gap: Optional[float] = 0.1
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
