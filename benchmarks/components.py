@@ -27,7 +27,8 @@ from common import REPO_ROOT, RESULTS_DIR, load_average, machine_info, write_jso
 
 BENCH_DIR = REPO_ROOT / "benchmarks"
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
-COMPONENTS = ("algorithms", "engine", "reshard", "rollout", "convert", "recompute", "memory_phases", "plan_scale")
+COMPONENTS = ("algorithms", "engine", "reshard", "rollout", "convert", "recompute", "memory_phases", "plan_scale",
+              "reliability")
 
 # Small sizes for a smoke run, used when a component has no --quick of its own.
 QUICK_ARGS: dict[str, list[str]] = {
@@ -43,13 +44,14 @@ QUICK_ARGS: dict[str, list[str]] = {
                   "--repeats", "1"],
     "memory_phases": ["--steps", "2"],
     "plan_scale": ["--layouts", "8x4x2", "--compare-full", "0"],
+    "reliability": ["--no-resume"],
 }
 # Full runs: sizes that finish in minutes on a 2-core machine (each script's defaults otherwise).
 FULL_ARGS: dict[str, list[str]] = {
     "algorithms": ["--responses", "65536", "--length", "256"],
 }
 THREADS = {"algorithms": 2, "engine": 2, "rollout": 2, "reshard": 1, "convert": 2, "recompute": 2, "memory_phases": 1,
-           "plan_scale": 1}
+           "plan_scale": 1, "reliability": 1}
 
 
 def _help_text(python: str, script: Path) -> str:

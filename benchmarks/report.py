@@ -200,6 +200,27 @@ def _plan_scale(r: dict[str, Any]) -> str:
             + (f" (whole-world planner: {'; '.join(full)})" if full else ""))
 
 
+def _reliability_headline(r: dict[str, Any]) -> str:
+    """Faults detected / survived of the reliability component (benchmarks/reliability.py)."""
+    done = [o for o in r["outcomes"] if "error" not in o]
+    return (f"{sum(o['detected'] for o in done)}/{len(r['outcomes'])} faults detected, "
+            f"{sum(o['survived'] for o in done)} survived, data lost in {sum(o['data_lost'] != 'none' for o in done)}")
+
+
+def _reliability(r: dict[str, Any]) -> list[str]:
+    """The Reliability section: one row per injected fault (benchmarks/reliability.py's JSON)."""
+    rows = []
+    for o in r["outcomes"]:
+        if "error" in o:
+            rows.append([o["fault"], f"scenario failed: {_first_lines(o['error'], 1)}", "-", "-", "-"])
+            continue
+        resumed = o.get("details", {}).get("resume_exit_code")
+        survived = ("yes" if o["survived"] else "no") + ("" if resumed is None else " (rerun resumed)" if o["survived"]
+                                                         else " (rerun failed)")
+        rows.append([o["fault"], "yes" if o["detected"] else "no", survived, o["data_lost"], o["time_to_detect_s"]])
+    return table(["fault", "detected", "survived / resumed", "data lost", "time to detect (s)"], rows)
+
+
 def _generic(r: dict[str, Any]) -> str:
     numbers = [(k, v) for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
     return "; ".join(f"{k} {fmt(v)}" for k, v in numbers[:8]) or "(see JSON)"
@@ -208,6 +229,7 @@ def _generic(r: dict[str, Any]) -> str:
 COMPONENT_HEADLINES: dict[str, Callable[[dict[str, Any]], str]] = {
     "algorithms": _algorithms, "engine": _engine, "reshard": _reshard, "rollout": _rollout, "convert": _convert,
     "recompute": _recompute, "memory_phases": _memory_phases, "plan_scale": _plan_scale,
+    "reliability": _reliability_headline,
 }
 
 
@@ -282,6 +304,9 @@ def render_report(bench: dict[str, Any]) -> str:
             out += RENDERERS.get(name, lambda r: ["```", json.dumps(r, indent=2)[:3000], "```"])(entry["result"])
         except (KeyError, TypeError) as err:  # a result of an older layout must not break the report
             out.append(f"(could not format this section: {type(err).__name__}: {err}; see bench.json)")
+    reliability = sections.get("components", {}).get("result", {}).get("components", {}).get("reliability", {})
+    if reliability.get("status") == "ok":
+        out += ["", "## Reliability: injected faults (benchmarks/reliability.py)", ""] + _reliability(reliability["result"])
     return "\n".join(out).rstrip() + "\n"
 
 
