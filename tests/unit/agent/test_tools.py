@@ -40,7 +40,7 @@ def test_tool_calls_check_arguments_and_turn_failures_into_text() -> None:
     assert "must be string, got int" in typed.text and "unknown argument 'extra'" in typed.text
     assert tools.call("e1", "calculator", {"expression": "1/0"}).error == "invalid_expression"
     assert tools.call("e1", "search", {}).error == "unknown_tool"
-    with pytest.raises(ValueError, match="unknown tools \\['search'\\]"):
+    with pytest.raises(ValueError, match="unknown tool 'search'; built in: \\['calculator'"):
         ToolSet.from_names(["search"])
 
 
