@@ -119,7 +119,7 @@ def full_planner(spec: ModelSpec, train: ParallelLayout, rollout: ParallelLayout
 
 
 def scale(model: str, config: dict[str, Any], layouts: str, rollout_tp: int, args: argparse.Namespace,
-          ranks_per_layout: int) -> dict[str, Any]:
+          ranks_per_layout: int, repeats: int) -> dict[str, Any]:
     """One model at each layout: sampled ranks planned alone, optional world checks."""
     spec = ModelSpec.from_hf_config(config)
     t0 = time.perf_counter()
@@ -133,7 +133,7 @@ def scale(model: str, config: dict[str, Any], layouts: str, rollout_tp: int, arg
         world = train.world_size
         rollout = ParallelLayout.rollout(rollout_tp, world)
         ranks = sorted({0, world - 1, world // 2 + 3}) if ranks_per_layout >= 3 else sorted({0, world - 1})
-        sample = [plan_one(spec, train, rollout, engine, r, shapes, bucket, args.repeats) for r in ranks]
+        sample = [plan_one(spec, train, rollout, engine, r, shapes, bucket, repeats) for r in ranks]
         name = f"TP{train.tp}xPP{train.pp}xDP{train.dp}" + (f"xEP{train.ep}" if train.ep > 1 else "")
         row: dict[str, Any] = dict(layout=name, world_size=world, ranks=sample,
                                    max_seconds=max(s["seconds"] for s in sample),
@@ -175,16 +175,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-check", type=int, default=256, help="check every rank's bytes up to this world size")
     parser.add_argument("--compare-full", type=int, default=64, help="time the whole-world planner up to this world size")
     parser.add_argument("--repeats", type=int, default=3, help="timed plans per sampled rank (the fastest counts)")
+    parser.add_argument("--moe-repeats", type=int, default=1, help="timed plans per sampled MoE rank")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
 
-    dense = scale("Qwen2.5-72B", QWEN25_72B, args.layouts, args.rollout_tp, args, 3)
+    dense = scale("Qwen2.5-72B", QWEN25_72B, args.layouts, args.rollout_tp, args, 3, args.repeats)
     payload = dict(benchmark="plan_scale", model=dense["model"] + " (shapes)", rollout_tp=args.rollout_tp,
                    engine=dense["engine"], dtype="bfloat16", bucket_mib=args.bucket_mib,
                    shapes_seconds=dense["shapes_seconds"], goal=dict(seconds=GOAL_SECONDS, peak_mib=GOAL_MIB),
                    summary=dense["summary"], results=dense["results"])
     if args.moe_layouts:
-        payload["moe"] = scale("Qwen3-235B-A22B", QWEN3_235B_A22B, args.moe_layouts, 1, args, 2)
+        payload["moe"] = scale("Qwen3-235B-A22B", QWEN3_235B_A22B, args.moe_layouts, 1, args, 2, args.moe_repeats)
     write_json(args.out, {**payload, "machine": machine_info()})
     print(f"wrote {args.out.name}")
     return 0

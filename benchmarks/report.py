@@ -196,8 +196,12 @@ def _plan_scale(r: dict[str, Any]) -> str:
     """Per-rank sync planning: time and peak memory of one rank's plan at each world size."""
     parts = [f"{x['world_size']} ranks {fmt(x['max_seconds'])} s / {fmt(x['max_peak_mib'])} MiB" for x in r["results"]]
     full = [f"{x['world_size']} ranks {fmt(x['full_planner']['seconds'])} s" for x in r["results"] if "full_planner" in x]
+    moe = r.get("moe")
+    moe_parts = [f"{x['world_size']} ranks {fmt(x['max_seconds'])} s / {fmt(x['max_peak_mib'])} MiB"
+                 for x in (moe or {}).get("results", [])]
     return (f"{r['model']}, one rank's plan: " + "; ".join(parts)
-            + (f" (whole-world planner: {'; '.join(full)})" if full else ""))
+            + (f" (whole-world planner: {'; '.join(full)})" if full else "")
+            + (f"; {moe['model']} with EP: " + "; ".join(moe_parts) if moe_parts else ""))
 
 
 def _reliability_headline(r: dict[str, Any]) -> str:

@@ -31,7 +31,7 @@ DEFAULT_BUCKET_BYTES = 64 * 2**20
 SENDER_RULES = ("least_loaded", "by_rank")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Piece:
     """`length` slices along `axis`: training rank `src`'s shard `src_name` from `src_start`
     -> rollout rank `dst`'s engine parameter `dst_name` from `dst_start`."""
@@ -92,7 +92,7 @@ def _unit_bytes(t: LocalTensor, dtype: torch.dtype) -> int:
     return numel * torch.empty((), dtype=dtype).element_size()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Source:
     coord_key: ShardKey  # (tp, pp, ep_rank or EVERY_EP_RANK)
     name: str
@@ -228,7 +228,7 @@ def rule_sender(train: ParallelLayout, holders: list[_Source], dst: int, salt: i
     return holder_rank(train, holder.coord_key, position % per_holder), holder
 
 
-@dataclass
+@dataclass(slots=True)
 class _Segment:
     """Rows [lo, hi) of an engine block with the same holders; `src` -1 until a sender is chosen."""
 

@@ -72,7 +72,7 @@ def restrict(plan: ReshardPlan, rank: int) -> RankPlan:
                     plan.bytes[rank])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Template:
     """A segment of an engine parameter with one set of holders: the same for every receiver with
     that rollout TP rank (only the sender depends on the receiver)."""

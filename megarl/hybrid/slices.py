@@ -36,7 +36,7 @@ VLLM_FUSED_RENAME = {"qkv_per_group": ("q_proj", "qkv_proj"), "gate_up": ("gate_
 ENGINES = ("hf", "vllm")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Block:
     """Rows [start, stop) along `axis` of HF tensor `hf_name`, at `offset` in a local tensor."""
 
@@ -50,7 +50,7 @@ class Block:
         return self.stop - self.start
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LocalTensor:
     """A tensor on one rank (Megatron shard or engine parameter) described by its HF blocks."""
 
