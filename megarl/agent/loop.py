@@ -109,6 +109,8 @@ def check_tools_kwargs(row: int, value: Any, tools: ToolSet) -> dict[str, dict[s
         return {}
     if not isinstance(value, dict):
         raise DataError(f"row {row}: extra_info.tools_kwargs must be a mapping tool -> kwargs, got {type(value).__name__}")
+    # Parquet stores the rows' dicts as one struct type: keys a row lacks come back as None.
+    value = {name: kwargs for name, kwargs in value.items() if kwargs is not None}
     for name, kwargs in value.items():
         if name not in tools.tools:
             raise DataError(f"row {row}: extra_info.tools_kwargs names tool {name!r}; the run's tools "
@@ -117,7 +119,7 @@ def check_tools_kwargs(row: int, value: Any, tools: ToolSet) -> dict[str, dict[s
         if not isinstance(kwargs, dict) or bad:
             raise DataError(f"row {row}: extra_info.tools_kwargs.{name} may hold only {list(TOOL_KWARGS_KEYS)} "
                             f"(mappings); got {bad or type(kwargs).__name__}")
-    return {name: dict(kwargs or {}) for name, kwargs in value.items()}
+    return {name: {key: dict(kw or {}) for key, kw in kwargs.items()} for name, kwargs in value.items()}
 
 
 class AgentLoop:

@@ -130,6 +130,16 @@ def test_tools_kwargs_reach_create_and_calc_reward(tokenizer: Any) -> None:
     assert metrics["agent/tool_reward/mean"] == 0.5
 
 
+def test_tools_kwargs_absent_keys_from_parquet_structs_are_empty(tokenizer: Any) -> None:
+    """Parquet gives every row the union of the keys, None where a row has none."""
+    loop, _ = make_loop(tokenizer, calculator_script)
+    extra = [{"tools_kwargs": {"calculator": {"create_kwargs": {"answer": 2}, "execute_kwargs": None},
+                               "code_interpreter": None}},
+             {"tools_kwargs": {"calculator": None, "code_interpreter": None}}]
+    out = multi_turn_generate(loop, prompt_batch(tokenizer, ["1+1", "2+2"], extra), SamplingParams(max_new_tokens=200))
+    assert out["tool_reward"].tolist() == [1.0, 0.0]
+
+
 def test_bad_tools_kwargs_name_the_row_and_the_valid_tools(tokenizer: Any) -> None:
     loop, _ = make_loop(tokenizer, calculator_script)
     bad = [{}, {"tools_kwargs": {"search": {"create_kwargs": {}}}}]
