@@ -66,6 +66,7 @@ from megarl.algorithms.rollout_correction import (
     importance_weights,
     logprob_gap,
     mismatch_metrics,
+    rollout_mismatch_metrics,
 )
 from megarl.algorithms.utils import group_index_from_uids, masked_mean, masked_whiten
 from megarl.algorithms.value_loss import ValueLossInputs, ValueLossSettings, compute_value_loss
@@ -117,5 +118,6 @@ __all__ = [
     "register_advantage_estimator",
     "register_kl_estimator",
     "register_policy_loss",
+    "rollout_mismatch_metrics",
     "sequence_metric",
 ]

@@ -170,6 +170,15 @@ def logprob_gap(trainer_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
             "training/rollout_probs_diff_max": float(prob_diff.max())}
 
 
+def rollout_mismatch_metrics(trainer_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
+                             response_mask: torch.Tensor, settings: RolloutCorrectionSettings) -> dict[str, float]:
+    """`logprob_gap` and `mismatch_metrics` of (B, R) inputs, over the response tokens whose trainer
+    log-prob is known (NaN marks a row the trainer did not score under the sampling weights)."""
+    mask = response_mask.bool() & torch.isfinite(trainer_log_prob)
+    return {**logprob_gap(trainer_log_prob, rollout_log_prob, mask),
+            **mismatch_metrics(trainer_log_prob, rollout_log_prob, mask, settings)}
+
+
 def check_logprob_gap(step: int, gap_mean: float, threshold: float | None) -> None:
     """Stop the run when step `step`'s mean |rollout - trainer| log-prob gap exceeds `threshold`."""
     if threshold is None or not gap_mean > threshold:

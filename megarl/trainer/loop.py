@@ -37,14 +37,12 @@ from megarl.algorithms import (
     AdvantageInputs,
     AdvantageSettings,
     DynamicSamplingState,
-    RolloutCorrectionSettings,
     apply_kl_penalty,
     check_logprob_gap,
     filter_groups,
     get_advantage_estimator,
-    logprob_gap,
     make_kl_controller,
-    mismatch_metrics,
+    rollout_mismatch_metrics,
     sequence_metric,
 )
 from megarl.cluster.host_worker import HostWorker
@@ -390,8 +388,13 @@ class RLTrainer:
         return batch, metrics
 
     def rollout_mismatch(self, batch: Batch, trainer_log_probs: torch.Tensor, step: int) -> dict[str, float]:
-        """The rollout-vs-trainer gap and mismatch metrics; stops the run above `rollout.max_logprob_gap`."""
-        metrics = rollout_logprob_gap(batch, trainer_log_probs, self.spec.actor.loss.rollout_correction)
+        """How far the rollout engine's log-probs are from the trainer's (B, R) for the same tokens and
+        weights (a weight-sync or numerics problem shows here first): `training/rollout_logprob_abs_diff_*`,
+        `training/rollout_probs_diff_*`, `rollout_corr/*`. Stops the run above `rollout.max_logprob_gap`."""
+        if "rollout_log_probs" not in batch:
+            return {}
+        metrics = rollout_mismatch_metrics(trainer_log_probs, batch["rollout_log_probs"], batch["response_mask"],
+                                           self.spec.actor.loss.rollout_correction)
         if "training/rollout_logprob_abs_diff_mean" in metrics:
             check_logprob_gap(step, metrics["training/rollout_logprob_abs_diff_mean"], self.spec.max_logprob_gap)
         return metrics
@@ -427,17 +430,3 @@ class RLTrainer:
     def n_devices(self) -> int:
         res = self.cfg.resources
         return int(res.actor_pool.nnodes * res.actor_pool.devices_per_node)
-
-
-def rollout_logprob_gap(batch: Batch, trainer_log_probs: torch.Tensor,
-                        correction: RolloutCorrectionSettings) -> dict[str, float]:
-    """How far the rollout engine's log-probs are from the trainer's (B, R) for the same tokens and
-    weights (a weight-sync or numerics problem shows here first): `training/rollout_logprob_abs_diff_*`,
-    `training/rollout_probs_diff_*` and the `rollout_corr/*` mismatch metrics, over the response
-    tokens whose trainer log-prob is known (NaN: a row the update's first step did not hold)."""
-    if "rollout_log_probs" not in batch:
-        return {}
-    mask = batch["response_mask"].bool() & torch.isfinite(trainer_log_probs)
-    rollout = batch["rollout_log_probs"]
-    return {**logprob_gap(trainer_log_probs, rollout, mask),
-            **mismatch_metrics(trainer_log_probs, rollout, mask, correction)}

@@ -20,6 +20,7 @@ from megarl.algorithms import (
     logprob_gap,
     mini_batch_normalisers,
     mismatch_metrics,
+    rollout_mismatch_metrics,
 )
 from megarl.errors import ConfigError
 from megarl.workers.losses import ActorLossSpec, make_actor_loss
@@ -245,3 +246,16 @@ def test_log_prob_sink_receives_each_micro_batch_detached() -> None:
     lp = current.clone().requires_grad_()
     loss_fn({"log_probs": lp}, mb, mini_batch_normalisers(mb["response_mask"]))
     assert len(seen) == 1 and not seen[0].requires_grad and torch.equal(seen[0], current)
+
+
+def test_rows_the_trainer_did_not_score_are_left_out() -> None:
+    """NaN trainer log-probs (rows outside the update's first optimizer step) count nowhere."""
+    trainer, rollout, mask = hand_example()
+    partial = trainer.clone()
+    partial[1] = float("nan")
+    got = rollout_mismatch_metrics(partial, rollout, mask, RolloutCorrectionSettings())
+    first_row = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    want = {**logprob_gap(trainer, rollout, first_row), **mismatch_metrics(trainer, rollout, first_row,
+                                                                           RolloutCorrectionSettings())}
+    assert got.keys() == want.keys() and all(got[k] == pytest.approx(want[k]) for k in want)
+    assert got["training/rollout_logprob_abs_diff_mean"] == pytest.approx((LN2 + LN4) / 3)
