@@ -284,4 +284,4 @@ def damaged_shard(checkpoint: Path, work: Path, how: str) -> FaultOutcome:
     return FaultOutcome(f"{how} engine shard", detected, detected, "none (a copy was damaged; "
                         "the original verifies)" if verify_checkpoint(checkpoint).ok else "original damaged",
                         elapsed, {"shard": str(shard.relative_to(copy)), "exit_code": proc.returncode,
-                                  "output": output.strip().splitlines()[-6:]})
+                                  "output": [line for line in output.splitlines() if "warn" not in line.lower()][-6:]})
