@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +19,10 @@ import matplotlib.image
 import pytest
 from ray.exceptions import RayTaskError
 
-from megarl.errors import WorkerError
+from megarl.errors import CheckpointError, WorkerError
+from megarl.trainer.checkpoint_dirs import CheckpointDirs
 from megarl.trainer.checkpoint_verify import verify_checkpoint
-from megarl.trainer.checkpointing import is_disk_full
+from megarl.trainer.checkpointing import TrainerCheckpointer, is_disk_full
 from megarl.tracking.plots import MetricTable, write_plots
 from test_train_e2e import read_metrics, task_dir, write_config  # noqa: F401 (fixture)
 
@@ -99,3 +101,25 @@ def test_disk_full_is_recognised_through_a_worker_error() -> None:
     other = WorkerError("rank 0 raised: OSError: [Errno 13] Permission denied")
     other.__cause__ = RayTaskError("save_checkpoint", "Traceback ...", PermissionError(errno.EACCES, "denied"))
     assert not is_disk_full(other)
+
+
+def test_first_save_on_a_full_disk_says_there_is_no_earlier_checkpoint(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("trainer: {}\n")
+    dirs = CheckpointDirs(tmp_path / "ckpts")
+    checkpointer = TrainerCheckpointer(dirs, {}, config)
+
+    def full_disk(src, dst, *args, **kwargs):  # a stand-in for a full disk: the copy of the config
+        Path(dst).write_bytes(b"tra")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+
+    monkeypatch.setattr(shutil, "copy", full_disk)
+    with pytest.raises(CheckpointError) as caught:
+        checkpointer.save(3, {"global_step": 3})
+    first = str(caught.value).splitlines()[0]
+    assert first == (f"No space left on device while saving checkpoint {dirs.root / 'global_step_3'}; the partial "
+                     "save was removed; there is no earlier checkpoint to resume from")
+    assert list(dirs.root.iterdir()) == []
+    with pytest.raises(CheckpointError, match="not a temporary checkpoint dir"):
+        dirs.discard(tmp_path)
