@@ -18,7 +18,8 @@ WITHIN_S = 60.0
 def test_killed_driver_leaves_no_ray_process(tmp_path: Path, task_dir: Path) -> None:  # noqa: F811
     outcome = kill_driver_mid_step(tmp_path, task_dir, within_s=WITHIN_S)
     details = outcome.details
-    print(f"all {details['processes_before']} processes of the run gone {outcome.time_to_detect_s:.1f} s after the kill")
+    print(f"all {details['processes_before']} processes of the run gone {outcome.time_to_detect_s:.1f} s "
+          "after the kill")
     # The run really had a local Ray cluster and workers to leave behind.
     assert {"raylet", "gcs_server"} <= set(details["process_names"]), details["process_names"]
     assert any(name.startswith("ray::HostWorker") for name in details["process_names"])
