@@ -7,6 +7,9 @@ rollout layout from `ParallelLayout.rollout(tp, world_size)`.
   including Megatron's and vLLM's fusion orders and vocabulary paddings.
 - `plan`: `build_reshard_plan` -> who sends which slice to whom, in bounded buckets, with bytes
   accounted against the minimum.
+- `rank_plan`: `RankPlanner` -> one rank's share of a plan, at a cost independent of the world
+  size, with senders by the closed-form rule of `sender_rule` (equal to its slice of
+  `build_reshard_plan(..., senders="by_rank")`).
 - `executor`: `execute_plan` runs a plan with point-to-point sends (SPMD);
   `execute_plan_locally` runs it for all ranks in one process.
 - `sync`: `WeightSync` / `sync_shards` connect the training engine and the rollout engine.

@@ -63,3 +63,18 @@ def test_auto_plans_rank_by_rank_above_64_ranks(capsys: pytest.CaptureFixture, c
     assert big["bytes_received"] == big["bytes_minimum"]
     assert main(["sync", "plan", str(config), "--train", "tp=2,dp=2", "--rollout-tp", "1", "--senders", "by_rank"]) == 0
     assert "senders           by_rank (each rank's own plan" in capsys.readouterr().out
+
+
+def test_expert_parallel_layout_is_planned(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    moe = tmp_path / "moe.json"
+    moe.write_text(json.dumps(dict(
+        model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=150, hidden_size=32,
+        intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, tie_word_embeddings=False,
+        max_position_embeddings=64, rms_norm_eps=1e-6)))
+    least = plan_json(capsys, moe, "dp=4,ep=2", 1, "--senders", "least_loaded")
+    by_rank = plan_json(capsys, moe, "dp=4,ep=2", 1, "--senders", "by_rank")
+    assert least["train"]["ep"] == 2
+    # Each rank lacks exactly the other expert-parallel rank's half of the experts.
+    assert least["bytes_received"] == least["bytes_minimum"] == by_rank["bytes_received"] > 0
+    assert len({r["received"] for r in by_rank["ranks"].values()}) == 1
