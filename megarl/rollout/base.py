@@ -155,6 +155,15 @@ class EngineOptions:
         return torch_dtype(self.dtype)
 
 
+def token_budgets(contexts: Sequence[Sequence[int]], params: SamplingParams,
+                  max_new_tokens: Sequence[int] | None) -> list[int]:
+    """The token budget of each context of a `generate_tokens` call (default `params.max_new_tokens`)."""
+    budgets = [params.max_new_tokens] * len(contexts) if max_new_tokens is None else [int(b) for b in max_new_tokens]
+    if len(budgets) != len(contexts) or any(b < 1 for b in budgets):
+        raise ValueError(f"generate_tokens: need one budget >= 1 per context, got {budgets} for {len(contexts)}")
+    return budgets
+
+
 @dataclass
 class TokenContinuation:
     """One request's new tokens from ``generate_tokens``: ids as sampled, (len,) log-probs, and
@@ -246,9 +255,7 @@ class RolloutEngine(abc.ABC):
             one :class:`TokenContinuation` per context, in order: the ids exactly as sampled, their
             log-probs, and whether the turn ended on an EOS/stop token (else on the budget).
         """
-        budgets = [params.max_new_tokens] * len(contexts) if max_new_tokens is None else [int(b) for b in max_new_tokens]
-        if len(budgets) != len(contexts) or any(b < 1 for b in budgets):
-            raise ValueError(f"generate_tokens: need one budget >= 1 per context, got {budgets} for {len(contexts)}")
+        budgets = token_budgets(contexts, params, max_new_tokens)
         if not contexts:
             return []
         width = max(len(c) for c in contexts)

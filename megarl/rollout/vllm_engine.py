@@ -16,9 +16,10 @@ off so that per-request seeds work, and head_dim must be >= 64.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,16 @@ import torch
 
 from megarl.errors import ConfigError
 from megarl.protocol import Batch
-from megarl.rollout.base import EngineOptions, RolloutEngine, RolloutStateError, SamplingParams, WeightUpdateError
+from megarl.rollout.base import (
+    EngineOptions,
+    EngineState,
+    RolloutEngine,
+    RolloutStateError,
+    SamplingParams,
+    TokenContinuation,
+    WeightUpdateError,
+    token_budgets,
+)
 from megarl.rollout.output import assemble_rollout_batch, pad_responses, unpad_prompts
 
 logger = logging.getLogger(__name__)
@@ -106,9 +116,34 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # -- generation -----------------------------------------------------------------------------
     def _generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        prompt_ids = unpad_prompts(prompts["input_ids"], prompts["attention_mask"])
+        token_lists, log_prob_lists = self._sample(prompt_ids, params, [params.max_new_tokens] * len(prompt_ids))
+        responses, log_probs, lengths = pad_responses(
+            token_lists, log_prob_lists, params.max_new_tokens, self.options.pad_token_id
+        )
+        return assemble_rollout_batch(prompts, responses, lengths, log_probs, params.n, self.options.pad_token_id)
+
+    def generate_tokens(
+        self, contexts: Sequence[Sequence[int]], params: SamplingParams, max_new_tokens: Sequence[int] | None = None
+    ) -> list[TokenContinuation]:
+        """As `RolloutEngine.generate_tokens`, each request with its own budget as its vLLM `max_tokens`
+        (the batch path would decode every request up to the largest budget)."""
+        self._require(EngineState.AWAKE, "generate")
+        if self._weights_discarded:
+            raise RolloutStateError(self._discarded_weights_message())
+        budgets = token_budgets(contexts, params, max_new_tokens)
+        if not contexts:
+            return []
+        tokens, log_probs = self._sample([list(c) for c in contexts], dataclasses.replace(params, n=1), budgets)
+        stops = set(self.options.eos_token_ids) | set(params.stop_token_ids)
+        return [TokenContinuation(t, lp, stopped=bool(t) and t[-1] in stops and not params.ignore_eos)
+                for t, lp in zip(tokens, log_probs)]
+
+    def _sample(self, prompt_ids: list[list[int]], params: SamplingParams,
+                max_tokens: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+        """`params.n` samples of each prompt (up to its `max_tokens`): ids and their log-probs."""
         from vllm import SamplingParams as VllmSamplingParams
 
-        prompt_ids = unpad_prompts(prompts["input_ids"], prompts["attention_mask"])
         stop_ids = [] if params.ignore_eos else sorted(set(self.options.eos_token_ids) | set(params.stop_token_ids))
         requests, sampling = [], []
         for i, ids in enumerate(prompt_ids):
@@ -119,7 +154,7 @@ class VLLMRolloutEngine(RolloutEngine):
                     temperature=0.0 if params.greedy else params.temperature,
                     top_p=1.0 if params.greedy else params.top_p,
                     top_k=0 if params.greedy or not params.top_k_enabled else params.top_k,
-                    max_tokens=params.max_new_tokens,
+                    max_tokens=max_tokens[i],
                     stop_token_ids=stop_ids,
                     # Without a tokenizer vLLM knows no EOS id; ours are in stop_token_ids.
                     ignore_eos=True,
@@ -143,10 +178,7 @@ class VLLMRolloutEngine(RolloutEngine):
                     raise RuntimeError(f"vllm returned {len(step_logprobs)} log-probs for {len(tokens)} tokens")
                 token_lists.append(tokens)
                 log_prob_lists.append([step[token].logprob for step, token in zip(step_logprobs, tokens)])
-        responses, log_probs, lengths = pad_responses(
-            token_lists, log_prob_lists, params.max_new_tokens, self.options.pad_token_id
-        )
-        return assemble_rollout_batch(prompts, responses, lengths, log_probs, params.n, self.options.pad_token_id)
+        return token_lists, log_prob_lists
 
     # -- weights --------------------------------------------------------------------------------
     def engine_model(self) -> torch.nn.Module:
