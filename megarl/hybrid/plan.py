@@ -309,6 +309,10 @@ def _bucket(remote: dict[tuple[int, int], list[Piece]], bucket_bytes: int) -> li
                     f"reshard plan: one slice of {piece.src_name} is {unit} bytes, more than "
                     f"bucket_bytes={bucket_bytes}; raise the bucket size"
                 )
+            if piece.nbytes <= room:  # fits whole: most pieces
+                buckets[-1].append(piece)
+                room -= piece.nbytes
+                continue
             done = 0
             while done < piece.length:
                 take = min(piece.length - done, room // unit)

@@ -129,6 +129,9 @@ def megatron_shards(spec: "ModelSpec", tp_rank: int, tp_size: int, pp_rank: int,
     others (False), or all (None)."""
     out = []
     padded_vocab = spec.padded_vocab_size(tp_size)
+    if experts is False and spec.num_experts:
+        # Expert weights are skipped below: expand each to a single expert (as if ep = experts).
+        ep_rank, ep_size = 0, spec.num_experts
     for entry, name, hf_names in stage_entries(spec, pp_rank, pp_size, ep_rank=ep_rank, ep_size=ep_size):
         if experts is not None and entry.per_expert != experts:
             continue
