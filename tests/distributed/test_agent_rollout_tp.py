@@ -94,8 +94,10 @@ def test_the_driver_runs_the_loop_and_the_follower_makes_the_same_engine_calls(t
     tok.eos_token = "<|im_end|>"
     tok.save_pretrained(str(tmp_path / "tok"))
     driver, follower = run_distributed(_rollout, 2, str(tmp_path / "tok"), timeout=240)
-    assert driver["calls"] == follower["calls"] and len(driver["calls"]) == 2  # call turn, answer turn
+    assert driver["calls"] == follower["calls"]
     assert len(driver["calls"][0]) == 4  # 2 prompts x n=2 in one batched call
+    # Each episode's answer turn is generated once, in whichever round its tool call was done by.
+    assert sum(len(c) for c in driver["calls"]) == 8
     for key in ("responses", "response_mask", "tool_reward", "turns"):
         assert driver[key].equal(follower[key]), key
     assert driver["tool_reward"].tolist() == [1.0, 1.0, 1.0, 1.0]  # 12+30 and 7*6 are both 42
