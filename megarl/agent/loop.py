@@ -6,8 +6,11 @@ Each request (one sample of one prompt) is its own state machine:
 
 A round gives every GENERATING request its next turn in one batched engine call
 (`generate_tokens`, token ids in and out). Tool calls run in a thread pool: a request whose tools
-are still running does not hold the others, which generate their next turns meanwhile; the loop only
-waits for tools when no request is ready to generate. Limits: `max_turns` assistant turns, a
+are still running need not hold the others. With `wait_for_tools` (the default) each round waits for
+every running call first, so which requests share a round, and so the sampled tokens, never depend on
+how fast a tool answered: a run with a fixed seed is reproducible. Without it, requests whose tools
+answered generate their next turns meanwhile and the loop waits for tools only when no request is
+ready to generate (faster with slow tools; rounds then depend on timing). Limits: `max_turns` assistant turns, a
 response budget of `max_response_length` tokens over all turns (model and tool tokens), and a
 timeout per tool call (a call past it answers the model with a timeout error; its thread is left to
 finish, and the sandboxed interpreter has its own wall-clock limit).
@@ -63,6 +66,7 @@ class AgentSettings:
     max_tool_response_chars: int = 256  # a longer tool output is cut (the model reads the start)
     format: str = "hermes"  # tool-call parser
     tools: tuple[str, ...] = ()  # tool names for `ToolSet.from_names` (the roles build the set)
+    wait_for_tools: bool = True  # each round waits for every running tool call (reproducible rounds)
 
 
 @dataclass
@@ -180,17 +184,18 @@ class AgentLoop:
     # -- the state machine (driver only) --------------------------------------------------------
     def _plan(self, episodes: list[Episode]) -> Optional[tuple[list[int], list[list[int]], list[int]]]:
         """The requests to generate this round: (rows, contexts, token budgets); None when all are done.
-        Waits for tool calls only when no request could generate meanwhile."""
+        Waits for every running tool call first (`wait_for_tools`), or only when no request could
+        generate meanwhile."""
         while True:
             for ep in episodes:
                 if ep.phase is Phase.CALLING_TOOLS:
                     self._collect(ep)
             ready = [ep for ep in episodes if ep.phase is Phase.GENERATING]
-            if ready:
-                return ([ep.row for ep in ready], [ep.context() for ep in ready],
-                        [self.settings.max_response_length - len(ep.response_ids) for ep in ready])
             calling = [c for ep in episodes if ep.phase is Phase.CALLING_TOOLS for c in ep.calls
                        if c.answer is None and c.future is not None]
+            if ready and not (calling and self.settings.wait_for_tools):
+                return ([ep.row for ep in ready], [ep.context() for ep in ready],
+                        [self.settings.max_response_length - len(ep.response_ids) for ep in ready])
             if not calling:
                 return None
             wait = max(0.0, min(c.deadline for c in calling) - time.monotonic())

@@ -239,6 +239,10 @@ class MultiTurnConfig:
     max_parallel_calls: int = 8  # threads running tool calls while the engine generates other requests' turns
     max_tool_response_chars: int = 256  # a longer tool output is cut before it is tokenised
     format: str = "hermes"  # tool-call format of the model's turns (megarl.agent.parsers)
+    # true: each round of generation waits for every running tool call, so rounds (and the sampled
+    # tokens) do not depend on tool timing and a seeded run is reproducible; false: requests whose
+    # tools answered go on meanwhile (faster when some tools are slow, not reproducible)
+    wait_for_tools: bool = True
 
 
 @dataclass

@@ -190,7 +190,7 @@ def sleepy_script(text: str) -> str:
 
 def test_a_slow_tool_does_not_hold_the_other_requests(tokenizer: Any) -> None:
     tool = SleepyTool()
-    loop, engine = make_loop(tokenizer, sleepy_script, ToolSet({"sleep": tool}), max_turns=10)
+    loop, engine = make_loop(tokenizer, sleepy_script, ToolSet({"sleep": tool}), max_turns=10, wait_for_tools=False)
     kw = lambda s: {"tools_kwargs": {"sleep": {"execute_kwargs": {"seconds": s}}}}  # noqa: E731
     start = time.monotonic()
     out = multi_turn_generate(loop, prompt_batch(tokenizer, ["1", "2"], [kw(1.0), kw(0.0)]),
@@ -200,6 +200,21 @@ def test_a_slow_tool_does_not_hold_the_other_requests(tokenizer: Any) -> None:
     assert any(len(c) == 1 and "2=" in c[0] for c in engine.calls)
     assert out["agent/num_turns"].tolist() == [2.0, 2.0]
     assert time.monotonic() - start < 5.0
+
+
+def test_rounds_do_not_depend_on_tool_timing_by_default(tokenizer: Any) -> None:
+    # wait_for_tools (the default): whichever request's tool is slow, every round holds the same
+    # requests, so the engine sees the same batched calls (and a seeded sampler the same inputs).
+    rounds = []
+    for slow_row in (0, 1):
+        loop, engine = make_loop(tokenizer, sleepy_script, ToolSet({"sleep": SleepyTool()}), max_turns=10)
+        kw = [{"tools_kwargs": {"sleep": {"execute_kwargs": {"seconds": 0.5 if row == slow_row else 0.0}}}}
+              for row in range(2)]
+        out = multi_turn_generate(loop, prompt_batch(tokenizer, ["1", "2"], kw), SamplingParams(max_new_tokens=200))
+        assert out["agent/num_turns"].tolist() == [2.0, 2.0]
+        rounds.append(engine.calls)
+    assert rounds[0] == rounds[1]
+    assert [len(c) for c in rounds[0]] == [2, 2]  # both rows in the first turn's round and in the second's
 
 
 def test_a_tool_past_its_timeout_answers_with_a_timeout_error(tokenizer: Any) -> None:

@@ -45,11 +45,12 @@ def test_settings_resolve_from_every_key(config_file: Path) -> None:
     cfg = load_config(config_file, ["rollout.multi_turn.max_turns=5", "rollout.multi_turn.tool_timeout_s=2.5",
                                     "rollout.multi_turn.max_parallel_calls=3",
                                     "rollout.multi_turn.max_tool_response_chars=100",
+                                    "rollout.multi_turn.wait_for_tools=false",
                                     "rollout.multi_turn.tools=[calculator,code_interpreter]"])
     settings = multi_turn_settings(cfg.rollout.multi_turn, 48)
     assert settings == AgentSettings(max_turns=5, max_response_length=48, tool_timeout_s=2.5, max_parallel_calls=3,
                                      max_tool_response_chars=100, format="hermes",
-                                     tools=("calculator", "code_interpreter"))
+                                     tools=("calculator", "code_interpreter"), wait_for_tools=False)
     assert multi_turn_settings(load_config(config_file, ["rollout.multi_turn.enable=false"]).rollout.multi_turn, 48) is None
 
 
