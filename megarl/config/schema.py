@@ -345,6 +345,10 @@ class TrainerConfig:
     save_freq: int = -1  # checkpoint every k steps; <= 0: never
     val_before_train: bool = True
     val_only: bool = False  # validate (the initial or resumed weights) and stop
+    # Reorder each step's rows so every actor DP rank gets about the same real tokens (metrics
+    # global_seqlen/*); the rows keep their uid, the dumps keep the rollout order. With more than one
+    # mini-batch per epoch the mini-batches hold other rows than without it.
+    balance_batch: bool = True
     # Write each step's generations, scores and advantages as <dir>/<step>.jsonl; null: off
     rollout_data_dir: Optional[str] = None
     # Write validation generations as <dir>/<step>.jsonl; null: off

@@ -12,12 +12,14 @@ micro-batching counts the positions one CP rank computes, after padding to a mul
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from megarl.errors import ConfigError, DataError
 from megarl.megatron.context_parallel import padded_length
+from megarl.protocol.balance import balanced_partition
 
 
 @dataclass
@@ -87,7 +89,11 @@ def plan_micro_batches(
 
     Fixed: consecutive chunks of `micro_batch_size`. Dynamic (`max_tokens` set): rows sorted by
     length, a micro-batch closes when the tokens one rank computes would exceed `max_tokens`: rows x
-    longest row when padded, the sum of the lengths when `packed`.
+    longest row when padded, the sum of the lengths when `packed`. When `packed`, the rows are then
+    re-split into the fewest micro-batches of about equal tokens that still fit the budget
+    (`megarl.protocol.balance.balanced_partition`): never more micro-batches than the greedy split,
+    often one fewer. Padded micro-batches keep the sorted split, which groups rows of similar length
+    (a balanced split would mix lengths and pay for the padding).
 
     Context parallelism (`cp` > 1): the budget is per rank, like verl's `*_max_token_len_per_gpu`.
     A micro-batch's sequence axis is padded to a multiple of 2*cp (each sequence on its own when
@@ -132,7 +138,24 @@ def plan_micro_batches(
         current_padded += padded_length(length, cp)
     if current:
         plans.append(current)
+    if packed:
+        plans = _balanced_plans(lengths, plans, max_tokens, lambda part: per_rank(
+            len(part), max(int(lengths[i]) for i in part), sum(int(lengths[i]) for i in part),
+            sum(padded_length(int(lengths[i]), cp) for i in part)))
     return [torch.tensor(sorted(p), dtype=torch.long) for p in plans]
+
+
+def _balanced_plans(lengths: torch.Tensor, greedy: list[list[int]], max_tokens: int,
+                    cost: Callable[[list[int]], int]) -> list[list[int]]:
+    """The fewest parts of about equal tokens whose every part costs at most `max_tokens`, from
+    ceil(total / budget) parts up to as many as the greedy split has; the greedy split if none fits."""
+    values = [int(v) for v in lengths.tolist()]
+    fewest = max(1, -(-sum(values) // max_tokens))
+    for k in range(min(fewest, len(greedy)), len(greedy) + 1):
+        parts = [p for p in balanced_partition(values, k) if p]
+        if all(cost(p) <= max_tokens for p in parts):
+            return parts
+    return greedy
 
 
 @dataclass

@@ -48,6 +48,7 @@ from megarl.algorithms import (
 from megarl.cluster.host_worker import HostWorker
 from megarl.cluster.worker_group import RoleView
 from megarl.protocol import Batch
+from megarl.protocol.balance import balance_applies, balance_order
 from megarl.rewards.model_scores import combine_scores, reward_model_inputs, reward_model_tokenizer, row_styles
 from megarl.rollout.base import SamplingParams
 from megarl.trainer.checkpoint_dirs import CheckpointDirs, capture_rng_state, restore_rng_state
@@ -163,6 +164,14 @@ class RLTrainer:
             metrics.update(gen_metrics)
             metrics.update(agent_metrics(batch))  # multi-turn rollouts: turns, tool calls, errors, latency
             self.rollout_sleep()  # training needs the memory: the KV cache (and weights) go
+            # Rows reordered so each actor DP rank gets about the same tokens (trainer.balance_batch);
+            # advantages group by uid, not position; the rollout order comes back before the dump.
+            restore = None
+            dp = plan_dispatch(actor.group.rank_coords).dp_size
+            if cfg.trainer.balance_batch and balance_applies(len(batch), dp):
+                order, balance_metrics = balance_order(batch["attention_mask"], dp)
+                batch, restore = batch[order], torch.argsort(order)
+                metrics.update(balance_metrics)
 
             # 4. log-probs of the behaviour policy (a pass of the actor, unless the update itself or the
             #    rollout engine supplies them: actor.old_log_prob_source), the reference, the critic's values
