@@ -45,6 +45,7 @@ from megarl.algorithms import (
     rollout_mismatch_metrics,
     sequence_metric,
 )
+from megarl.cluster.dispatch import plan_dispatch
 from megarl.cluster.host_worker import HostWorker
 from megarl.cluster.worker_group import RoleView
 from megarl.protocol import Batch
@@ -212,6 +213,8 @@ class RLTrainer:
                     metrics.update(self.rollout_mismatch(batch, update_log_probs, step))
 
         # 7. metrics
+        if restore is not None:
+            batch = batch[restore]
         if cfg.trainer.rollout_data_dir:
             dump_rollouts(batch, self.run.tokenizer, step, cfg.trainer.rollout_data_dir)
         timings = self.timer.pop()
