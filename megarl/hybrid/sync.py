@@ -4,6 +4,11 @@ Every rank of the training world runs `WeightSync.sync()` at the same time (SPMD
 tensor-parallel size 1 each rank receives HF-named full tensors and hands them to the rollout
 engine's `update_weights` (any engine). With rollout TP > 1 each rank receives only vLLM's
 per-rank fused parameters and copies them in place into the vLLM model of its process.
+
+Expert-parallel training (EP > 1): each rank holds only its expert-parallel rank's experts,
+numbered 0..E/ep-1 locally (Megatron-Core's `MoELayer`: global expert = ep_rank * E/ep + local;
+sequential experts, `local_experts.{i}`, in both layer specs since grouped GEMM is off). The
+plan keys those shards by (tp, pp, ep rank) and fetches every other expert from a holder of it.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.errors import ConfigError
-from megarl.hybrid.executor import ExecStats, execute_plan
+from megarl.hybrid.executor import ExecStats, Transport, execute_plan
 from megarl.hybrid.plan import DEFAULT_BUCKET_BYTES, ReshardPlan, build_reshard_plan
 from megarl.layout import ParallelLayout
 from megarl.models.weight_map import stage_entries
@@ -53,24 +58,25 @@ def _vllm_targets(rollout_engine: Any, plan: ReshardPlan, rank: int) -> dict[str
 
 
 def sync_shards(plan: ReshardPlan, shards: Mapping[str, torch.Tensor], rollout_engine: Any,
-                group: dist.ProcessGroup | None = None, verify: bool = True) -> ExecStats:
+                group: dist.ProcessGroup | None = None, verify: bool = True,
+                transport: Transport | None = None) -> ExecStats:
     """Reshard this rank's Megatron shards (local-spec names) into the rollout engine.
 
     Engine layout "hf" (rollout TP 1): full HF-named tensors through `update_weights`, so any
     engine works. Layout "vllm": pieces are written straight into the vLLM model's parameters
     of this process (vLLM's loaders want full HF tensors, which would defeat the sharding).
     `verify`: compare every bucket's sender and receiver fingerprints before the engine takes the
-    weights (see `megarl.hybrid.verify`).
+    weights (see `megarl.hybrid.verify`). `transport`: point-to-point over `group` by default.
     """
     if plan.engine == "hf":
-        tensors, stats = execute_plan(plan, shards, group, verify=verify)
+        tensors, stats = execute_plan(plan, shards, group, verify=verify, transport=transport)
         rollout_engine.update_weights(tensors.items())
         return stats
     if rollout_engine.state.value not in ("awake", "weights_only"):
         raise ConfigError(f"rollout engine is {rollout_engine.state.value}; wake it up before a weight sync")
     targets = _vllm_targets(rollout_engine, plan, dist.get_rank(group))
     with torch.no_grad():
-        _, stats = execute_plan(plan, shards, group, out=targets, verify=verify)
+        _, stats = execute_plan(plan, shards, group, out=targets, verify=verify, transport=transport)
     rollout_engine.mark_weights_updated()  # e.g. vLLM's prefix cache was computed with the old weights
     return stats
 
@@ -93,29 +99,31 @@ class WeightSync:
         if verify_every < 0:
             raise ConfigError(f"weight sync: verify_every={verify_every}; valid: 0 (never) or k >= 1 (every k-th sync)")
         r = train_engine.ranks
-        if r.ep_size > 1:
-            raise ConfigError(
-                f"weight sync: expert parallel training (ep={r.ep_size}) is not resharded into the rollout "
-                "engine yet; train the MoE model with expert_model_parallel_size=1")
         self.train_engine = train_engine
         self.rollout_engine = rollout_engine
         self.verify_every = verify_every
         self.syncs_done = 0
         self.group = group
         self.pp_rank, self.pp_size = r.pp_rank, r.pp_size
-        layout = ParallelLayout(tp=r.tp_size, pp=r.pp_size, dp=r.dp_size, cp=r.cp_size)
+        layout = ParallelLayout(tp=r.tp_size, pp=r.pp_size, dp=r.dp_size, cp=r.cp_size, ep=r.ep_size)
         if layout.world_size != dist.get_world_size(group):
             raise ConfigError(f"weight sync: training layout {layout} does not span the group of "
                               f"{dist.get_world_size(group)} ranks")
+        planned = layout.coord(dist.get_rank(group)).ep_rank
+        if planned != r.ep_rank:  # the plan would fetch the wrong experts from this rank
+            raise ConfigError(f"weight sync: rank {dist.get_rank(group)} is expert-parallel rank {r.ep_rank} in "
+                              f"Megatron, the plan's rank order puts it at {planned}; the training process groups "
+                              "must use Megatron's default order tp-cp-ep-dp-pp")
         dtype = next(iter(train_engine.get_named_weights()))[1].dtype
         self.plan = build_reshard_plan(train_engine.spec, layout, ParallelLayout.rollout(rollout_tp, layout.world_size),
                                        "hf" if rollout_tp == 1 else "vllm", dtype, bucket_bytes)
 
-    def sync(self) -> ExecStats:
-        """Reshard and deliver; returns this rank's transfer statistics."""
+    def sync(self, transport: Transport | None = None) -> ExecStats:
+        """Reshard and deliver; returns this rank's transfer statistics. `transport`: how buckets
+        move (default: point-to-point over the group)."""
         shards = training_shards(self.train_engine.get_named_weights(), self.train_engine.spec,
                                  self.pp_rank, self.pp_size)
         verify = self.verify_every > 0 and self.syncs_done % self.verify_every == 0
-        stats = sync_shards(self.plan, shards, self.rollout_engine, self.group, verify=verify)
+        stats = sync_shards(self.plan, shards, self.rollout_engine, self.group, verify=verify, transport=transport)
         self.syncs_done += 1
         return stats

@@ -1,0 +1,158 @@
+"""Hybrid engine with an expert-parallel actor: Megatron training at EP=2 (DP=2, two gloo
+processes, each holding half of the experts as local experts 0..E/2-1) syncs into an HF rollout
+engine on each rank. For a tiny Qwen3-MoE and a tiny Qwen2-MoE (shared expert): after the sync the
+rollout model's log-probs of a fixed batch equal the trainer's and the HF reference model's; after
+one optimizer step and a second sync they equal the trainer's again; every rank receives exactly
+the bytes of the experts it does not hold (half of HF's fused expert tensors, counted from the HF
+model) and nothing else; the sync's verification checks every piece, and one byte flipped in
+transit inside an expert piece stops the sync on both ranks naming that expert tensor."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _launch import run_distributed  # noqa: E402
+from engine_helpers import hf_logprobs, make_batch, make_moe_model, pg_loss_fn, save_hf_model  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+TRAIN_CFG = dict(lr=1e-2, eps=1e-2, weight_decay=0.0, clip_grad=1.0, micro_batch_size=2)
+KINDS = ("qwen3_moe", "qwen2_moe")
+BUCKET = 16 * 1024
+CORRUPT_RANK = 1
+
+
+def _expert_piece_flipper(plan: Any, rank: int, group: Any) -> tuple[Any, str]:
+    """A point-to-point transport that flips one byte of the first remote expert piece `rank`
+    receives (inside that piece's span of its bucket); returns it and the piece's source name."""
+    from megarl.hybrid.executor import P2PTransport
+
+    found = [(k, pair, offset, p) for k, step in enumerate(plan.steps) for pair, pieces in step.items()
+             if pair[1] == rank for i, p in enumerate(pieces)
+             for offset in [sum(q.nbytes for q in pieces[:i])] if ".local_experts." in p.src_name]
+    if not found:
+        raise AssertionError(f"rank {rank} receives no expert piece")
+    k0, pair0, offset0, piece = found[0]
+    target = (k0, pair0, offset0 + piece.nbytes // 2)
+
+    class Flipper(P2PTransport):
+        def __init__(self) -> None:
+            super().__init__(group)
+            self.step = 0
+            self.posted: dict[int, dict] = {}
+
+        def start(self, sends: dict, recvs: dict) -> Any:
+            handle = super().start(sends, recvs)
+            self.posted[id(handle)] = (self.step, recvs)
+            self.step += 1
+            return handle
+
+        def wait(self, handle: Any) -> None:
+            super().wait(handle)
+            k, recvs = self.posted.pop(id(handle))
+            if k == target[0] and target[1] in recvs:
+                recvs[target[1]].view(torch.uint8)[target[2]] ^= 0x10
+
+    return Flipper(), piece.src_name
+
+
+def _sync_ep2(rank: int, world: int, port: int, hf_dirs: dict[str, str], batch: dict) -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    from megarl.hybrid.sync import WeightSync
+    from megarl.hybrid.verify import WeightSyncError
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.engine import MegatronEngine
+    from megarl.megatron.optim import EngineConfig
+    from megarl.megatron.parallel import init_distributed
+    from megarl.models.spec import ModelSpec
+    from megarl.rollout.base import EngineOptions
+    from megarl.rollout.hf_engine import HFRolloutEngine
+
+    out = {}
+    for i, kind in enumerate(KINDS):
+        hf_dir = hf_dirs[kind]
+        layout = init_distributed(rank, world, "127.0.0.1", port + 1 + i, ParallelLayout(ep=2))
+        engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), layout, EngineConfig(**TRAIN_CFG))
+        engine.load_hf_weights(hf_dir)
+        r = engine.ranks
+        assert (r.ep_size, r.dp_size) == (2, 2)
+        rows = torch.arange(len(batch["responses"])).chunk(r.dp_size)[r.dp_rank]
+        mine = {k: v[rows] for k, v in batch.items()}
+        torch.manual_seed(1000 + rank)  # a different random model: only the sync can make it right
+        rollout = HFRolloutEngine.from_config(AutoConfig.from_pretrained(hf_dir),
+                                              EngineOptions(pad_token_id=0, eos_token_ids=(1,)))
+        rollout.model.set_experts_implementation("eager")
+        sync = WeightSync(engine, rollout, rollout_tp=1, bucket_bytes=BUCKET)
+
+        def rollout_lp() -> torch.Tensor:
+            return hf_logprobs(rollout.model, batch, dtype=torch.float32)[0]
+
+        before = rollout_lp()
+        stats1 = sync.sync()
+        rollout1, train1 = rollout_lp(), engine.compute_log_prob(mine)["log_probs"]
+        engine.train_step(mine, pg_loss_fn, mini_batch_size=len(rows), calculate_entropy=True)
+        stats2 = sync.sync()
+        rollout2, train2 = rollout_lp(), engine.compute_log_prob(mine)["log_probs"]
+        transport, expert_name = (_expert_piece_flipper(sync.plan, rank, None) if rank == CORRUPT_RANK
+                                  else (None, None))
+        try:
+            sync.sync(transport=transport)
+            error = None
+        except WeightSyncError as err:
+            error = str(err)
+        pieces = sum(len(p) for step in sync.plan.steps for p in step.values())
+        out[kind] = dict(rows=rows, before=before, rollout1=rollout1, train1=train1, rollout2=rollout2,
+                         train2=train2, stats=[stats1.as_dict(), stats2.as_dict()], error=error,
+                         expert_name=expert_name, pieces=pieces, after_error=rollout_lp())
+    return out
+
+
+def _remote_expert_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the experts one of two EP ranks lacks: half of HF's fused expert tensors."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if ".mlp.experts." in n) // 2
+
+
+def test_ep2_actor_syncs_into_hf_engine_with_minimum_bytes_and_verification() -> None:
+    models = {kind: make_moe_model(kind, seed=5 + i) for i, kind in enumerate(KINDS)}
+    hf_dirs = {kind: save_hf_model(m) for kind, m in models.items()}
+    batch = make_batch(seed=21, batch=4)
+    mask = batch["response_mask"].bool()
+    results = run_distributed(_sync_ep2, 2, hf_dirs, batch, timeout=600)
+    for kind, model in models.items():
+        ref = hf_logprobs(model, batch)[0]
+        remote = _remote_expert_bytes(model)
+        assert remote > 0
+        errors = []
+        for rank, by_kind in enumerate(results):
+            r = by_kind[kind]
+            rows, m = r["rows"], mask[r["rows"]]
+            assert (r["before"] - ref)[mask].abs().max() > 0.1, "the rollout model must start different"
+            err = (r["rollout1"].double() - ref)[mask].abs().max().item()
+            assert err < 2e-5, f"{kind} rank {rank}: synced rollout vs HF reference differs by {err}"
+            for step, (got, train) in enumerate(((r["rollout1"], r["train1"]), (r["rollout2"], r["train2"]))):
+                err = (got[rows] - train)[m].abs().max().item()
+                assert err < 2e-5, f"{kind} rank {rank} sync {step + 1}: rollout vs trainer differs by {err}"
+            assert (r["rollout2"] - r["rollout1"])[mask].abs().max() > 1e-3, f"{kind}: the step must move the weights"
+            for stats in r["stats"]:
+                # The rank's own dense weights are copied locally; only the other rank's experts move.
+                assert stats["bytes_received"] == stats["minimum_bytes"] == remote, (kind, rank, stats, remote)
+                assert stats["pieces_verified"] == r["pieces"] > 0
+            # The corrupted third sync: stopped before the engine took the weights.
+            assert r["error"] is not None, f"{kind} rank {rank}: the flipped expert byte went through"
+            assert (r["after_error"] - r["rollout2"]).abs().max() == 0
+            errors.append(r["error"])
+        name = results[CORRUPT_RANK][kind]["expert_name"]
+        assert ".mlp.experts.local_experts." in name
+        assert errors[0] == errors[1]
+        assert errors[0].startswith("weight sync verification failed: 1 of "), errors[0]
+        assert f"{name!r} [axis " in errors[0] and f"of rank {CORRUPT_RANK}" in errors[0], errors[0]
+        assert ".mlp.experts." in errors[0].split(" -> ", 1)[1], errors[0]  # the HF expert tensor it was for
