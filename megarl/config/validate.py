@@ -207,10 +207,7 @@ def _check_moe(r: _Rules, cfg: DictConfig) -> None:
             r.err(f"{role}.megatron.tensor_model_parallel_size = {par.tensor_model_parallel_size}: training a "
                   f"mixture-of-experts model with TP > 1 needs {role}.megatron.sequence_parallel: true (Megatron "
                   "requires it), or use TP 1 and split the experts with expert_model_parallel_size")
-    if cfg.actor.megatron.expert_model_parallel_size > 1:
-        r.err(f"actor.megatron.expert_model_parallel_size = {cfg.actor.megatron.expert_model_parallel_size}: the "
-              "weight sync into the rollout engine does not reshard expert-parallel shards yet; use 1 for the "
-              "actor (the reference and critic may use EP)")
+    # An expert-parallel actor (EP > 1) is resharded into the rollout engine (megarl.hybrid.sync).
     if cfg.rollout.tensor_model_parallel_size > 1:
         r.err(f"rollout.tensor_model_parallel_size = {cfg.rollout.tensor_model_parallel_size}: mixture-of-experts "
               "weights are not resharded into vLLM's fused expert parameters yet; use 1")

@@ -194,10 +194,16 @@ def test_moe_limits_of_the_trainer_are_refused_before_workers(tmp_path: Path) ->
     assert "rollout.tensor_model_parallel_size = 2: mixture-of-experts" in msg
     cfg = load_config(path, ["actor.megatron.sequence_parallel=true"])  # MoE at TP=2 trains with SP
     assert cfg.actor.megatron.sequence_parallel
-    msg = errors_of(path, "actor.megatron.tensor_model_parallel_size=1", "actor.megatron.expert_model_parallel_size=2")
-    assert "actor.megatron.expert_model_parallel_size = 2: the weight sync" in msg
     cfg = load_config(path, ["actor.megatron.tensor_model_parallel_size=1"])  # TP = EP = 1: accepted
     assert cfg.actor.megatron.tensor_model_parallel_size == 1
+    # An expert-parallel actor is accepted (the weight sync reshards its experts) ...
+    cfg = load_config(path, ["actor.megatron.tensor_model_parallel_size=1", "actor.megatron.expert_model_parallel_size=2"])
+    assert cfg.actor.megatron.expert_model_parallel_size == 2
+    # ... but not together with MoE weights into vLLM at rollout TP > 1, named with its key.
+    msg = errors_of(path, "actor.megatron.tensor_model_parallel_size=1", "actor.megatron.expert_model_parallel_size=2",
+                    "rollout.tensor_model_parallel_size=2")
+    assert "rollout.tensor_model_parallel_size = 2: mixture-of-experts" in msg
+    assert "expert_model_parallel_size = 2" not in msg
 
 
 def test_rollout_tp_must_divide_world(valid_file: Path) -> None:
