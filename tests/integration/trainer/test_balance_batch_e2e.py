@@ -1,0 +1,76 @@
+"""`megarl train` at DP=2 with and without `trainer.balance_batch`: the balanced run logs verl's
+`global_seqlen/*`, trains like the unbalanced one, and dumps its rollouts in the rollout order.
+
+Equal training needs a loss that does not depend on which rank holds a row: token-mean over the
+mini-batch (global token count all-reduced over DP), one mini-batch per step, one epoch. Then the
+gradient is the same sum in another order, so `actor/grad_norm` agrees to fp32 rounding. The
+per-rank metrics (`actor/pg_loss`, `actor/entropy`) are DP rank 0's shard only (`call_dp(...)[0]`),
+which balancing changes by design: they are not compared.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_train_e2e import read_metrics, run_train, write_config
+
+pytestmark = pytest.mark.integration
+
+# Two fp32 computations of one gradient (tests/distributed/engine_helpers.GRAD_RTOL).
+RTOL = 2e-5
+SEQLEN = ("min", "max", "minmax_diff", "balanced_min", "balanced_max", "mean")
+
+
+@pytest.fixture(scope="module")
+def varied_task(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Prompts of 4 to 6 characters (operands 0..19), so the rollout order leaves the DP shards uneven."""
+    out = tmp_path_factory.mktemp("arith_varied")
+    subprocess.run([sys.executable, "-m", "megarl.cli", "data", "make", "arithmetic", "--out", str(out),
+                    "--tokenizer-out", str(out / "tokenizer"), "--num-operands", "2", "--min-value", "0",
+                    "--max-value", "19", "--operators", "+", "--train-size", "64", "--val-size", "8"],
+                   check=True, capture_output=True, text=True)
+    return out
+
+
+def test_balanced_run_trains_like_unbalanced(tmp_path: Path, varied_task: Path) -> None:
+    runs, dumps = {}, {}
+    for balance in ("true", "false"):
+        out = tmp_path / balance
+        out.mkdir()
+        # A fresh model scores 0 everywhere (advantages 0): the entropy bonus gives the gradient.
+        config = write_config(out, varied_task,
+                              actor={"megatron": {"tensor_model_parallel_size": 1}, "entropy_coeff": 0.01},
+                              trainer={"rollout_data_dir": str(out / "rollouts")})
+        proc = run_train(config, f"trainer.balance_batch={balance}")
+        assert proc.returncode == 0
+        runs[balance] = read_metrics(out / "run")
+        dumps[balance] = [json.loads(line) for line in (out / "rollouts" / "1.jsonl").read_text().splitlines()]
+    on, off = runs["true"], runs["false"]
+    # uneven before, closer after (on this seed's prompts)
+    assert any(on[s]["global_seqlen/balanced_max"] - on[s]["global_seqlen/balanced_min"]
+               < on[s]["global_seqlen/minmax_diff"] for s in (1, 2))
+    for step in (1, 2):
+        m = on[step]
+        seqlen = {k: m[f"global_seqlen/{k}"] for k in SEQLEN}
+        assert seqlen["minmax_diff"] == seqlen["max"] - seqlen["min"]
+        assert seqlen["balanced_max"] - seqlen["balanced_min"] <= seqlen["minmax_diff"]
+        assert seqlen["balanced_min"] <= seqlen["mean"] <= seqlen["balanced_max"]
+        # 16 rows over 2 ranks: the mean is half the batch's tokens (prompt + response)
+        assert 2 * seqlen["mean"] == pytest.approx(
+            16 * (m["prompt_length/mean"] + m["response_length/mean"]))
+        assert not any(k.startswith("global_seqlen/") for k in off[step])
+        # the same responses (step 2: sampled from weights equal up to fp32 rounding), the same update
+        for key in ("critic/score/mean", "response_length/mean"):
+            assert m[key] == off[step][key], key
+        assert m["actor/grad_norm"] > 0
+        assert m["actor/grad_norm"] == pytest.approx(off[step]["actor/grad_norm"], rel=RTOL)
+    # the dump keeps the rollout order: row by row the same prompts, responses and scores
+    assert [(r["uid"], r["input"], r["output"], r["score"]) for r in dumps["true"]] == \
+        [(r["uid"], r["input"], r["output"], r["score"]) for r in dumps["false"]]
+    assert [r["advantage"] for r in dumps["true"]] == pytest.approx([r["advantage"] for r in dumps["false"]],
+                                                                    abs=1e-6)
