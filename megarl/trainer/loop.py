@@ -8,7 +8,8 @@ One step (see `RLTrainer.train_step`):
      reward model (`reward_model.enable`), each row judged as its `reward_model.style` says
      DAPO: drop groups whose responses all score the same; generate more until the batch is full
   4. old log-probs (an actor pass; or, without it, the update's own or the rollout's:
-     `actor.old_log_prob_source`), reference log-probs, values (critic)
+     `actor.old_log_prob_source`), reference log-probs, values (critic); first the rows are
+     reordered so each actor DP rank gets about the same tokens (`trainer.balance_batch`)
   5. advantages on the driver's CPU (KL in the reward first when configured)
   6. critic update, then actor update (after the critic warm-up)
   7. metrics, validation every `test_freq` steps, checkpoint every `save_freq` steps
