@@ -1,11 +1,12 @@
 """Hybrid engine with an expert-parallel actor: Megatron training at EP=2 (DP=2, two gloo
-processes, each holding half of the experts as local experts 0..E/2-1) syncs into an HF rollout
-engine on each rank. For a tiny Qwen3-MoE and a tiny Qwen2-MoE (shared expert): after the sync the
-rollout model's log-probs of a fixed batch equal the trainer's and the HF reference model's; after
-one optimizer step and a second sync they equal the trainer's again; every rank receives exactly
-the bytes of the experts it does not hold (half of HF's fused expert tensors, counted from the HF
-model) and nothing else; the sync's verification checks every piece, and one byte flipped in
-transit inside an expert piece stops the sync on both ranks naming that expert tensor."""
+processes, each holding half of the experts as local experts 0..E/2-1; and PP=2 x EP=2 on four)
+syncs into an HF rollout engine on each rank. For a tiny Qwen3-MoE and a tiny Qwen2-MoE (shared
+expert): after the sync the rollout model's log-probs of a fixed batch equal the trainer's and the
+HF reference model's; after one optimizer step and a second sync they equal the trainer's again;
+every rank receives exactly the plan's minimum, at EP=2 the bytes of the experts it does not hold
+(half of HF's fused expert tensors, counted from the HF model) and nothing else; the sync's
+verification checks every piece, and one byte flipped in transit inside an expert piece stops the
+sync on every rank naming that expert tensor."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def _expert_piece_flipper(plan: Any, rank: int, group: Any) -> tuple[Any, str]:
     return Flipper(), piece.src_name
 
 
-def _sync_ep2(rank: int, world: int, port: int, hf_dirs: dict[str, str], batch: dict) -> dict[str, Any]:
+def _sync_ep(rank: int, world: int, port: int, hf_dirs: dict[str, str], layout_kw: dict,
+             batch: dict) -> dict[str, Any]:
     from transformers import AutoConfig
 
     from megarl.hybrid.sync import WeightSync
@@ -77,13 +79,12 @@ def _sync_ep2(rank: int, world: int, port: int, hf_dirs: dict[str, str], batch: 
     from megarl.rollout.hf_engine import HFRolloutEngine
 
     out = {}
-    for i, kind in enumerate(KINDS):
-        hf_dir = hf_dirs[kind]
-        layout = init_distributed(rank, world, "127.0.0.1", port + 1 + i, ParallelLayout(ep=2))
+    for i, (kind, hf_dir) in enumerate(hf_dirs.items()):
+        layout = init_distributed(rank, world, "127.0.0.1", port + 1 + i, ParallelLayout(**layout_kw))
         engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), layout, EngineConfig(**TRAIN_CFG))
         engine.load_hf_weights(hf_dir)
         r = engine.ranks
-        assert (r.ep_size, r.dp_size) == (2, 2)
+        assert (r.ep_size, r.pp_size) == (layout_kw["ep"], layout_kw.get("pp", 1))
         rows = torch.arange(len(batch["responses"])).chunk(r.dp_size)[r.dp_rank]
         mine = {k: v[rows] for k, v in batch.items()}
         torch.manual_seed(1000 + rank)  # a different random model: only the sync can make it right
@@ -121,12 +122,8 @@ def _remote_expert_bytes(model: torch.nn.Module) -> int:
                if ".mlp.experts." in n) // 2
 
 
-def test_ep2_actor_syncs_into_hf_engine_with_minimum_bytes_and_verification() -> None:
-    models = {kind: make_moe_model(kind, seed=5 + i) for i, kind in enumerate(KINDS)}
-    hf_dirs = {kind: save_hf_model(m) for kind, m in models.items()}
-    batch = make_batch(seed=21, batch=4)
+def _check(models: dict[str, torch.nn.Module], results: list[dict], batch: dict, only_experts_move: bool) -> None:
     mask = batch["response_mask"].bool()
-    results = run_distributed(_sync_ep2, 2, hf_dirs, batch, timeout=600)
     for kind, model in models.items():
         ref = hf_logprobs(model, batch)[0]
         remote = _remote_expert_bytes(model)
@@ -143,8 +140,9 @@ def test_ep2_actor_syncs_into_hf_engine_with_minimum_bytes_and_verification() ->
                 assert err < 2e-5, f"{kind} rank {rank} sync {step + 1}: rollout vs trainer differs by {err}"
             assert (r["rollout2"] - r["rollout1"])[mask].abs().max() > 1e-3, f"{kind}: the step must move the weights"
             for stats in r["stats"]:
-                # The rank's own dense weights are copied locally; only the other rank's experts move.
-                assert stats["bytes_received"] == stats["minimum_bytes"] == remote, (kind, rank, stats, remote)
+                assert stats["bytes_received"] == stats["minimum_bytes"] > 0, (kind, rank, stats)
+                if only_experts_move:  # the rank's own dense weights are copied locally
+                    assert stats["bytes_received"] == remote, (kind, rank, stats, remote)
                 assert stats["pieces_verified"] == r["pieces"] > 0
             # The corrupted third sync: stopped before the engine took the weights.
             assert r["error"] is not None, f"{kind} rank {rank}: the flipped expert byte went through"
@@ -152,7 +150,26 @@ def test_ep2_actor_syncs_into_hf_engine_with_minimum_bytes_and_verification() ->
             errors.append(r["error"])
         name = results[CORRUPT_RANK][kind]["expert_name"]
         assert ".mlp.experts.local_experts." in name
-        assert errors[0] == errors[1]
+        assert all(e == errors[0] for e in errors)
         assert errors[0].startswith("weight sync verification failed: 1 of "), errors[0]
         assert f"{name!r} [axis " in errors[0] and f"of rank {CORRUPT_RANK}" in errors[0], errors[0]
         assert ".mlp.experts." in errors[0].split(" -> ", 1)[1], errors[0]  # the HF expert tensor it was for
+
+
+def test_ep2_actor_syncs_into_hf_engine_with_minimum_bytes_and_verification() -> None:
+    """EP=2, DP=2 (2 processes): each rank receives exactly the other rank's experts."""
+    models = {kind: make_moe_model(kind, seed=5 + i) for i, kind in enumerate(KINDS)}
+    hf_dirs = {kind: save_hf_model(m) for kind, m in models.items()}
+    batch = make_batch(seed=21, batch=4)
+    results = run_distributed(_sync_ep, 2, hf_dirs, dict(ep=2), batch, timeout=600)
+    _check(models, results, batch, only_experts_move=True)
+
+
+def test_pp2_ep2_actor_syncs_into_hf_engine() -> None:
+    """PP=2 x EP=2 (DP=2, 4 processes), Qwen2-MoE with its shared expert: pipeline stages and expert
+    shards both come from other ranks; every rank still receives only the plan's minimum."""
+    models = {"qwen2_moe": make_moe_model("qwen2_moe", seed=8)}
+    hf_dirs = {kind: save_hf_model(m) for kind, m in models.items()}
+    batch = make_batch(seed=22, batch=4)
+    results = run_distributed(_sync_ep, 4, hf_dirs, dict(pp=2, ep=2), batch, timeout=600)
+    _check(models, results, batch, only_experts_move=False)
