@@ -16,6 +16,11 @@ Fusion orders handled here (see `megarl.models.weight_map` and the vLLM model co
 - vLLM `qkv_proj` on rollout TP rank r: [q_r | k_r | v_r] rows (k/v replicated when there are
   fewer key/value heads than rollout TP ranks); `gate_up_proj`: [gate_r | up_r] rows.
 - vLLM vocabulary: padded to a multiple of 64, rank r holds rows [r * P/TP_r, (r+1) * P/TP_r).
+- vLLM routed experts (`FusedMoE`, tensor-parallel, not expert-parallel): every rank holds every
+  expert, `mlp.experts.w13_weight` (E, 2 I/TP_r, H) with expert e = [gate_r | up_r] rows and
+  `mlp.experts.w2_weight` (E, H, I/TP_r) with expert e = down_proj columns r; vLLM 0.32's
+  `_load_w13` / `_load_w2`. One engine tensor per expert: `...w13_weight[e]`, a view of the
+  parameter (`vllm_expert_view`).
 """
 
 from __future__ import annotations
@@ -167,10 +172,6 @@ def engine_params(spec: "ModelSpec", engine: str, tp_rank: int, tp_size: int,
         raise ConfigError(f"rollout engine layout {engine!r} unknown; valid: {ENGINES}")
     if engine == "hf" and tp_size != 1:
         raise ConfigError(f"engine layout 'hf' holds full tensors and needs rollout tp=1, got tp={tp_size}")
-    if engine == "vllm" and spec.num_experts:
-        raise ConfigError(
-            f"{spec.family}: resharding mixture-of-experts weights into vLLM's fused expert parameters is "
-            "not implemented; use rollout tensor_model_parallel_size=1 (HF-named tensors)")
     out = []
     for entry, _, hf_names in stage_entries(spec, 0, 1):  # the whole model, global layer indices
         axis = entry_axis(entry)
@@ -178,8 +179,30 @@ def engine_params(spec: "ModelSpec", engine: str, tp_rank: int, tp_size: int,
             for name in hf_names:
                 out.append(LocalTensor(name, shapes[name], axis, (Block(name, 0, shapes[name][axis], 0),)))
             continue
-        out.append(_vllm_param(spec, entry, hf_names, tp_rank, tp_size, shapes))
+        param = _vllm_param(spec, entry, hf_names, tp_rank, tp_size, shapes)
+        if entry.per_expert:
+            param = LocalTensor(_vllm_expert_name(hf_names[0]), param.shape, param.axis, param.blocks)
+        out.append(param)
     return out
+
+
+# HF per-expert leaf -> vLLM fused expert parameter (FusedMoE's expert params mapping).
+_VLLM_EXPERT_PARAM = {"gate_proj": "w13_weight", "down_proj": "w2_weight"}
+
+
+def _vllm_expert_name(hf_name: str) -> str:
+    """`model.layers.3.mlp.experts.5.gate_proj.weight` -> `model.layers.3.mlp.experts.w13_weight[5]`."""
+    stem, rest = hf_name.split(".experts.", 1)
+    expert, leaf, _ = rest.split(".")
+    return f"{stem}.experts.{_VLLM_EXPERT_PARAM[leaf]}[{expert}]"
+
+
+def vllm_expert_view(name: str) -> tuple[str, int] | None:
+    """(vLLM parameter name, expert index) of a per-expert engine tensor name, else None."""
+    if not name.endswith("]") or "[" not in name:
+        return None
+    base, index = name[:-1].rsplit("[", 1)
+    return base, int(index)
 
 
 def _vllm_param(spec: "ModelSpec", entry: WeightEntry, hf_names: list[str], tp_rank: int, tp_size: int,

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megarl.errors import ConfigError
 from megarl.hybrid.executor import ExecStats, Transport, execute_plan
 from megarl.hybrid.plan import DEFAULT_BUCKET_BYTES, ReshardPlan, build_reshard_plan
+from megarl.hybrid.slices import vllm_expert_view
 from megarl.layout import ParallelLayout
 from megarl.models.weight_map import stage_entries
 
@@ -47,7 +48,10 @@ def _vllm_targets(rollout_engine: Any, plan: ReshardPlan, rank: int) -> dict[str
     params = dict(rollout_engine.engine_model().named_parameters())
     targets = {}
     for t in plan.engine_tensors[rank]:
-        p = params.get(t.name)
+        view = vllm_expert_view(t.name)  # one expert of a fused FusedMoE parameter
+        p = params.get(t.name if view is None else view[0])
+        if p is not None and view is not None:
+            p = p[view[1]]
         if p is None:
             raise ConfigError(f"reshard: the vLLM model has no parameter {t.name!r}; it has e.g. {sorted(params)[:4]}")
         if tuple(p.shape) != t.shape:
@@ -99,6 +103,14 @@ class WeightSync:
         if verify_every < 0:
             raise ConfigError(f"weight sync: verify_every={verify_every}; valid: 0 (never) or k >= 1 (every k-th sync)")
         r = train_engine.ranks
+        if rollout_tp > 1 and train_engine.spec.num_experts:
+            # The plan places the experts in FusedMoE's w13/w2 layout, but vLLM post-processes those
+            # parameters after loading (pads them and, on CPU, prepacks them for its grouped GEMM),
+            # so an in-place write would not reach the kernel.
+            raise ConfigError(
+                f"weight sync: rollout tensor_model_parallel_size={rollout_tp} with a mixture-of-experts model: "
+                "writing into vLLM's post-processed fused expert parameters is not supported; use rollout "
+                "tensor_model_parallel_size=1 (HF-named tensors through the engine's loader)")
         self.train_engine = train_engine
         self.rollout_engine = rollout_engine
         self.verify_every = verify_every
