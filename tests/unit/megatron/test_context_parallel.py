@@ -87,12 +87,14 @@ def test_token_budget_is_per_cp_rank() -> None:
     # cp 2, padded: a row of 5 pads to 8, 4 per rank; rows of 3 pad to 4, 2 per rank each.
     plans = plan_micro_batches(lengths, max_tokens=4, cp=2)
     assert [p.tolist() for p in plans] == [[0], [1, 2], [3]]
-    # cp 2, packed as one row: 5+3+3 = 11 pads to 12 (6 per rank); adding the 2 makes 16 (8).
+    # cp 2, packed as one row: 5+3+3 = 11 pads to 12 (6 per rank); adding the 2 makes 16 (8): two
+    # micro-batches, re-split balanced as 5+2 and 3+3 (each pads to 8, 4 per rank).
     plans = plan_micro_batches(lengths, max_tokens=6, packed=True, cp=2)
-    assert [p.tolist() for p in plans] == [[0, 1, 2], [3]]
-    # cp 2, THD (each row padded): 8+4 = 12 (6 per rank); 8+4+4 = 16 (8) closes the micro-batch.
+    assert [p.tolist() for p in plans] == [[0, 3], [1, 2]]
+    # cp 2, THD (each row padded): 8+4 = 12 (6 per rank); 8+4+4 = 16 (8) closes the micro-batch;
+    # re-split balanced: 8+4 (the rows of 5 and 2) and 4+4, 6 and 4 per rank.
     plans = plan_micro_batches(lengths, max_tokens=6, packed=True, cp=2, pad_each=True)
-    assert [p.tolist() for p in plans] == [[0, 1], [2, 3]]
+    assert [p.tolist() for p in plans] == [[0, 3], [1, 2]]
     with pytest.raises(ConfigError, match="6 per rank at context parallel size 2\\); raise it to at least 6"):
         plan_micro_batches(torch.tensor([9]), max_tokens=4, cp=2)
 
