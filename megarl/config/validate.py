@@ -207,10 +207,8 @@ def _check_moe(r: _Rules, cfg: DictConfig) -> None:
             r.err(f"{role}.megatron.tensor_model_parallel_size = {par.tensor_model_parallel_size}: training a "
                   f"mixture-of-experts model with TP > 1 needs {role}.megatron.sequence_parallel: true (Megatron "
                   "requires it), or use TP 1 and split the experts with expert_model_parallel_size")
-    # An expert-parallel actor (EP > 1) is resharded into the rollout engine (megarl.hybrid.sync).
-    if cfg.rollout.tensor_model_parallel_size > 1:
-        r.err(f"rollout.tensor_model_parallel_size = {cfg.rollout.tensor_model_parallel_size}: mixture-of-experts "
-              "weights are not resharded into vLLM's fused expert parameters yet; use 1")
+    # An expert-parallel actor (EP > 1) is resharded into the rollout engine, and at rollout TP > 1
+    # the experts land in vLLM's fused expert parameters (megarl.hybrid.sync).
 
 
 def _check_batches(r: _Rules, role: str, sec: Any, train_bs: int, n: int, dp: int) -> None:

@@ -17,10 +17,10 @@ Fusion orders handled here (see `megarl.models.weight_map` and the vLLM model co
   fewer key/value heads than rollout TP ranks); `gate_up_proj`: [gate_r | up_r] rows.
 - vLLM vocabulary: padded to a multiple of 64, rank r holds rows [r * P/TP_r, (r+1) * P/TP_r).
 - vLLM routed experts (`FusedMoE`, tensor-parallel, not expert-parallel): every rank holds every
-  expert, `mlp.experts.w13_weight` (E, 2 I/TP_r, H) with expert e = [gate_r | up_r] rows and
-  `mlp.experts.w2_weight` (E, H, I/TP_r) with expert e = down_proj columns r; vLLM 0.32's
-  `_load_w13` / `_load_w2`. One engine tensor per expert: `...w13_weight[e]`, a view of the
-  parameter (`vllm_expert_view`).
+  expert, `mlp.experts.routed_experts.w13_weight` (E, 2 I/TP_r, H) with expert e = [gate_r | up_r]
+  rows and `...w2_weight` (E, H, I/TP_r) with expert e = down_proj columns r (vLLM 0.32's
+  `RoutedExperts._load_w13` / `_load_w2`, before the kernel's own post-processing). One engine
+  tensor per expert: `...w13_weight[e]`, an expert of the parameter (`vllm_expert_view`).
 """
 
 from __future__ import annotations
@@ -191,10 +191,10 @@ _VLLM_EXPERT_PARAM = {"gate_proj": "w13_weight", "down_proj": "w2_weight"}
 
 
 def _vllm_expert_name(hf_name: str) -> str:
-    """`model.layers.3.mlp.experts.5.gate_proj.weight` -> `model.layers.3.mlp.experts.w13_weight[5]`."""
+    """`model.layers.3.mlp.experts.5.gate_proj.weight` -> `model.layers.3.mlp.experts.routed_experts.w13_weight[5]`."""
     stem, rest = hf_name.split(".experts.", 1)
     expert, leaf, _ = rest.split(".")
-    return f"{stem}.experts.{_VLLM_EXPERT_PARAM[leaf]}[{expert}]"
+    return f"{stem}.experts.routed_experts.{_VLLM_EXPERT_PARAM[leaf]}[{expert}]"
 
 
 def vllm_expert_view(name: str) -> tuple[str, int] | None:

@@ -47,11 +47,20 @@ def _vllm_targets(rollout_engine: Any, plan: ReshardPlan, rank: int) -> dict[str
     """The vLLM model's own parameters that the plan fills on this rank, checked by name and shape."""
     params = dict(rollout_engine.engine_model().named_parameters())
     targets = {}
+    experts: dict[str, torch.Tensor] = {}
     for t in plan.engine_tensors[rank]:
-        view = vllm_expert_view(t.name)  # one expert of a fused FusedMoE parameter
-        p = params.get(t.name if view is None else view[0])
-        if p is not None and view is not None:
-            p = p[view[1]]
+        view = vllm_expert_view(t.name)  # one expert of a routed-expert (FusedMoE) parameter
+        if view is not None:
+            base, e = view
+            if base not in params:
+                raise ConfigError(f"reshard: the vLLM model has no expert parameter {base!r}; it has e.g. "
+                                  f"{sorted(n for n in params if '.experts.' in n)[:4]}")
+            if base not in experts:
+                # vLLM holds every expert on every rank (tensor-parallel experts).
+                experts[base] = rollout_engine.fused_expert_target(base, (params[base].shape[0], *t.shape))
+            targets[t.name] = experts[base][e]
+            continue
+        p = params.get(t.name)
         if p is None:
             raise ConfigError(f"reshard: the vLLM model has no parameter {t.name!r}; it has e.g. {sorted(params)[:4]}")
         if tuple(p.shape) != t.shape:
@@ -81,6 +90,8 @@ def sync_shards(plan: ReshardPlan, shards: Mapping[str, torch.Tensor], rollout_e
     targets = _vllm_targets(rollout_engine, plan, dist.get_rank(group))
     with torch.no_grad():
         _, stats = execute_plan(plan, shards, group, out=targets, verify=verify, transport=transport)
+        if any(vllm_expert_view(name) for name in targets):
+            rollout_engine.finish_fused_experts()  # e.g. the CPU kernel's prepacked layout
     rollout_engine.mark_weights_updated()  # e.g. vLLM's prefix cache was computed with the old weights
     return stats
 
@@ -103,14 +114,6 @@ class WeightSync:
         if verify_every < 0:
             raise ConfigError(f"weight sync: verify_every={verify_every}; valid: 0 (never) or k >= 1 (every k-th sync)")
         r = train_engine.ranks
-        if rollout_tp > 1 and train_engine.spec.num_experts:
-            # The plan places the experts in FusedMoE's w13/w2 layout, but vLLM post-processes those
-            # parameters after loading (pads them and, on CPU, prepacks them for its grouped GEMM),
-            # so an in-place write would not reach the kernel.
-            raise ConfigError(
-                f"weight sync: rollout tensor_model_parallel_size={rollout_tp} with a mixture-of-experts model: "
-                "writing into vLLM's post-processed fused expert parameters is not supported; use rollout "
-                "tensor_model_parallel_size=1 (HF-named tensors through the engine's loader)")
         self.train_engine = train_engine
         self.rollout_engine = rollout_engine
         self.verify_every = verify_every

@@ -99,6 +99,7 @@ class VLLMRolloutEngine(RolloutEngine):
             kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
         kwargs.update(options.extra)
         self._expected_shapes = hf_parameter_shapes(self.model_path)
+        self._expert_staging: dict[str, torch.Tensor] = {}  # CPU MoE: loading-layout copies (fused_expert_target)
         self.llm = vllm.LLM(**kwargs)
         if not self._sleep_supported:
             logger.info(
@@ -199,6 +200,58 @@ class VLLMRolloutEngine(RolloutEngine):
         self.engine_model().load_weights(checked)
         self._weights_rewritten()
         return counter[0]
+
+    def fused_expert_target(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Where to write the routed-expert parameter `name` (FusedMoE `w13_weight` / `w2_weight`,
+        `shape` = vLLM's loading layout (E, 2 I/TP, H) / (E, H, I/TP)) in place.
+
+        vLLM post-processes these parameters after loading, per kernel backend (vLLM 0.32,
+        `UnquantizedFusedMoEMethod`): the Triton backend keeps the loading layout, so the parameter
+        itself is returned; the CPU grouped-GEMM experts pad the intermediate size and prepack the
+        weights (`CPUUnquantizedExperts.process_weights_after_loading`), so a plain staging tensor
+        is returned and `finish_fused_experts` packs it into the parameter. Other backends shuffle
+        the weights in ways not reproduced here and are refused by name."""
+        module_name, leaf = name.rsplit(".", 1)
+        module = self.engine_model().get_submodule(module_name)
+        param = getattr(module, leaf)
+        backend = getattr(module.quant_method, "unquantized_backend", None)
+        kind = getattr(backend, "name", str(backend))
+        if kind == "TRITON" and tuple(param.shape) == tuple(shape):
+            return param.data
+        if kind == "CPU":
+            staged = self._expert_staging.get(name)
+            if staged is None or tuple(staged.shape) != tuple(shape):
+                staged = self._expert_staging[name] = torch.zeros(shape, dtype=param.dtype)
+            return staged
+        raise WeightUpdateError(
+            f"vllm engine: {name!r} uses the {kind} MoE backend (parameter shape {tuple(param.shape)}); in-place "
+            f"expert updates support the TRITON and CPU backends; use rollout tensor_model_parallel_size=1")
+
+    def finish_fused_experts(self) -> None:
+        """Pack the staged expert weights into the CPU kernel's parameters, as vLLM does after loading."""
+        import vllm._custom_ops as vllm_ops
+
+        model = self.engine_model()
+        for name, staged in self._expert_staging.items():
+            module_name, leaf = name.rsplit(".", 1)
+            module = model.get_submodule(module_name)
+            experts = module.quant_method.moe_kernel.fused_experts
+            if getattr(experts, "_use_zentorch", False):
+                raise WeightUpdateError(f"vllm engine: {name!r} runs on zentorch MoE kernels; in-place expert "
+                                        "updates support vLLM's own CPU grouped-GEMM kernel only")
+            inter = module.moe_config.intermediate_size_per_partition
+            padded = experts._padded_intermediate_size(module.moe_config)
+            weight = staged
+            if padded != inter:  # the zero padding of CPUUnquantizedExperts._pad_moe_intermediate
+                if leaf == "w13_weight":
+                    weight = staged.new_zeros(staged.shape[0], 2 * padded, staged.shape[2])
+                    weight[:, :inter] = staged[:, :inter]
+                    weight[:, padded:padded + inter] = staged[:, inter:]
+                else:
+                    weight = staged.new_zeros(staged.shape[0], staged.shape[1], padded)
+                    weight[:, :, :inter] = staged
+            param = getattr(module, leaf)
+            param.data.copy_(vllm_ops.cpu_prepack_moe_weight(weight.contiguous(), experts.isa))
 
     def _weights_rewritten(self) -> None:
         # Cached prefix blocks were computed with the old weights (a stale block gives wrong tokens).

@@ -1,7 +1,7 @@
 """Reshard plans of mixture-of-experts models into vLLM's fused expert parameters at rollout TP 2:
 for tiny Qwen3-MoE and Qwen2-MoE (shared expert) models trained at EP=2 (with and without TP and
-PP), the executor writes every rollout rank's `mlp.experts.w13_weight` (E, 2 I/TP, H) and
-`w2_weight` (E, H, I/TP) through per-expert views, and they equal the tensors written out by hand
+PP), the executor writes every rollout rank's `mlp.experts.routed_experts.w13_weight` (E, 2 I/TP,
+H) and `w2_weight` (E, H, I/TP) through per-expert views, and they equal the tensors written out by hand
 from the HF checkpoint tensors in vLLM's layout (expert e: [gate rows of rank r | up rows of rank
 r]; down_proj columns of rank r); the shared expert lands in `gate_up_proj` / `down_proj` shards;
 every rank receives exactly the plan's minimum."""
@@ -39,11 +39,12 @@ def _expected(hf: dict[str, torch.Tensor], layer: int, r: int) -> dict[str, torc
     """vLLM's per-rank fused tensors of one MoE layer, by hand from the HF tensors."""
     p, pre = I // ROLLOUT_TP, f"model.layers.{layer}.mlp."
     rows = slice(r * p, (r + 1) * p)
+    gate, up, down = ([hf[f"{pre}experts.{e}.{leaf}.weight"] for e in range(E)]
+                      for leaf in ("gate_proj", "up_proj", "down_proj"))
     out = {
-        pre + "experts.w13_weight": torch.stack([torch.cat([hf[f"{pre}experts.{e}.gate_proj.weight"][rows],
-                                                            hf[f"{pre}experts.{e}.up_proj.weight"][rows]])
-                                                 for e in range(E)]),
-        pre + "experts.w2_weight": torch.stack([hf[f"{pre}experts.{e}.down_proj.weight"][:, rows] for e in range(E)]),
+        pre + "experts.routed_experts.w13_weight": torch.stack([torch.cat([g[rows], u[rows]])
+                                                                 for g, u in zip(gate, up)]),
+        pre + "experts.routed_experts.w2_weight": torch.stack([d[:, rows] for d in down]),
         pre + "gate.weight": hf[pre + "gate.weight"],
     }
     if pre + "shared_expert.gate_proj.weight" in hf:
@@ -86,7 +87,7 @@ def test_experts_land_in_vllm_fused_parameters(family: str, layout: str) -> None
     for rank, (_, stats) in done.items():
         r = train.coord(rank).rank % ROLLOUT_TP
         got = params[rank]
-        assert got["model.layers.0.mlp.experts.w13_weight"].shape == (E, 2 * I // ROLLOUT_TP, H)
+        assert got["model.layers.0.mlp.experts.routed_experts.w13_weight"].shape == (E, 2 * I // ROLLOUT_TP, H)
         for layer in range(LAYERS):
             for name, want in _expected(hf, layer, r).items():
                 assert torch.equal(got[name], want), f"{family} {layout} rank {rank}: {name}"
@@ -97,21 +98,9 @@ def test_expert_engine_tensor_names() -> None:
     spec = ModelSpec.from_hf_config(CONFIGS["qwen3_moe"])
     plan = build_reshard_plan(spec, ParallelLayout(dp=2, ep=2), ParallelLayout.rollout(2, 2), "vllm", torch.float32)
     names = {t.name for t in plan.engine_tensors[1]}
-    assert "model.layers.1.mlp.experts.w13_weight[3]" in names and "model.layers.1.mlp.experts.w2_weight[0]" in names
+    pre = "model.layers.1.mlp.experts.routed_experts."
+    assert pre + "w13_weight[3]" in names and pre + "w2_weight[0]" in names
     assert not any(".experts.0." in n for n in names)
-    assert vllm_expert_view("model.layers.1.mlp.experts.w2_weight[3]") == ("model.layers.1.mlp.experts.w2_weight", 3)
+    assert vllm_expert_view(pre + "w2_weight[3]") == (pre + "w2_weight", 3)
     assert vllm_expert_view("model.layers.1.mlp.gate.weight") is None
 
-
-def test_live_sync_refuses_moe_into_vllm_tensor_parallel() -> None:
-    """The planned layout is not written live yet: vLLM post-processes its fused expert weights."""
-    from types import SimpleNamespace
-
-    from megarl.errors import ConfigError
-    from megarl.hybrid.sync import WeightSync
-    from megarl.layout import RankCoord
-
-    trainer = SimpleNamespace(spec=ModelSpec.from_hf_config(CONFIGS["qwen2_moe"]),
-                              ranks=RankCoord.data_parallel_only(0, 2))
-    with pytest.raises(ConfigError, match="rollout tensor_model_parallel_size=2 with a mixture-of-experts model"):
-        WeightSync(trainer, rollout_engine=None, rollout_tp=2)
