@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from megarl.errors import ConfigError
+from megarl.models.weight_map import split_fused_experts
 from megarl.protocol import Batch
 from megarl.rollout.base import (
     EngineOptions,
@@ -196,10 +197,35 @@ class VLLMRolloutEngine(RolloutEngine):
     def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         counter = [0]
         checked = self._checked(named_tensors, counter)
-        # vLLM's loaders fuse q/k/v and gate/up and take this rank's tensor-parallel slice.
-        self.engine_model().load_weights(checked)
+        # vLLM's loaders fuse q/k/v and gate/up and take this rank's tensor-parallel slice. Experts
+        # of the CPU MoE kernel are loaded into their loading-layout staging copies, then packed.
+        swapped = []
+        for name, (param, shape) in self._cpu_expert_params().items():
+            swapped.append((param, param.data))
+            param.data = self.fused_expert_target(name, shape)
+        try:
+            self.engine_model().load_weights(checked)
+        finally:
+            for param, packed in swapped:
+                param.data = packed
+        if swapped:
+            self.finish_fused_experts()
         self._weights_rewritten()
         return counter[0]
+
+    def _cpu_expert_params(self) -> dict[str, tuple[torch.nn.Parameter, tuple[int, ...]]]:
+        """Routed-expert parameters the CPU MoE kernel keeps prepacked: name -> (parameter, shape in
+        vLLM's loading layout, before padding)."""
+        out = {}
+        for module_name, module in self.engine_model().named_modules():
+            backend = getattr(getattr(module, "quant_method", None), "unquantized_backend", None)
+            if getattr(backend, "name", None) != "CPU" or not hasattr(module, "w13_weight"):
+                continue
+            inter = module.moe_config.intermediate_size_per_partition
+            experts, _, hidden = module.w13_weight.shape
+            out[f"{module_name}.w13_weight"] = (module.w13_weight, (experts, 2 * inter, hidden))
+            out[f"{module_name}.w2_weight"] = (module.w2_weight, (experts, hidden, inter))
+        return out
 
     def fused_expert_target(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Where to write the routed-expert parameter `name` (FusedMoE `w13_weight` / `w2_weight`,
@@ -309,13 +335,15 @@ def _check_spmd_group(tensor_parallel_size: int) -> None:
 
 
 def hf_parameter_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
-    """HF tensor names -> shapes of the model in ``model_path``, built on the meta device (no memory)."""
+    """HF checkpoint tensor names -> shapes of the model in ``model_path``, built on the meta device
+    (no memory). Experts one by one, as checkpoints store them and vLLM's loaders take them
+    (transformers keeps them fused in memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(model_path))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    return split_fused_experts({name: tuple(tensor.shape) for name, tensor in model.state_dict().items()})
 
 
 def vllm_import_error() -> str | None:

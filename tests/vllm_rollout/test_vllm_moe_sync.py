@@ -8,7 +8,10 @@ for the Megatron engine), first at EP=2 (each rank holds half of the experts), t
 second target, and one vLLM TP rank started from a different random model. After each sync vLLM's
 greedy tokens and their log-probs equal a float64 HF forward of the target, and every rank
 received exactly the plan's minimum (nothing at TP2 -> TP2: every shard is already in place).
-Run with `.venv-vllm/bin/python -m pytest -m vllm`.
+At rollout TP 1 the engine takes full HF-named tensors (experts one by one) through vLLM's own
+loader; on CPU they are loaded into loading-layout copies and packed the same way: two updates to
+two different targets each make vLLM compute its target. Run with `.venv-vllm/bin/python -m pytest
+-m vllm`.
 """
 
 from __future__ import annotations
@@ -117,6 +120,56 @@ def _vllm_worker(rank: int, world: int, port: int, dirs: dict[str, str]) -> dict
     return out
 
 
+def _want_log_probs(model: torch.nn.Module, r: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 HF log-probs of the generated tokens and HF's greedy choices."""
+    ref = model.double()
+    ref.set_experts_implementation("eager")
+    with torch.no_grad():
+        positions = (r["attention_mask"].cumsum(1) - 1).clamp(min=0)
+        logits = ref(input_ids=r["input_ids"], attention_mask=r["attention_mask"], position_ids=positions).logits
+    p = r["input_ids"].shape[1] - R
+    want = torch.log_softmax(logits[:, p - 1:-1], -1).gather(-1, r["responses"].unsqueeze(-1)).squeeze(-1)
+    return want, logits[:, p - 1:-1].argmax(-1)
+
+
+def _tp1_worker(rank: int, world: int, port: int, dirs: dict[str, str]) -> dict[str, Any]:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from megarl.models.weight_map import read_hf_tensors
+    from megarl.rollout.base import EngineOptions, SamplingParams
+    from megarl.rollout.vllm_engine import VLLMRolloutEngine, hf_parameter_shapes
+
+    engine = VLLMRolloutEngine(dirs["start"], EngineOptions(pad_token_id=0, eos_token_ids=(1,), kv_cache_memory_gb=0.25))
+    out = {}
+    try:
+        for target in ("target_a", "target_b"):
+            hf = read_hf_tensors(dirs[target], list(hf_parameter_shapes(dirs[target])))
+            count = engine.update_weights(hf.items())
+            res = engine.generate(_prompts(), SamplingParams.make_greedy(max_new_tokens=R, ignore_eos=True))
+            out[target] = dict(count=count, names=sorted(hf), input_ids=res["input_ids"],
+                               attention_mask=res["attention_mask"], responses=res["responses"],
+                               log_probs=res["rollout_log_probs"])
+    finally:
+        engine.release()
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_vllm_tp1_takes_hf_expert_tensors(tmp_path: Path, family: str) -> None:
+    models = {"target_a": _model(family, 0), "target_b": _model(family, 2), "start": _model(family, 1)}
+    dirs = {}
+    for key, model in models.items():
+        model.save_pretrained(tmp_path / key)
+        dirs[key] = str(tmp_path / key)
+    results = run_distributed(_tp1_worker, 1, dirs, timeout=300)[0]
+    for target in ("target_a", "target_b"):
+        r = results[target]
+        assert "model.layers.1.mlp.experts.3.down_proj.weight" in r["names"] and r["count"] == len(r["names"])
+        want, greedy = _want_log_probs(models[target], r)
+        err = (r["log_probs"].double() - want).abs().max().item()
+        assert err < 1e-4, f"{family} {target}: vLLM after the update differs from the target model by {err}"
+        assert torch.equal(r["responses"], greedy)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
 def test_vllm_tp2_computes_the_synced_moe_model(tmp_path: Path, family: str) -> None:
     models = {"target_a": _model(family, 0), "target_b": _model(family, 2), "start": _model(family, 1)}
@@ -128,16 +181,10 @@ def test_vllm_tp2_computes_the_synced_moe_model(tmp_path: Path, family: str) -> 
     for name in LAYOUTS:
         r = results[0][name]
         assert torch.equal(r["responses"], results[1][name]["responses"])
-        ref = models[TARGETS[name]].double()
-        ref.set_experts_implementation("eager")
-        with torch.no_grad():
-            positions = (r["attention_mask"].cumsum(1) - 1).clamp(min=0)
-            logits = ref(input_ids=r["input_ids"], attention_mask=r["attention_mask"], position_ids=positions).logits
-        p = r["input_ids"].shape[1] - R
-        want = torch.log_softmax(logits[:, p - 1:-1], -1).gather(-1, r["responses"].unsqueeze(-1)).squeeze(-1)
+        want, greedy = _want_log_probs(models[TARGETS[name]], r)
         err = (r["log_probs"].double() - want).abs().max().item()
         assert err < 1e-4, f"{family} {name}: vLLM after sync differs from the target model by {err}"
-        assert torch.equal(r["responses"], logits[:, p - 1:-1].argmax(-1)), f"{family} {name}: greedy tokens differ"
+        assert torch.equal(r["responses"], greedy), f"{family} {name}: greedy tokens differ"
         for rank_result in results:
             s = rank_result[name]["stats"]
             assert s["bytes_received"] == s["minimum_bytes"]
