@@ -236,7 +236,9 @@ class VLLMRolloutEngine(RolloutEngine):
         itself is returned; the CPU grouped-GEMM experts pad the intermediate size and prepack the
         weights (`CPUUnquantizedExperts.process_weights_after_loading`), so a plain staging tensor
         is returned and `finish_fused_experts` packs it into the parameter. Other backends shuffle
-        the weights in ways not reproduced here and are refused by name."""
+        the weights in ways not reproduced here and are refused by name. A CPU staging tensor
+        starts at zero and keeps what was last written: every update must deliver every expert of
+        the layers it touches (weight syncs and full updates do)."""
         module_name, leaf = name.rsplit(".", 1)
         module = self.engine_model().get_submodule(module_name)
         param = getattr(module, leaf)

@@ -138,7 +138,8 @@ def _tp1_worker(rank: int, world: int, port: int, dirs: dict[str, str]) -> dict[
     from megarl.rollout.base import EngineOptions, SamplingParams
     from megarl.rollout.vllm_engine import VLLMRolloutEngine, hf_parameter_shapes
 
-    engine = VLLMRolloutEngine(dirs["start"], EngineOptions(pad_token_id=0, eos_token_ids=(1,), kv_cache_memory_gb=0.25))
+    options = EngineOptions(pad_token_id=0, eos_token_ids=(1,), kv_cache_memory_gb=0.25)
+    engine = VLLMRolloutEngine(dirs["start"], options)
     out = {}
     try:
         for target in ("target_a", "target_b"):
