@@ -100,9 +100,22 @@ REMOVED_KEYS: dict[str, str] = {
 }
 
 
+# Megatron layout options megarl does not offer, refused under any `<role>.megatron` section.
+UNSUPPORTED_MEGATRON_KEYS: dict[str, str] = {
+    "expert_tensor_parallel_size": "megarl splits the experts over the tensor-parallel ranks of the dense "
+    "layers (expert tensor parallel size = tensor_model_parallel_size, Megatron's default), in training and in "
+    "the weight sync; remove the key (expert_model_parallel_size sets expert parallelism)",
+    "virtual_pipeline_model_parallel_size": "megarl has no virtual (interleaved) pipeline: each pipeline rank "
+    "holds one contiguous stage of layers; remove the key (pipeline_model_parallel_size sets the stages)",
+}
+
+
 def _unknown_key_error(key: str, source: str) -> str:
     if key in REMOVED_KEYS:
         return f"{source}: '{key}' is not a megarl key: {REMOVED_KEYS[key]}"
+    parent, _, leaf = key.rpartition(".")
+    if parent.rpartition(".")[2] == "megatron" and leaf in UNSUPPORTED_MEGATRON_KEYS:
+        return f"{source}: '{key}' is not supported: {UNSUPPORTED_MEGATRON_KEYS[leaf]}"
     hint = suggest_key(key)
     msg = f"{source}: unknown key '{key}'"
     return msg + (f"; did you mean '{hint}'?" if hint else "; run `megarl config show` to list the valid keys")

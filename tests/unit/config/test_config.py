@@ -356,6 +356,19 @@ def test_removed_verl_keys_say_what_to_use(valid_file: Path, tmp_path: Path) -> 
     assert "'actor.use_remove_padding' is not a megarl key: use model.use_remove_padding" in errors_of(bad)
 
 
+def test_megatron_layout_options_megarl_lacks_are_refused_by_name(valid_file: Path, tmp_path: Path) -> None:
+    msg = errors_of(valid_file, "actor.megatron.expert_tensor_parallel_size=2")
+    assert "'actor.megatron.expert_tensor_parallel_size' is not supported: megarl splits the experts" in msg
+    assert "expert tensor parallel size = tensor_model_parallel_size" in msg and "unknown key" not in msg
+    critic = {"megatron": {"virtual_pipeline_model_parallel_size": 2}}
+    bad = write(tmp_path, "vpp.yaml", {**VALID, "critic": {**VALID.get("critic", {}), **critic}})
+    msg = errors_of(bad)
+    assert "'critic.megatron.virtual_pipeline_model_parallel_size' is not supported: megarl has no virtual" in msg
+    # Outside a megatron section the generic error stays.
+    assert "unknown key 'actor.virtual_pipeline_model_parallel_size'" in errors_of(
+        valid_file, "actor.virtual_pipeline_model_parallel_size=2")
+
+
 def test_recompute_granularity_and_dapo_generation_batch(valid_file: Path) -> None:
     assert "model.recompute_granularity = 'layers'" in errors_of(valid_file, "model.recompute_granularity=layers")
     assert "data.gen_batch_size is only used by DAPO dynamic sampling" in errors_of(valid_file, "data.gen_batch_size=16")
