@@ -5,21 +5,24 @@ rollout layout from `ParallelLayout.rollout(tp, world_size)`.
 
 - `slices`: every local tensor (Megatron shard, engine parameter) as blocks of HF tensors,
   including Megatron's and vLLM's fusion orders and vocabulary paddings.
-- `plan`: `build_reshard_plan` -> who sends which slice to whom, in bounded buckets, with bytes
-  accounted against the minimum.
-- `rank_plan`: `RankPlanner` -> one rank's share of a plan, at a cost independent of the world
-  size, with senders by the closed-form rule of `sender_rule` (equal to its slice of
-  `build_reshard_plan(..., senders="by_rank")`).
-- `executor`: `execute_plan` runs a plan with point-to-point sends (SPMD);
-  `execute_plan_locally` runs it for all ranks in one process.
-- `sync`: `WeightSync` / `sync_shards` connect the training engine and the rollout engine.
+- `plan`: `ReshardPlan` -> who sends which slice to whom, in bounded buckets, with bytes
+  accounted against the minimum, for the ranks it covers; `build_reshard_plan` plans the whole
+  world on one rank (tests, `megarl sync plan`).
+- `rank_plan`: `RankPlanner` -> one rank's own plan, at a cost independent of the world size,
+  with senders by the closed-form rule of `sender_rule` (equal to its slice of
+  `build_reshard_plan(..., senders="by_rank")`; the union of all ranks' plans is that plan).
+- `executor`: `execute_plan` runs a plan that covers the calling rank with point-to-point sends
+  (SPMD); `execute_plan_locally` runs a whole-world plan for all ranks in one process.
+- `sync`: `WeightSync` (each rank's own plan) / `sync_shards` connect the training engine and
+  the rollout engine.
 """
 
 from megarl.hybrid.executor import ExecStats, execute_plan, execute_plan_locally
 from megarl.hybrid.plan import Piece, RankBytes, ReshardPlan, build_reshard_plan
+from megarl.hybrid.rank_plan import RankPlanner
 from megarl.hybrid.sync import WeightSync, sync_shards
 
 __all__ = [
-    "ExecStats", "Piece", "RankBytes", "ReshardPlan", "WeightSync",
+    "ExecStats", "Piece", "RankBytes", "RankPlanner", "ReshardPlan", "WeightSync",
     "build_reshard_plan", "execute_plan", "execute_plan_locally", "sync_shards",
 ]

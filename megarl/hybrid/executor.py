@@ -1,6 +1,8 @@
 """Run a `ReshardPlan`: copy local pieces, exchange remote ones bucket by bucket.
 
-Every rank calls `execute_plan` with its own training shards (SPMD). Each step, a rank packs the
+Every rank calls `execute_plan` with its own training shards and a plan that covers it (SPMD):
+its own plan (`megarl.hybrid.rank_plan.RankPlanner.plan`, as the weight sync runs it) or the
+whole-world one. Each step, a rank packs the
 pieces it owes each peer into one flat buffer (at most `plan.bucket_bytes`), posts non-blocking
 receives and sends (batched point-to-point, gloo or NCCL), and unpacks the received buffers
 straight into its engine parameters while the next step's transfers are in flight. Engine
@@ -9,7 +11,8 @@ rollout TP size is 1.
 
 With `verify` (the default) every piece is fingerprinted by its sender as it is packed and by its
 receiver as it is unpacked, and the fingerprints are compared after the sync
-(`megarl.hybrid.verify`): a piece that arrived changed stops the sync with an error naming tensor,
+(`megarl.hybrid.verify`, point-to-point along the pairs of the plan, then one all-reduce of two
+counters): a piece that arrived changed stops the sync on every rank with an error naming tensor,
 slice and ranks.
 
 `execute_plan_locally` runs the same packing and unpacking for all ranks in one process with an
@@ -48,8 +51,11 @@ class ExecStats:
     largest_buffer_numel: int = 0  # largest flat exchange buffer
     largest_engine_tensor_numel: int = 0  # largest tensor assembled on this rank
     pieces_verified: int = 0  # pieces (tensor slices) whose sender and receiver fingerprints were compared
-    # Comparing the fingerprints after the transfers (part of `seconds`; taking them is fused with
-    # the copies, its cost shows only against a sync without verification: benchmarks/sync_verify.py)
+    # Seconds from the last bucket unpacked to the verdict: each sender's fingerprint vectors
+    # to its receivers (point-to-point), the receivers' comparison, and the all-reduce in which
+    # every rank waits for the slowest (0 without verification). Part of `seconds`. Taking the
+    # fingerprints is fused with the packing and unpacking copies and not in it; its cost shows
+    # only against a sync without verification (benchmarks/sync_verify.py).
     verify_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
@@ -57,6 +63,7 @@ class ExecStats:
 
 
 def _check_shards(plan: ReshardPlan, rank: int, shards: Mapping[str, torch.Tensor]) -> None:
+    plan.check_covers(rank)
     for t in plan.train_tensors[rank]:
         got = shards.get(t.name)
         if got is None:
@@ -141,7 +148,11 @@ class Transport(Protocol):
     def wait(self, handle: Any) -> None: ...
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum `t` over the ranks of the sync (fingerprints)."""
+        """Sum `t` over the ranks of the sync (verification counters)."""
+        ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (verification failures only)."""
         ...
 
 
@@ -168,6 +179,11 @@ class P2PTransport:
         dist.all_reduce(t, group=self.group)
         return t
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
 
 class InMemoryTransport:
     """All ranks in one process: a send buffer is copied into the matching receive buffer."""
@@ -181,7 +197,10 @@ class InMemoryTransport:
         return None
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        return t  # every rank is in this process: each fingerprint was filled in once already
+        return t  # every rank is in this process: the counts already sum over all of them
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
 
 
 def _run(plan: ReshardPlan, shards_by_rank: Mapping[int, Mapping[str, torch.Tensor]], transport: Transport,
@@ -257,7 +276,7 @@ def _run(plan: ReshardPlan, shards_by_rank: Mapping[int, Mapping[str, torch.Tens
     checked, verify_seconds = 0, 0.0
     if verify:
         t0 = time.perf_counter()
-        checked = check_pieces(plan, sent_fp, received_fp, transport.all_reduce, device)
+        checked = check_pieces(plan, shards_by_rank, sent_fp, received_fp, transport, device)
         verify_seconds = time.perf_counter() - t0
     elapsed = time.perf_counter() - start
     for _, stats in result.values():
@@ -275,7 +294,8 @@ def execute_plan(plan: ReshardPlan, local_shards: Mapping[str, torch.Tensor],
 
     `local_shards`: this rank's Megatron parameters by local-spec name (stage-local layer
     indices), e.g. `megarl.hybrid.sync.training_shards(engine.get_named_weights(), ...)`. Ranks in the plan are ranks of
-    `group` (default: the world). Every rank of the group must call this with the same plan.
+    `group` (default: the world). Every rank of the group must call this with a plan that covers
+    it, all of one planning (its own plan from `RankPlanner`, or the same whole-world plan).
     `out`: write into these tensors (e.g. the engine's own parameters, any dtype) instead of
     allocating new ones. `verify`: compare sender and receiver fingerprints of every bucket (a
     collective; every rank must pass the same value). `transport`: point-to-point over `group` by
@@ -293,7 +313,8 @@ def execute_plan_locally(plan: ReshardPlan, shards_by_rank: Mapping[int, Mapping
                          out: Mapping[int, Mapping[str, torch.Tensor]] | None = None, verify: bool = True,
                          ) -> dict[int, tuple[dict[str, torch.Tensor], ExecStats]]:
     """All ranks in this process: the same packing and unpacking, buffers handed over in memory.
-    `out`: per rank, tensors to write into (as in `execute_plan`)."""
+    `plan` must cover every rank (`build_reshard_plan`, or `ReshardPlan.union` of every rank's own
+    plan). `out`: per rank, tensors to write into (as in `execute_plan`)."""
     missing = sorted(set(range(plan.world_size)) - set(shards_by_rank))
     if missing:
         raise ConfigError(f"reshard: no training shards given for ranks {missing}")

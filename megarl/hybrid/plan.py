@@ -1,12 +1,17 @@
 """The reshard plan: for every rollout rank and every engine parameter, which training rank sends
 which slice, and where it lands.
 
-Built identically on every rank from the model spec and the two `megarl.layout.ParallelLayout`s
-(training; rollout from `ParallelLayout.rollout`), with no communication, so all ranks agree on
-the exchange schedule. Sources are chosen to prefer the receiving rank itself
-(zero bytes), then the least-loaded of the training replicas (DP and CP ranks, and TP ranks for
-replicated tensors, hold identical weights). Remote pieces go in buckets of at most
-`bucket_bytes` per (sender, receiver) pair and step.
+A `ReshardPlan` covers some ranks: for each its engine parameters, training shards, local copies
+and bytes, and of the exchange schedule every bucket one of them sends or receives. A rank's own
+plan (`megarl.hybrid.rank_plan.RankPlanner`, what the weight sync runs) covers that rank alone;
+the whole-world plan of `build_reshard_plan` covers every rank and is the union of the ranks' own
+plans (`ReshardPlan.union`, `ReshardPlan.restrict`). Both are built from the model spec and the two
+`megarl.layout.ParallelLayout`s (training; rollout from `ParallelLayout.rollout`) with no
+communication, so all ranks agree on the exchange schedule. Rows the receiving rank holds itself
+are copied locally (zero bytes); the others come from one of the training replicas that hold them
+(DP and CP ranks, and TP ranks for replicated tensors, hold identical weights): the least-loaded
+one, or by the closed-form rule of `megarl.hybrid.sender_rule`. Remote pieces go in buckets of
+at most `bucket_bytes` per (sender, receiver) pair and step.
 """
 
 from __future__ import annotations
@@ -63,7 +68,12 @@ class RankBytes:
 
 @dataclass
 class ReshardPlan:
-    """Everything the executor needs; identical on every rank."""
+    """Everything the executor needs for the ranks the plan covers (`ranks`).
+
+    Per covered rank: engine parameters, Megatron shards, local pieces and bytes. `steps[k]`
+    holds bucket k of every (sender, receiver) pair with an end among the covered ranks; a pair's
+    bucket k is in step k in every plan that holds the pair, so the plans of two ranks agree on
+    what passes between them."""
 
     train: ParallelLayout
     rollout: ParallelLayout  # pp = cp = ep = 1 (`ParallelLayout.rollout`)
@@ -80,8 +90,58 @@ class ReshardPlan:
     def world_size(self) -> int:
         return self.train.world_size
 
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks this plan covers, ascending (all of the world for `build_reshard_plan`)."""
+        return sorted(self.engine_tensors)
+
     def total_received(self) -> int:
         return sum(b.received for b in self.bytes.values())
+
+    def restrict(self, rank: int) -> "ReshardPlan":
+        """The part of this plan that concerns `rank`: what `RankPlanner.plan(rank)` builds alone
+        (steps after its last bucket dropped). Raises ConfigError if the plan does not cover it."""
+        self.check_covers(rank)
+        steps = [{pair: ps for pair, ps in step.items() if rank in pair} for step in self.steps]
+        while steps and not steps[-1]:
+            steps.pop()
+        return ReshardPlan(self.train, self.rollout, self.engine, self.dtype, self.bucket_bytes,
+                           {rank: self.engine_tensors[rank]}, {rank: self.train_tensors[rank]},
+                           {rank: self.local_pieces[rank]}, steps, {rank: self.bytes[rank]})
+
+    @staticmethod
+    def union(plans: "list[ReshardPlan]") -> "ReshardPlan":
+        """One plan covering the ranks of all `plans` (e.g. every rank's own plan: the whole-world
+        plan). Raises ConfigError if they are for different layouts, engines, dtypes or bucket
+        sizes, cover a rank twice, or disagree on a bucket both ends of a pair hold."""
+        if not plans:
+            raise ConfigError("reshard plan: union of no plans")
+        first = plans[0]
+        out = ReshardPlan(first.train, first.rollout, first.engine, first.dtype, first.bucket_bytes, {}, {}, {}, [], {})
+        for p in plans:
+            if (p.train, p.rollout, p.engine, p.dtype, p.bucket_bytes) != (
+                    first.train, first.rollout, first.engine, first.dtype, first.bucket_bytes):
+                raise ConfigError(f"reshard plan: the plan of ranks {p.ranks} is for another layout, engine, "
+                                  f"dtype or bucket size than that of ranks {first.ranks}")
+            twice = set(p.engine_tensors) & set(out.engine_tensors)
+            if twice:
+                raise ConfigError(f"reshard plan: ranks {sorted(twice)} are covered by two plans")
+            for part in ("engine_tensors", "train_tensors", "local_pieces", "bytes"):
+                getattr(out, part).update(getattr(p, part))
+            for k, step in enumerate(p.steps):
+                while len(out.steps) <= k:
+                    out.steps.append({})
+                for pair, pieces in step.items():
+                    if out.steps[k].setdefault(pair, pieces) != pieces:
+                        raise ConfigError(f"reshard plan: ranks {pair[0]} and {pair[1]} disagree on their "
+                                          f"bucket of step {k}")
+        return out
+
+    def check_covers(self, rank: int) -> None:
+        """Raises ConfigError if this plan has no part for `rank`."""
+        if rank not in self.engine_tensors:
+            shown = self.ranks if len(self.engine_tensors) <= 8 else f"{len(self.engine_tensors)} ranks"
+            raise ConfigError(f"reshard: the plan does not cover rank {rank} (it covers {shown})")
 
 
 def _unit_bytes(t: LocalTensor, dtype: torch.dtype) -> int:

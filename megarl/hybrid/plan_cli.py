@@ -9,11 +9,13 @@ are full duplex), a transfer within a node runs at `--intra-gbps` and one betwee
 `--inter-gbps`, so a rank needs max(receive time, send time) and the sync the largest of those.
 Latency, bucket scheduling and the local copies are left out.
 
-Expert-parallel training layouts (ep > 1) are planned too (the live weight sync does not take
-them yet). Two planners: the whole-world one (`build_reshard_plan`, least-loaded senders: what the weight sync
-runs) and the per-rank one (`megarl.hybrid.rank_plan`, senders by a closed-form rule), whose cost
-per rank does not grow with the world; `--senders auto` uses the latter above 64 ranks. Both move
-exactly the minimum; they differ only in who sends what.
+Expert-parallel training layouts (ep > 1) are planned too, as the live weight sync takes them: into
+the HF engine at rollout TP 1 and into vLLM's fused expert parameters at rollout TP > 1. Two
+planners: the per-rank one (`megarl.hybrid.rank_plan`, senders by a closed-form rule; the default,
+and what the weight sync runs, each rank its own part), whose cost per rank does not grow with the
+world, and with `--senders least_loaded` the whole-world one (`build_reshard_plan`, each sender
+the least-loaded replica so far), whose cost does. Both move exactly the minimum and every rank
+receives the same bytes; they differ only in who sends what.
 """
 
 from __future__ import annotations
@@ -31,9 +33,6 @@ EXAMPLES = """examples:
   megarl sync plan config.json --train tp=2,dp=2 --rollout-tp 1 --gpus-per-node 2 --json
 """
 LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "ep")
-# Above this world size `--senders auto` plans rank by rank: the whole-world planner's cost grows
-# with the world (about 3 s at 64 ranks for a 72B shape), the per-rank one's does not.
-AUTO_BY_RANK_ABOVE = 64
 DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -102,8 +101,8 @@ def rank_planner_traffic(planner: Any) -> Traffic:
 
 def summarize(plan: Any, gpus_per_node: int, intra_gbps: float, inter_gbps: float,
               traffic: Traffic | None = None, senders: str = "least_loaded") -> dict[str, Any]:
-    """The traffic of a `ReshardPlan` or `RankPlan` (`traffic` given) per rank and in all, and
-    the predicted sync time."""
+    """The traffic of a whole-world `ReshardPlan`, or of a `RankPlanner`'s plans (`traffic`
+    given), per rank and in all, and the predicted sync time."""
     if gpus_per_node < 1 or intra_gbps <= 0 or inter_gbps <= 0:
         raise ConfigError("--gpus-per-node must be >= 1 and the bandwidths > 0")
     traffic = traffic or plan_traffic(plan)
@@ -130,8 +129,8 @@ def summarize(plan: Any, gpus_per_node: int, intra_gbps: float, inter_gbps: floa
     }
 
 
-SENDERS_MEANING = {"least_loaded": "whole-world plan, as the weight sync runs it",
-                   "by_rank": "each rank's own plan; the same bytes received, senders chosen by rule"}
+SENDERS_MEANING = {"by_rank": "each rank's own plan, as the weight sync runs it",
+                   "least_loaded": "whole-world plan; the same bytes received, least-loaded senders"}
 
 
 def _layout(layout: Any) -> dict[str, int]:
@@ -181,9 +180,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--intra-gbps", type=float, default=150.0, help="GB/s per GPU within a node")
     p.add_argument("--inter-gbps", type=float, default=25.0, help="GB/s per GPU between nodes")
-    p.add_argument("--senders", choices=("auto", "least_loaded", "by_rank"), default="auto",
-                   help="least_loaded: the whole-world plan the weight sync runs; by_rank: every rank's own "
-                        f"plan (`megarl.hybrid.rank_plan`, faster at scale); auto: by_rank above {AUTO_BY_RANK_ABOVE} ranks")
+    p.add_argument("--senders", choices=("by_rank", "least_loaded"), default="by_rank",
+                   help="by_rank: every rank's own plan (`megarl.hybrid.rank_plan`), what the weight sync runs; "
+                        "least_loaded: the whole-world plan with the least-loaded replica sending (slow at scale)")
     p.add_argument("--per-rank", action="store_true", help="also print every rank's traffic")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=_plan)
@@ -212,7 +211,7 @@ def _plan(args: argparse.Namespace) -> int:
     spec = ModelSpec.from_hf_config(args.model, family=args.spec)
     rollout = ParallelLayout.rollout(args.rollout_tp, world)
     dtype, bucket_bytes = torch_dtype(args.dtype), int(args.bucket_mib * 2**20)
-    senders = args.senders if args.senders != "auto" else ("least_loaded" if world <= AUTO_BY_RANK_ABOVE else "by_rank")
+    senders = args.senders
     if senders == "by_rank":
         planner = RankPlanner(spec, train, rollout, engine, dtype, bucket_bytes)
         summary = summarize(planner, args.gpus_per_node, args.intra_gbps, args.inter_gbps,

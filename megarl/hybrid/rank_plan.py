@@ -15,13 +15,14 @@ cp. The schedule is shared without communication: each (sender, receiver) pair's
 receiver's parameter and row order, cut into buckets of at most `bucket_bytes`, bucket k in
 step k, so both ends of a pair agree on every transfer.
 
-The result equals the `ReshardPlan` that `build_reshard_plan(..., senders="by_rank")` builds,
-restricted to the rank (`restrict`; tested for many layouts).
+The result is a `ReshardPlan` covering the one rank, equal to the whole-world plan that
+`build_reshard_plan(..., senders="by_rank")` builds restricted to the rank (`ReshardPlan.restrict`;
+tested for many layouts); the weight sync runs it (`megarl.hybrid.sync.WeightSync`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,44 +33,13 @@ from megarl.hybrid.plan import (
     check_plan_inputs, join_pieces, rank_tensors, rule_sender, segment_piece, source_index,
 )
 from megarl.hybrid.sender_rule import EVERY_EP_RANK, receivers_at, replicas_per_holder, shard_keys
-from megarl.hybrid.slices import LocalTensor, engine_params, hf_tensor_shapes
+from megarl.hybrid.slices import engine_params, hf_tensor_shapes
 from megarl.layout import ParallelLayout
 
 if TYPE_CHECKING:
     from megarl.models.spec import ModelSpec
 
 Pair = tuple[int, int]
-
-
-@dataclass
-class RankPlan:
-    """One rank's share of a reshard plan: what it holds, receives, sends and copies locally."""
-
-    rank: int
-    train: ParallelLayout
-    rollout: ParallelLayout
-    engine: str
-    dtype: torch.dtype
-    bucket_bytes: int
-    engine_tensors: list[LocalTensor]  # this rank's engine parameters
-    train_tensors: list[LocalTensor]  # this rank's Megatron shards
-    local_pieces: list[Piece]
-    steps: list[dict[Pair, list[Piece]]]  # step -> (src, dst) -> one bucket; every pair involves `rank`
-    bytes: RankBytes = field(default_factory=RankBytes)
-
-    @property
-    def world_size(self) -> int:
-        return self.train.world_size
-
-
-def restrict(plan: ReshardPlan, rank: int) -> RankPlan:
-    """The part of a whole-world plan that concerns `rank` (steps after its last bucket dropped)."""
-    steps = [{pair: ps for pair, ps in step.items() if rank in pair} for step in plan.steps]
-    while steps and not steps[-1]:
-        steps.pop()
-    return RankPlan(rank, plan.train, plan.rollout, plan.engine, plan.dtype, plan.bucket_bytes,
-                    plan.engine_tensors[rank], plan.train_tensors[rank], plan.local_pieces[rank], steps,
-                    plan.bytes[rank])
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,16 +92,18 @@ class RankPlanner:
             self._templates[key] = out
         return self._templates[key]
 
-    def plan(self, rank: int) -> RankPlan:
-        """`rank`'s pieces, schedule and bytes. Raises AssertionError if it would receive more
-        than the minimum (a planner bug, as in `build_reshard_plan`)."""
+    def plan(self, rank: int) -> ReshardPlan:
+        """`rank`'s own plan: a `ReshardPlan` covering `rank` alone (its pieces, the buckets it
+        sends and receives, its bytes). Raises AssertionError if it would receive more than the
+        minimum (a planner bug, as in `build_reshard_plan`)."""
         counts, local_pieces, remote = self.received(rank)
         for piece in self._sent(rank):  # every receiver whose rule names this rank
             counts.sent += piece.nbytes
             remote.setdefault((rank, piece.dst), []).append(piece)
-        return RankPlan(rank, self.train, self.rollout, self.engine, self.dtype, self.bucket_bytes,
-                        self.params[self.rollout.coord(rank).tp_rank], rank_tensors(self.shards, self.train, rank),
-                        local_pieces, _bucket(remote, self.bucket_bytes), counts)
+        return ReshardPlan(self.train, self.rollout, self.engine, self.dtype, self.bucket_bytes,
+                           {rank: self.params[self.rollout.coord(rank).tp_rank]},
+                           {rank: rank_tensors(self.shards, self.train, rank)}, {rank: local_pieces},
+                           _bucket(remote, self.bucket_bytes), {rank: counts})
 
     def received(self, rank: int) -> tuple[RankBytes, list[Piece], dict[Pair, list[Piece]]]:
         """The receiving half of `rank`'s plan: its bytes (`sent` left 0), the pieces it copies
@@ -225,7 +197,7 @@ def _copy(seg: _Segment, dst: int) -> _Segment:
 def plan_for_rank(spec: "ModelSpec", train: ParallelLayout, rollout: ParallelLayout, rank: int,
                   engine: str = "hf", dtype: torch.dtype = torch.float32,
                   bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                  hf_shapes: dict[str, tuple[int, ...]] | None = None) -> RankPlan:
+                  hf_shapes: dict[str, tuple[int, ...]] | None = None) -> ReshardPlan:
     """`rank`'s plan (see `RankPlanner`); raises ConfigError for a rank outside the world."""
     if not 0 <= rank < train.world_size:
         raise ConfigError(f"reshard plan: rank {rank} outside the world [0, {train.world_size})")

@@ -1,6 +1,9 @@
 """The hybrid engine's weight sync: training engine shards -> reshard -> rollout engine.
 
-Every rank of the training world runs `WeightSync.sync()` at the same time (SPMD). With rollout
+Every rank of the training world runs `WeightSync.sync()` at the same time (SPMD), from its own
+plan (`megarl.hybrid.rank_plan.RankPlanner`): what it copies locally, sends and receives, planned
+at a cost that does not grow with the world size, with senders by the rule of
+`megarl.hybrid.sender_rule` that every rank evaluates alike. With rollout
 tensor-parallel size 1 each rank receives HF-named full tensors and hands them to the rollout
 engine's `update_weights` (any engine). With rollout TP > 1 each rank receives only vLLM's
 per-rank fused parameters and copies them in place into the vLLM model of its process.
@@ -20,7 +23,8 @@ import torch.distributed as dist
 
 from megarl.errors import ConfigError
 from megarl.hybrid.executor import ExecStats, Transport, execute_plan
-from megarl.hybrid.plan import DEFAULT_BUCKET_BYTES, ReshardPlan, build_reshard_plan
+from megarl.hybrid.plan import DEFAULT_BUCKET_BYTES, ReshardPlan
+from megarl.hybrid.rank_plan import RankPlanner
 from megarl.hybrid.slices import vllm_expert_view
 from megarl.layout import ParallelLayout
 from megarl.models.weight_map import stage_entries
@@ -73,7 +77,8 @@ def _vllm_targets(rollout_engine: Any, plan: ReshardPlan, rank: int) -> dict[str
 def sync_shards(plan: ReshardPlan, shards: Mapping[str, torch.Tensor], rollout_engine: Any,
                 group: dist.ProcessGroup | None = None, verify: bool = True,
                 transport: Transport | None = None) -> ExecStats:
-    """Reshard this rank's Megatron shards (local-spec names) into the rollout engine.
+    """Reshard this rank's Megatron shards (local-spec names) into the rollout engine. `plan`
+    covers this rank: its own plan or the whole-world one (see `execute_plan`).
 
     Engine layout "hf" (rollout TP 1): full HF-named tensors through `update_weights`, so any
     engine works. Layout "vllm": pieces are written straight into the vLLM model's parameters
@@ -97,7 +102,8 @@ def sync_shards(plan: ReshardPlan, shards: Mapping[str, torch.Tensor], rollout_e
 
 
 class WeightSync:
-    """Plans once, then moves the training engine's weights into the rollout engine on `sync()`.
+    """Plans this rank's part once (`plan`: a `ReshardPlan` covering this rank alone), then moves
+    the training engine's weights into the rollout engine on `sync()`.
 
     Args:
         train_engine: a `MegatronEngine` (needs `spec`, `ranks` and `get_named_weights()`).
@@ -130,8 +136,9 @@ class WeightSync:
                               f"Megatron, the plan's rank order puts it at {planned}; the training process groups "
                               "must use Megatron's default order tp-cp-ep-dp-pp")
         dtype = next(iter(train_engine.get_named_weights()))[1].dtype
-        self.plan = build_reshard_plan(train_engine.spec, layout, ParallelLayout.rollout(rollout_tp, layout.world_size),
-                                       "hf" if rollout_tp == 1 else "vllm", dtype, bucket_bytes)
+        planner = RankPlanner(train_engine.spec, layout, ParallelLayout.rollout(rollout_tp, layout.world_size),
+                              "hf" if rollout_tp == 1 else "vllm", dtype, bucket_bytes)
+        self.plan = planner.plan(dist.get_rank(group))
 
     def sync(self, transport: Transport | None = None) -> ExecStats:
         """Reshard and deliver; returns this rank's transfer statistics. `transport`: how buckets

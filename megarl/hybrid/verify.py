@@ -3,9 +3,13 @@
 Every piece of every bucket (one slice of one tensor) is fingerprinted twice: by its sender right
 after packing it into the flat send buffer, and by its receiver right before unpacking it from the
 flat receive buffer, each while those bytes are still in the cache of the copy that touches them.
-After the sync one all-reduce of two int64 vectors (one entry per piece of the plan, each filled by
-exactly one sender and one receiver) gives every rank every fingerprint, so all ranks see the same
-mismatches and stop together, with the tensor, slice and ranks of each piece that arrived changed.
+After the transfers each sender sends each of its receivers one int64 vector, the fingerprints of
+the pieces it sent that receiver in the plan's order, and the receiver compares them with its own:
+point-to-point, along the pairs the rank already exchanges with, so a rank's cost depends on its
+own pieces and not on the world size (a rank's own plan suffices). One all-reduce of two counters
+(pieces compared, pieces that differ) then tells every rank the outcome, so all ranks stop
+together; only then, on a mismatch, the receivers' descriptions of the changed pieces are gathered
+so that every rank raises the same error, naming the tensor, slice and ranks of each.
 
 The fingerprint of a piece is the wrapping sum of its raw bytes read as 64-bit words (linear, so
 it can be summed in blocks cut anywhere): each block of about `FINGERPRINT_BLOCK_BYTES` is summed
@@ -17,15 +21,15 @@ zero. It is a transport check, not a cryptographic one.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Any, Iterable, Mapping, Protocol
 
 import torch
 
 from megarl.errors import MegarlError
 from megarl.hybrid.plan import Piece, ReshardPlan
 
-BucketKey = tuple[int, tuple[int, int]]  # (step, (sender, receiver))
-PieceKey = tuple[int, tuple[int, int], int]  # (step, (sender, receiver), index of the piece in its bucket)
+Pair = tuple[int, int]  # (sender, receiver)
+BucketKey = tuple[int, Pair]  # (step, (sender, receiver))
 FINGERPRINT_BLOCK_BYTES = 2 * 2**20  # about a core's cache
 
 
@@ -80,10 +84,28 @@ def copy_and_fingerprint(span: torch.Tensor, other: torch.Tensor, span_is_src: b
     return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
 
 
-def piece_keys(plan: ReshardPlan) -> list[PieceKey]:
-    """Every piece the plan exchanges, in the order of the fingerprint vectors."""
-    return [(k, pair, i) for k, step in enumerate(plan.steps) for pair, pieces in step.items()
-            for i in range(len(pieces))]
+class FingerprintTransport(Protocol):
+    """What the check needs of the sync's transport (`megarl.hybrid.executor.Transport`)."""
+
+    def start(self, sends: dict[Pair, torch.Tensor], recvs: dict[Pair, torch.Tensor]) -> Any: ...
+
+    def wait(self, handle: Any) -> None: ...
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+
+def pair_pieces(plan: ReshardPlan, ranks: Iterable[int]) -> dict[Pair, list[tuple[int, int]]]:
+    """(step, index in its bucket) of every piece each pair with an end in `ranks` exchanges, in
+    the order of that pair's fingerprint vector (step, then position in the bucket)."""
+    mine = set(ranks)
+    out: dict[Pair, list[tuple[int, int]]] = {}
+    for k, step in enumerate(plan.steps):
+        for pair, pieces in step.items():
+            if pair[0] in mine or pair[1] in mine:
+                out.setdefault(pair, []).extend((k, i) for i in range(len(pieces)))
+    return out
 
 
 def _describe(p: Piece) -> str:
@@ -91,29 +113,46 @@ def _describe(p: Piece) -> str:
             f"{p.dst_name!r} [axis {p.axis}, {p.dst_start}:{p.dst_start + p.length}] of rank {p.dst}")
 
 
-def check_pieces(plan: ReshardPlan, sent: Mapping[BucketKey, list[torch.Tensor]],
-                 received: Mapping[BucketKey, list[torch.Tensor]],
-                 all_reduce: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> int:
-    """Compare the fingerprints every sender and receiver took (per bucket, one per piece in the
-    plan's order); raise `WeightSyncError` naming each changed piece. `all_reduce` sums a tensor over the ranks of the sync (identity within one
-    process). Collective: every rank calls it after the same sync. Returns the pieces checked."""
-    keys = piece_keys(plan)
-    index = {key: i for i, key in enumerate(keys)}
-    both = torch.zeros(2, len(keys), dtype=torch.int64, device=device)
-    for row, by_bucket in ((0, sent), (1, received)):
-        positions = [index[(k, pair, i)] for (k, pair), fps in by_bucket.items() for i in range(len(fps))]
-        if positions:
-            values = torch.stack([fp for fps in by_bucket.values() for fp in fps])
-            both[row].index_put_((torch.tensor(positions, device=device),), values)
-    both = all_reduce(both)
-    bad = [keys[i] for i in (both[0] != both[1]).nonzero().flatten().tolist()]
-    if not bad:
-        return len(keys)
-    buckets = sorted({(k, pair) for k, pair, _ in bad})
-    named = [_describe(plan.steps[k][pair][i]) for k, pair, i in bad]
+def _vector(fps: Mapping[BucketKey, list[torch.Tensor]], pair: Pair, keys: list[tuple[int, int]]) -> torch.Tensor:
+    """One pair's fingerprints, in the order of `keys` (every bucket's list is in piece order)."""
+    steps = list(dict.fromkeys(k for k, _ in keys))
+    return torch.stack([fp for k in steps for fp in fps[(k, pair)]])
+
+
+def check_pieces(plan: ReshardPlan, ranks: Iterable[int], sent: Mapping[BucketKey, list[torch.Tensor]],
+                 received: Mapping[BucketKey, list[torch.Tensor]], transport: FingerprintTransport,
+                 device: torch.device) -> int:
+    """Compare the fingerprints the senders and receivers among `ranks` (the ranks of this
+    process) took, per bucket one per piece in the plan's order; raise `WeightSyncError` naming
+    each changed piece. Collective: every rank of the sync calls it after the same sync.
+
+    Cost per rank: one int64 per piece it sends or receives, point-to-point, and one all-reduce
+    of two int64; on a mismatch also one gather of the descriptions. Returns the pieces checked
+    in the whole world (the same number on every rank)."""
+    ranks = set(ranks)
+    order = pair_pieces(plan, ranks)
+    sends = {pair: _vector(sent, pair, keys) for pair, keys in order.items() if pair[0] in ranks}
+    recvs = {pair: torch.empty(len(keys), dtype=torch.int64, device=device)
+             for pair, keys in order.items() if pair[1] in ranks}
+    transport.wait(transport.start(sends, recvs))
+    checked, bad = 0, []
+    for pair, theirs in recvs.items():
+        keys = order[pair]
+        ours = _vector(received, pair, keys).to(device)
+        checked += len(keys)
+        for j in (ours != theirs).nonzero().flatten().tolist():
+            k, i = keys[j]
+            bad.append((k, pair, i, _describe(plan.steps[k][pair][i])))
+    counts = transport.all_reduce(torch.tensor([checked, len(bad)], dtype=torch.int64, device=device))
+    total, n_bad = (int(x) for x in counts.tolist())
+    if n_bad == 0:
+        return total
+    bad = sorted(entry for part in transport.all_gather_object(bad) for entry in part)
+    buckets = sorted({(k, pair) for k, pair, _, _ in bad})
+    named = [text for _, _, _, text in bad]
     where = "; ".join(f"step {k}, rank {src} -> rank {dst}" for k, (src, dst) in buckets[:4])
     raise WeightSyncError(
-        f"weight sync verification failed: {len(bad)} of {len(keys)} pieces in {len(buckets)} bucket(s) arrived "
+        f"weight sync verification failed: {len(bad)} of {total} pieces in {len(buckets)} bucket(s) arrived "
         f"changed ({where}); slices that differ: {'; '.join(named[:6])}{' ...' if len(named) > 6 else ''}. "
         "The rollout engine does not hold the trained weights; stopping."
     )

@@ -4,9 +4,10 @@ syncs into an HF rollout engine on each rank. For a tiny Qwen3-MoE and a tiny Qw
 expert): after the sync the rollout model's log-probs of a fixed batch equal the trainer's and the
 HF reference model's; after one optimizer step and a second sync they equal the trainer's again;
 every rank receives exactly the plan's minimum, at EP=2 the bytes of the experts it does not hold
-(half of HF's fused expert tensors, counted from the HF model) and nothing else; the sync's
-verification checks every piece, and one byte flipped in transit inside an expert piece stops the
-sync on every rank naming that expert tensor."""
+(half of HF's fused expert tensors, counted from the HF model) and nothing else; each rank syncs
+from its own plan, which covers that rank alone; the sync's verification checks every piece of
+the world (the pieces the ranks' own plans receive, summed), and one byte flipped in transit
+inside an expert piece stops the sync on every rank naming that expert tensor."""
 
 from __future__ import annotations
 
@@ -109,9 +110,9 @@ def _sync_ep(rank: int, world: int, port: int, hf_dirs: dict[str, str], layout_k
             error = None
         except WeightSyncError as err:
             error = str(err)
-        pieces = sum(len(p) for step in sync.plan.steps for p in step.values())
-        out[kind] = dict(rows=rows, before=before, rollout1=rollout1, train1=train1, rollout2=rollout2,
-                         train2=train2, stats=[stats1.as_dict(), stats2.as_dict()], error=error,
+        pieces = sum(len(p) for step in sync.plan.steps for pair, p in step.items() if pair[1] == rank)
+        out[kind] = dict(covers=sync.plan.ranks, rows=rows, before=before, rollout1=rollout1, train1=train1,
+                         rollout2=rollout2, train2=train2, stats=[stats1.as_dict(), stats2.as_dict()], error=error,
                          expert_name=expert_name, pieces=pieces, after_error=rollout_lp())
     return out
 
@@ -129,8 +130,10 @@ def _check(models: dict[str, torch.nn.Module], results: list[dict], batch: dict,
         remote = _remote_expert_bytes(model)
         assert remote > 0
         errors = []
+        world_pieces = sum(by_kind[kind]["pieces"] for by_kind in results)
         for rank, by_kind in enumerate(results):
             r = by_kind[kind]
+            assert r["covers"] == [rank], (kind, rank, r["covers"])
             rows, m = r["rows"], mask[r["rows"]]
             assert (r["before"] - ref)[mask].abs().max() > 0.1, "the rollout model must start different"
             err = (r["rollout1"].double() - ref)[mask].abs().max().item()
@@ -143,7 +146,7 @@ def _check(models: dict[str, torch.nn.Module], results: list[dict], batch: dict,
                 assert stats["bytes_received"] == stats["minimum_bytes"] > 0, (kind, rank, stats)
                 if only_experts_move:  # the rank's own dense weights are copied locally
                     assert stats["bytes_received"] == remote, (kind, rank, stats, remote)
-                assert stats["pieces_verified"] == r["pieces"] > 0
+                assert stats["pieces_verified"] == world_pieces > r["pieces"] > 0
             # The corrupted third sync: stopped before the engine took the weights.
             assert r["error"] is not None, f"{kind} rank {rank}: the flipped expert byte went through"
             assert (r["after_error"] - r["rollout2"]).abs().max() == 0

@@ -1,7 +1,7 @@
 """`megarl sync plan --senders`: the per-rank planner's summary (every rank's receiving half put
 together) must equal the summary of the whole-world plan built with the same sender rule, and
-receive the same bytes as the least-loaded plan the weight sync runs; `auto` switches to the
-per-rank planner above 64 ranks."""
+receive the same bytes as the least-loaded whole-world plan; the default is the per-rank planner
+(what the weight sync runs) at any world size."""
 
 from __future__ import annotations
 
@@ -56,13 +56,13 @@ def test_by_rank_summary_equals_the_whole_world_plan_with_the_same_rule(
     assert sum(r["sent"] for r in by_rank["ranks"].values()) == by_rank["bytes_received"]
 
 
-def test_auto_plans_rank_by_rank_above_64_ranks(capsys: pytest.CaptureFixture, config: Path) -> None:
-    assert plan_json(capsys, config, "tp=2,pp=2,dp=16", 2)["senders"] == "least_loaded"  # 64 ranks
+def test_default_plans_rank_by_rank_as_the_weight_sync(capsys: pytest.CaptureFixture, config: Path) -> None:
+    assert plan_json(capsys, config, "tp=2,dp=2", 2)["senders"] == "by_rank"  # 4 ranks
     big = plan_json(capsys, config, "tp=2,pp=2,dp=32", 2)  # 128 ranks
     assert big["senders"] == "by_rank" and big["world_size"] == 128
     assert big["bytes_received"] == big["bytes_minimum"]
-    assert main(["sync", "plan", str(config), "--train", "tp=2,dp=2", "--rollout-tp", "1", "--senders", "by_rank"]) == 0
-    assert "senders           by_rank (each rank's own plan" in capsys.readouterr().out
+    assert main(["sync", "plan", str(config), "--train", "tp=2,dp=2", "--rollout-tp", "1"]) == 0
+    assert "senders           by_rank (each rank's own plan, as the weight sync runs it)" in capsys.readouterr().out
 
 
 def test_expert_parallel_layout_is_planned(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:

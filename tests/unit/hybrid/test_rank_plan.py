@@ -1,7 +1,8 @@
 """The per-rank reshard planner against the whole-world one: for many training -> rollout layouts,
 each rank's own plan must equal the slice of `build_reshard_plan(..., senders="by_rank")` that
 concerns it (pieces, local copies, bucket schedule, bytes), every rank must receive exactly its
-minimum, and the rank plans put together must move the HF weights into shards cut by hand."""
+minimum, the rank plans put together must be the whole-world plan and move the HF weights into
+shards cut by hand, and plans that disagree must not combine."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hybrid_reference import expected_vllm_shard, hf_shapes, id_state_dict, tiny
 from megarl.errors import ConfigError
 from megarl.hybrid.executor import execute_plan_locally
 from megarl.hybrid.plan import ReshardPlan, build_reshard_plan
-from megarl.hybrid.rank_plan import RankPlan, RankPlanner, plan_for_rank, restrict
+from megarl.hybrid.rank_plan import RankPlanner, plan_for_rank
 from megarl.hybrid.sender_rule import receivers_at, sender_position
 from megarl.layout import ParallelLayout
 from megarl.models.spec import ModelSpec
@@ -64,28 +65,17 @@ def test_rank_plan_equals_its_slice_of_the_full_plan(name: str, tied: bool) -> N
     planner = RankPlanner(spec, train, rollout, engine, torch.float64, BUCKET, hf_shapes=shapes)
     sent = received = 0
     for rank in range(train.world_size):
-        mine, reference = planner.plan(rank), restrict(full, rank)
+        mine, reference = planner.plan(rank), full.restrict(rank)
+        assert mine.ranks == [rank]
         for part in ("engine_tensors", "train_tensors", "local_pieces", "steps", "bytes"):
             assert getattr(mine, part) == getattr(reference, part), f"rank {rank}: {part}"
-        assert mine.bytes.received == mine.bytes.minimum
+        counts = mine.bytes[rank]
+        assert counts.received == counts.minimum
         assert all(rank in pair for step in mine.steps for pair in step)
-        sent, received = sent + mine.bytes.sent, received + mine.bytes.received
+        sent, received = sent + counts.sent, received + counts.received
     assert sent == received == full.total_received() == sum(b.minimum for b in full.bytes.values())
-
-
-def _combine(plans: list[RankPlan]) -> ReshardPlan:
-    """One whole-world plan from every rank's plan (each pair's buckets appear in both ends' plans)."""
-    first = plans[0]
-    steps: list[dict] = []
-    for p in plans:
-        for k, step in enumerate(p.steps):
-            while len(steps) <= k:
-                steps.append({})
-            for pair, pieces in step.items():
-                assert steps[k].setdefault(pair, pieces) == pieces, f"ranks {pair} disagree on step {k}"
-    return ReshardPlan(first.train, first.rollout, first.engine, first.dtype, first.bucket_bytes,
-                       {p.rank: p.engine_tensors for p in plans}, {p.rank: p.train_tensors for p in plans},
-                       {p.rank: p.local_pieces for p in plans}, steps, {p.rank: p.bytes for p in plans})
+    # The whole-world plan is the union of the rank plans (steps without pairs aside: none here).
+    assert ReshardPlan.union([planner.plan(r) for r in range(train.world_size)]) == full
 
 
 @pytest.mark.parametrize("name", ["tp2pp2dp2->hf", "tp2dp2->tp4", "tp2pp2dp3cp2->tp4", "pp4dp3->tp2"])
@@ -94,7 +84,7 @@ def test_rank_plans_together_deliver_hand_cut_shards(name: str) -> None:
     spec, shapes = _spec(False), hf_shapes(False, LAYERS)
     hf = id_state_dict(shapes)
     planner = RankPlanner(spec, train, rollout, engine, torch.float64, BUCKET, hf_shapes=shapes)
-    plan = _combine([planner.plan(r) for r in range(train.world_size)])
+    plan = ReshardPlan.union([planner.plan(r) for r in range(train.world_size)])
     shards = {}
     for rank in range(train.world_size):
         c = train.coord(rank)
@@ -137,7 +127,7 @@ def test_replicas_share_the_sending() -> None:
     planner = RankPlanner(_spec(False), train, rollout, engine, torch.float64, BUCKET, hf_shapes=hf_shapes(False, LAYERS))
     plans = [planner.plan(r) for r in range(8)]
     for tp_rank in (0, 1):
-        sent = [plans[r].bytes.sent for r in train.replicas(tp_rank, 0)]
+        sent = [plans[r].bytes[r].sent for r in train.replicas(tp_rank, 0)]
         senders_of = {pair[0] for p in plans for step in p.steps for pair in step if pair[1] == tp_rank}
         assert min(sent) > 0 and max(sent) <= 1.5 * min(sent), sent
         assert len(senders_of) > 1  # one receiver's rows come from several replicas
@@ -153,7 +143,7 @@ def test_tables_do_not_grow_with_data_parallel_size() -> None:
         plan = planner.plan(train.world_size - 1)
         sizes.append((len(planner.shards), len(planner.params), len(planner._templates),
                       sum(len(v) for v in planner.sources.values())))
-        assert plan.bytes.received == plan.bytes.minimum
+        assert plan.bytes[train.world_size - 1].received == plan.bytes[train.world_size - 1].minimum
     assert sizes[0] == sizes[1] == sizes[2]
 
 
@@ -168,3 +158,27 @@ def test_bad_rank_and_inputs_are_refused() -> None:
         RankPlanner(spec, train, ParallelLayout.rollout(1, 4), "hf", bucket_bytes=0, hf_shapes=shapes)
     with pytest.raises(ConfigError, match="senders='nearest' unknown"):
         build_reshard_plan(spec, train, ParallelLayout.rollout(1, 4), "hf", hf_shapes=shapes, senders="nearest")
+
+
+def test_union_refuses_plans_that_do_not_fit_together() -> None:
+    spec, shapes = _spec(False), hf_shapes(False, LAYERS)
+    train = ParallelLayout(pp=2, dp=2)  # every rank lacks the other stage
+    planner = RankPlanner(spec, train, ParallelLayout.rollout(2, 4), "vllm", torch.float64, BUCKET, hf_shapes=shapes)
+    plans = [planner.plan(r) for r in range(4)]
+    with pytest.raises(ConfigError, match=r"ranks \[1\] are covered by two plans"):
+        ReshardPlan.union([plans[0], plans[1], plans[1]])
+    other = RankPlanner(spec, train, ParallelLayout.rollout(2, 4), "vllm", torch.float64, 2 * BUCKET,
+                        hf_shapes=shapes).plan(1)
+    with pytest.raises(ConfigError, match="another layout, engine, dtype or bucket size"):
+        ReshardPlan.union([plans[0], other])
+    # Rank 0 receives from some rank whose plan then claims another bucket for that pair.
+    k, pair = next((k, pair) for k, step in enumerate(plans[0].steps) for pair in step if pair[1] == 0)
+    sender = plans[pair[0]]
+    changed = [dict(step) for step in sender.steps]
+    changed[k][pair] = changed[k][pair][:-1] or changed[k][pair] * 2
+    forged = ReshardPlan(sender.train, sender.rollout, sender.engine, sender.dtype, sender.bucket_bytes,
+                         sender.engine_tensors, sender.train_tensors, sender.local_pieces, changed, sender.bytes)
+    with pytest.raises(ConfigError, match=f"ranks {pair[0]} and 0 disagree on their bucket of step {k}"):
+        ReshardPlan.union([plans[0], forged])
+    with pytest.raises(ConfigError, match=r"the plan does not cover rank 2 \(it covers \[0\]\)"):
+        plans[0].restrict(2)
