@@ -300,8 +300,9 @@ class RLTrainer:
                     self.memory_trace.append((self.current_phase, "rollout", "wake_up:weights"))
                 per_rank = rollout.call_all(RolloutRole.sync_weights, self.weights_version)
             self.rollout_version = self.weights_version
-            self.sync_metrics = {k: sum(r[k] for r in per_rank) for k in per_rank[0]
-                                 if k.startswith("sync/bytes") or k == "sync/pieces_verified"}
+            self.sync_metrics = {k: (sum if k.startswith("sync/bytes") else max)(r[k] for r in per_rank)
+                                 for k in per_rank[0]
+                                 if k.startswith("sync/bytes") or k in ("sync/pieces_verified", "sync/verify_s")}
             self.sync_metrics["sync/seconds_max"] = max(r["sync/seconds"] for r in per_rank)
         if rollout.call_all(RolloutRole.wake_up)[0]:  # the KV cache, after the sync's buffers are freed
             self.memory_trace.append((self.current_phase, "rollout", "wake_up"))

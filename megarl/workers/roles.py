@@ -225,7 +225,9 @@ class RolloutRole:
     def sync_weights(self, version: int) -> dict[str, float]:
         """Reshard the actor's current weights into the rollout engine (every rank calls this).
 
-        The plan (built once) sends each rank only the bytes of its rollout shard it does not hold.
+        The plan (this rank's own, built once) sends each rank only the bytes of its rollout shard
+        it does not hold. `sync/seconds` is this rank's whole sync, `sync/verify_s` the part of it
+        spent checking the fingerprints (see `megarl.hybrid.executor.ExecStats.verify_seconds`).
         """
         if self.weight_sync is None:
             self.weight_sync = WeightSync(self.actor.engine, self.engine, rollout_tp=self.spec.tensor_parallel_size,
@@ -238,7 +240,9 @@ class RolloutRole:
             "sync/bytes_minimum": float(stats.minimum_bytes),
             "sync/bytes_sent": float(stats.bytes_sent),
             "sync/seconds": float(stats.seconds),
-            "sync/pieces_verified": float(stats.pieces_verified),
+            "sync/pieces_verified": float(stats.pieces_verified),  # in the whole world, the same on every rank
+            # Checking the fingerprints after the transfers (exchange, compare, all-reduce); 0 unverified
+            "sync/verify_s": float(stats.verify_seconds),
         }
 
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:

@@ -99,6 +99,7 @@ def test_grpo_runs_and_logs_verl_metrics(tmp_path: Path, task_dir: Path) -> None
     assert sorted(metrics) == [1, 2]
     # rollout.sync_verify_freq=2: the first weight sync is verified piece by piece, the second not
     assert metrics[1]["sync/pieces_verified"] > 0 and metrics[2]["sync/pieces_verified"] == 0
+    assert 0 < metrics[1]["sync/verify_s"] < metrics[1]["sync/seconds_max"] and metrics[2]["sync/verify_s"] == 0
     step = metrics[2]
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
                 "actor/kl_loss", "critic/score/mean", "response_length/mean", "response_length/clip_ratio",
