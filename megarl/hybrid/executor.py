@@ -50,7 +50,9 @@ class ExecStats:
     seconds: float = 0.0
     largest_buffer_numel: int = 0  # largest flat exchange buffer
     largest_engine_tensor_numel: int = 0  # largest tensor assembled on this rank
-    pieces_verified: int = 0  # pieces (tensor slices) whose sender and receiver fingerprints were compared
+    # Pieces (tensor slices) whose sender and receiver fingerprints were compared, in the whole world
+    # (all ranks' receives; the same on every rank); 0 without verification.
+    pieces_verified: int = 0
     # Seconds from the last bucket unpacked to the verdict: each sender's fingerprint vectors
     # to its receivers (point-to-point), the receivers' comparison, and the all-reduce in which
     # every rank waits for the slowest (0 without verification). Part of `seconds`. Taking the
