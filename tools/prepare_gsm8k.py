@@ -2,6 +2,9 @@
 
 python tools/prepare_gsm8k.py --out data/gsm8k --local PATH   # a local copy (file or directory)
 python tools/prepare_gsm8k.py --out data/gsm8k                # from the HF hub, when reachable
+python tools/prepare_gsm8k.py --out data/gsm8k_tools --local PATH --tools code_interpreter
+    # multi-turn rows: a system message describing the tool (Hermes <tool_call> format) and
+    # extra_info.tools_kwargs (verl's layout)
 """
 
 import sys

@@ -4,6 +4,12 @@ Sources: a local copy (a parquet/jsonl/json file, or a directory holding the ori
 ``main/train-00000-of-00001.parquet`` for GSM8K or ``train/algebra/1.json`` for the original MATH
 release), or a HF hub dataset through ``datasets.load_dataset`` when the hub is reachable.
 Rows are streamed: nothing holds a whole split in memory.
+
+With ``tools`` (``--tools code_interpreter``) the rows are for multi-turn rollouts: the prompt starts
+with a system message that gives the tools' OpenAI schemas and the Hermes/Qwen call format
+(``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, as Qwen2.5's chat template writes it;
+the data loader does not render tool schemas itself), and ``extra_info.tools_kwargs`` holds each
+tool's per-row arguments in verl's layout, ``{tool: {"create_kwargs": {"ground_truth": answer}}}``.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any
 import datasets
 import pyarrow.parquet as pq
 
+from megarl.agent.tools import BUILTIN_TOOLS
 from megarl.data.parquet_io import write_parquet
 from megarl.data.tasks.rows import verl_row
 from megarl.errors import DataError
@@ -27,6 +34,12 @@ from megarl.rewards.scorers.math import extract_boxed
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 SOURCE_SUFFIXES = (".parquet", ".jsonl", ".json")
+TOOLS_PREAMBLE = (  # Qwen2.5's chat template writes these words when it is given tools
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{schemas}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
 
 Located = tuple[str, int, dict[str, Any]]  # (file, row within file, row)
 
@@ -120,19 +133,43 @@ def gsm8k_final_answer(answer: str) -> str:
     return answer.split("####")[-1].strip().replace(",", "")
 
 
+def tools_system_message(tools: Sequence[str]) -> dict[str, str]:
+    """The system message that describes the built-in `tools` (names in megarl.agent.tools.BUILTIN_TOOLS)
+    to the model: their OpenAI schemas, one JSON object a line, and the Hermes call format."""
+    unknown = [name for name in tools if name not in BUILTIN_TOOLS]
+    if unknown or not tools:
+        raise DataError(f"--tools: unknown or no tool names {unknown or list(tools)}; "
+                        f"built in: {sorted(BUILTIN_TOOLS)}")
+    schemas = "\n".join(json.dumps(BUILTIN_TOOLS[name].schema, ensure_ascii=False) for name in tools)
+    return {"role": "system", "content": TOOLS_PREAMBLE.format(schemas=schemas)}
+
+
+def with_tools(row: dict[str, Any], system: dict[str, str] | None, tools: Sequence[str]) -> dict[str, Any]:
+    """`row` for multi-turn rollouts: `system` before its prompt, `extra_info.tools_kwargs` with the
+    row's ground truth as each tool's create_kwargs. Unchanged when `system` is None."""
+    if system is None:
+        return row
+    ground_truth = row["reward_model"]["ground_truth"]
+    row["prompt"] = [dict(system), *row["prompt"]]
+    row["extra_info"]["tools_kwargs"] = {name: {"create_kwargs": {"ground_truth": ground_truth}} for name in tools}
+    return row
+
+
 def gsm8k_rows(
     source: Iterator[Located],
     split: str,
     instruction: str = GSM8K_INSTRUCTION,
     data_source: str = "openai/gsm8k",
+    tools: Sequence[str] = (),
 ) -> Iterator[dict[str, Any]]:
+    system = tools_system_message(tools) if tools else None
     for index, (file, row, record) in enumerate(source):
         question, answer = _field(file, row, record, "question"), _field(file, row, record, "answer")
         try:
             final = gsm8k_final_answer(answer)
         except ValueError as exc:
             raise DataError(f"{file}: row {row}, column 'answer': {exc}") from None
-        yield verl_row(
+        yield with_tools(verl_row(
             data_source=data_source,
             content=f"{question} {instruction}",
             ground_truth=final,
@@ -141,7 +178,7 @@ def gsm8k_rows(
             index=index,
             question=question,
             answer=answer,
-        )
+        ), system, tools)
 
 
 def math_rows(
@@ -149,13 +186,15 @@ def math_rows(
     split: str,
     instruction: str = MATH_INSTRUCTION,
     data_source: str = "DigitalLearningGmbH/MATH-lighteval",
+    tools: Sequence[str] = (),
 ) -> Iterator[dict[str, Any]]:
+    system = tools_system_message(tools) if tools else None
     for index, (file, row, record) in enumerate(source):
         problem, solution = _field(file, row, record, "problem"), _field(file, row, record, "solution")
         final = extract_boxed(solution)
         if final is None:
             raise DataError(f"{file}: row {row}, column 'solution': no \\boxed{{}} final answer")
-        yield verl_row(
+        yield with_tools(verl_row(
             data_source=data_source,
             content=f"{problem} {instruction}",
             ground_truth=final,
@@ -164,7 +203,7 @@ def math_rows(
             index=index,
             level=str(record.get("level") or ""),
             type=str(record.get("type") or ""),
-        )
+        ), system, tools)
 
 
 _TASKS: dict[str, tuple[Callable[..., Iterator[dict[str, Any]]], str, str | None]] = {
@@ -182,10 +221,12 @@ def prepare(
     hub_name: str | None = None,
     hub_config: str | None = None,
     splits: Sequence[str] = ("train", "test"),
+    tools: Sequence[str] = (),
 ) -> dict[str, int]:
     """Write ``<out_dir>/<split>.parquet`` for each split; returns rows written per split.
 
-    With ``local`` a single file is one split (``splits`` must then name exactly one).
+    With ``local`` a single file is one split (``splits`` must then name exactly one). With
+    ``tools`` (built-in tool names) the rows get the tools' system message and ``tools_kwargs``.
     """
     converter, default_hub, default_config = _TASKS[task]
     if local is not None and Path(local).is_file() and len(splits) != 1:
@@ -200,7 +241,7 @@ def prepare(
             source = read_hub_split(
                 hub_name or default_hub, hub_config or (default_config if hub_name is None else None), split
             )
-        counts[split] = write_parquet(converter(source, split), Path(out_dir) / f"{split}.parquet")
+        counts[split] = write_parquet(converter(source, split, tools=tools), Path(out_dir) / f"{split}.parquet")
     return counts
 
 
@@ -212,6 +253,10 @@ def main(task: str, argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hub-name", help=f"hub dataset (default {_TASKS[task][1]}); needs network access")
     parser.add_argument("--hub-config", help="hub dataset configuration")
     parser.add_argument("--splits", nargs="+", default=["train", "test"])
+    parser.add_argument("--tools", nargs="+", default=[], choices=sorted(BUILTIN_TOOLS),
+                        help="rows for multi-turn rollouts with these built-in tools (rollout.multi_turn.tools): a "
+                             "system message gives their schemas and the Hermes <tool_call> format, and "
+                             "extra_info.tools_kwargs their per-row arguments (verl's layout)")
     args = parser.parse_args(argv)
     counts = prepare(
         task,
@@ -220,6 +265,7 @@ def main(task: str, argv: Sequence[str] | None = None) -> int:
         hub_name=args.hub_name,
         hub_config=args.hub_config,
         splits=args.splits,
+        tools=args.tools,
     )
     for split, count in counts.items():
         print(f"{split}: {count} rows -> {Path(args.out) / f'{split}.parquet'}")
