@@ -219,6 +219,10 @@ class RewardConfig:
     # validation batches included (so with val_before_train a broken function stops the run before
     # the first update). 1.0: never stop, failed calls score 0.
     max_failure_share: float = 0.5
+    # Score on the driver while the workers run the step's first forward pass (old log-probs,
+    # reference or values), instead of before it. Applies without the DAPO group filter and the
+    # reward model, and when such a pass runs; `training/reward_overlapped` says whether it did.
+    overlap: bool = True
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
 

@@ -7,6 +7,8 @@ One step (see `RLTrainer.train_step`):
   3. scores <- the reward manager (rule scorers or a user function; DAPO overlong shaping) and the
      reward model (`reward_model.enable`), each row judged as its `reward_model.style` says
      DAPO: drop groups whose responses all score the same; generate more until the batch is full
+     (without the group filter and the reward model, the driver scores while the workers run the
+     first pass of step 4 instead: `reward.overlap`)
   4. old log-probs (an actor pass; or, without it, the update's own or the rollout's:
      `actor.old_log_prob_source`), reference log-probs, values (critic); first the rows are
      reordered so each actor DP rank gets about the same tokens (`trainer.balance_batch`)
@@ -99,6 +101,13 @@ class RLTrainer:
         trained = {"actor": workers.actor}
         if workers.critic is not None:
             trained["critic"] = workers.critic
+        # Scores are needed first by the advantages (step 5), so the driver can compute them while the
+        # workers run the first forward pass of step 4; not when the DAPO filter needs them to pick
+        # the batch, nor with a reward model (its workers may be the ones computing), nor without a pass.
+        has_pass = spec.actor.loss.old_log_prob_source == "recompute" or workers.ref is not None \
+            or workers.critic is not None
+        self.score_beside_pass = bool(self.cfg.reward.overlap and has_pass and workers.reward_model is None
+                                      and not self.cfg.algorithm.filter_groups.enable)
         self.checkpointer = TrainerCheckpointer(
             CheckpointDirs(run.run_dir / "checkpoints", self.cfg.trainer.max_ckpt_to_keep), trained,
             run.run_dir / "config.yaml")
@@ -161,8 +170,9 @@ class RLTrainer:
         actor, ref, critic = self.workers.actor, self.workers.ref, self.workers.critic
         metrics: dict[str, Any] = {"training/global_step": step, "training/epoch": self.run.train_loader.epoch}
         with self.timer("step"):
-            # 1-3. prompts -> responses -> scores (DAPO: until enough groups carry a signal)
-            batch, gen_metrics = self.collect_scored_batch(step)
+            # 1-3. prompts -> responses -> scores (DAPO: until enough groups carry a signal); with
+            #      `score_beside_pass` the scores come with the first pass of step 4
+            batch, gen_metrics = self.collect_scored_batch(step, score=not self.score_beside_pass)
             metrics.update(gen_metrics)
             metrics.update(agent_metrics(batch))  # multi-turn rollouts: turns, tool calls, errors, latency
             self.rollout_sleep()  # training needs the memory: the KV cache (and weights) go
@@ -179,18 +189,23 @@ class RLTrainer:
             #    rollout engine supplies them: actor.old_log_prob_source), the reference, the critic's values
             source = self.spec.actor.loss.old_log_prob_source
             metrics["training/old_log_prob_source"] = OLD_LOG_PROB_SOURCES.index(source)
+            metrics["training/reward_overlapped"] = float(self.score_beside_pass)
+            unscored = self.score_beside_pass  # the first pass below scores beside its workers
             if source == "recompute":
                 with self.phase("old_log_prob"), self.onloaded(actor, self.spec.actor, params_only=True):
-                    batch = batch.union(actor.call_dp(ActorRole.compute_log_prob, batch))
+                    batch = self.forward_pass(actor, ActorRole.compute_log_prob, batch, metrics, unscored)
+                unscored = False
                 metrics.update(self.rollout_mismatch(batch, batch["old_log_probs"], step))
             elif source == "rollout":
                 batch["old_log_probs"] = batch["rollout_log_probs"]
             if ref is not None:
                 with self.phase("ref"), self.onloaded(ref, self.spec.ref, params_only=True):
-                    batch = batch.union(ref.call_dp(RefRole.compute_ref_log_prob, batch))
+                    batch = self.forward_pass(ref, RefRole.compute_ref_log_prob, batch, metrics, unscored)
+                unscored = False
             if critic is not None:
                 with self.phase("values"), self.onloaded(critic, self.spec.critic, params_only=True):
-                    batch = batch.union(critic.call_dp(CriticRole.compute_values, batch))
+                    batch = self.forward_pass(critic, CriticRole.compute_values, batch, metrics, unscored)
+                unscored = False
 
             # 5. rewards (with KL when configured) and advantages, on the driver's CPU
             with self.phase("adv"):
@@ -310,15 +325,32 @@ class RLTrainer:
             out = rollout.call_dp(RolloutRole.generate, prompts, sampling, dispatch_coords=self.workers.rollout_coords)
         return out
 
+    def forward_pass(self, role: RoleView, method: Any, batch: Batch, metrics: dict[str, Any],
+                     score_beside: bool) -> Batch:
+        """`batch` joined with what `role.method` computes on it (split over the role's DP ranks).
+        With `score_beside`, the driver scores the batch (step 3) while the workers compute: the
+        call is sent first (its shards are copied out before the scores are written), then the
+        reward phase runs here, then the driver waits for the workers."""
+        if not score_beside:
+            return batch.union(role.call_dp(method, batch))
+        handle = role.call_dp_async(method, batch)
+        # Timed apart from the pass around it; not a `phase`, whose memory probe of the workers
+        # would queue behind the call in flight.
+        with self.timer("reward"), self.progress.phase("reward"):
+            batch, reward_metrics = self.score(batch)
+        metrics.update(reward_metrics)
+        return batch.union(handle.result(role.group.call_timeout_s))
+
     def sampling(self, step: int, validation: bool = False) -> SamplingParams:
         """The sampling parameters of training (or validation) at `step`, with a seed of their own."""
         seed = int(self.cfg.trainer.seed) * 100003 + step * 2 + int(validation)
         return with_seed(self.spec.val_sampling if validation else self.spec.train_sampling, seed)
 
-    def collect_scored_batch(self, step: int) -> tuple[Batch, dict[str, Any]]:
+    def collect_scored_batch(self, step: int, score: bool = True) -> tuple[Batch, dict[str, Any]]:
         """Generate and score; with DAPO's group filter, repeat until `train_batch_size` groups remain.
 
         Each round takes one loader batch (`data.gen_batch_size` prompts with the filter on).
+        score=False (no filter): generate only, the caller scores.
         """
         fg = self.cfg.algorithm.filter_groups
         needed = int(self.cfg.data.train_batch_size)
@@ -330,6 +362,8 @@ class RLTrainer:
             prompts = self.run.train_loader.next_batch()
             gen = self.generate(prompts, self.sampling(step * 1000 + attempt))
             attempt += 1
+            if not score:
+                return gen, metrics
             with self.phase("reward"):
                 gen, reward_metrics = self.score(gen)
             metrics.update(reward_metrics)
