@@ -10,22 +10,28 @@ Python memory (tracemalloc, a separate run so that tracing does not slow the tim
 sampled rank must receive exactly its minimum (bytes it needs that its training shard lacks).
 With `--world-check` (default up to 256 ranks) the receiving half of every rank is planned too
 (tables shared) and the world's total must equal the sum of the minima. With `--compare-full`
-(default up to 64 ranks) the whole-world planner (`build_reshard_plan`, which every rank runs
-today) is timed on the same layout. The HF shapes come from a meta-device model once
+(default up to 64 ranks) the whole-world planner (`build_reshard_plan`, which plans every rank's
+pieces on one rank; the weight sync runs the per-rank planner) is timed on the same layout. The HF shapes come from a meta-device model once
 (`shapes_seconds`, also independent of the world size).
 
 The same for a Qwen3-235B-A22B shape trained with expert parallelism, TP4 x PP2 x EP8 at DP 8, 32
-and 128 (64, 256, 1,024 ranks), into the HF engine at rollout TP 1 (vLLM's fused expert parameters
-are not resharded yet): every rank receives the whole model, so its plan is large (about 145k
-slices in and as many out) but should not grow with the world.
+and 128 (64, 256, 1,024 ranks), twice: into the HF engine at rollout TP 1 (`moe`), where every
+rank receives the whole model, so its plan is large (about 145k slices in and as many out) but
+should not grow with the world; and into vLLM at rollout TP 8 (`moe_vllm`, `--moe-vllm-tp`), the
+realistic case, where each rank receives its rollout TP rank's slice of the attention and of every
+expert (written into vLLM's fused expert parameters `w13_weight`/`w2_weight`).
+
+`--parts` picks what runs (dense, moe, moe_vllm); the parts not run are kept from an existing
+`--out` file, each part with the machine it ran on.
 
     python benchmarks/plan_scale.py [--layouts 8x4x2,8x8x4,8x8x16] [--moe-layouts 4x2x8x8,...]
-        [--out benchmarks/results/plan_scale.json]
+        [--parts dense,moe,moe_vllm] [--moe-vllm-tp 8] [--out benchmarks/results/plan_scale.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import tracemalloc
@@ -90,7 +96,7 @@ def plan_one(spec: ModelSpec, train: ParallelLayout, rollout: ParallelLayout, en
     RankPlanner(spec, train, rollout, engine, torch.bfloat16, bucket_bytes, hf_shapes=shapes).plan(rank)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    b = plan.bytes
+    b = plan.bytes[rank]
     assert b.received == b.minimum, f"rank {rank}: received {b.received} bytes, minimum {b.minimum}"
     return dict(rank=rank, tables_seconds=t1 - t0, plan_seconds=t2 - t1, seconds=t2 - t0,
                 peak_mib=peak / 2**20, received=b.received, minimum=b.minimum, sent=b.sent,
@@ -165,12 +171,18 @@ def scale(model: str, config: dict[str, Any], layouts: str, rollout_tp: int, arg
                 summary=summary, results=rows)
 
 
+PARTS = ("dense", "moe", "moe_vllm")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", default="8x4x2,8x8x4,8x8x16", help="dense model: TPxPPxDP, comma separated")
     parser.add_argument("--rollout-tp", type=int, default=8)
     parser.add_argument("--moe-layouts", default="4x2x8x8,4x2x32x8,4x2x128x8",
-                        help="MoE model: TPxPPxDPxEP, comma separated ('' skips it); rollout TP 1 (HF engine)")
+                        help="MoE model: TPxPPxDPxEP, comma separated ('' skips both MoE parts)")
+    parser.add_argument("--moe-vllm-tp", type=int, default=8, help="rollout TP of the moe_vllm part (vLLM engine)")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma separated, of {', '.join(PARTS)}; parts not run are kept from an existing --out")
     parser.add_argument("--bucket-mib", type=float, default=64.0)
     parser.add_argument("--world-check", type=int, default=256, help="check every rank's bytes up to this world size")
     parser.add_argument("--compare-full", type=int, default=64, help="time the whole-world planner up to this world size")
@@ -178,15 +190,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moe-repeats", type=int, default=1, help="timed plans per sampled MoE rank")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or args.moe_vllm_tp < 2:
+        parser.error(f"--parts {args.parts!r}: unknown {unknown}; valid: {', '.join(PARTS)}" if unknown
+                     else f"--moe-vllm-tp {args.moe_vllm_tp}: the vLLM part needs rollout TP >= 2")
+    if not args.moe_layouts:
+        parts = [p for p in parts if p == "dense"]
 
-    dense = scale("Qwen2.5-72B", QWEN25_72B, args.layouts, args.rollout_tp, args, 3, args.repeats)
-    payload = dict(benchmark="plan_scale", model=dense["model"] + " (shapes)", rollout_tp=args.rollout_tp,
-                   engine=dense["engine"], dtype="bfloat16", bucket_mib=args.bucket_mib,
-                   shapes_seconds=dense["shapes_seconds"], goal=dict(seconds=GOAL_SECONDS, peak_mib=GOAL_MIB),
-                   summary=dense["summary"], results=dense["results"])
-    if args.moe_layouts:
-        payload["moe"] = scale("Qwen3-235B-A22B", QWEN3_235B_A22B, args.moe_layouts, 1, args, 2, args.moe_repeats)
-    write_json(args.out, {**payload, "machine": machine_info()})
+    # What is not run now is kept from the previous results.
+    payload: dict[str, Any] = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    if "dense" in parts:
+        dense = scale("Qwen2.5-72B", QWEN25_72B, args.layouts, args.rollout_tp, args, 3, args.repeats)
+        payload.update(benchmark="plan_scale", model=dense["model"] + " (shapes)", rollout_tp=args.rollout_tp,
+                       engine=dense["engine"], dtype="bfloat16", bucket_mib=args.bucket_mib,
+                       shapes_seconds=dense["shapes_seconds"], goal=dict(seconds=GOAL_SECONDS, peak_mib=GOAL_MIB),
+                       summary=dense["summary"], results=dense["results"], machine=machine_info())
+    if "moe" in parts:
+        payload["moe"] = {**scale("Qwen3-235B-A22B", QWEN3_235B_A22B, args.moe_layouts, 1, args, 2,
+                                  args.moe_repeats), "machine": machine_info()}
+    if "moe_vllm" in parts:
+        payload["moe_vllm"] = {**scale("Qwen3-235B-A22B", QWEN3_235B_A22B, args.moe_layouts, args.moe_vllm_tp, args,
+                                       2, args.moe_repeats), "machine": machine_info()}
+    write_json(args.out, payload)
     print(f"wrote {args.out.name}")
     return 0
 

@@ -196,12 +196,16 @@ def _plan_scale(r: dict[str, Any]) -> str:
     """Per-rank sync planning: time and peak memory of one rank's plan at each world size."""
     parts = [f"{x['world_size']} ranks {fmt(x['max_seconds'])} s / {fmt(x['max_peak_mib'])} MiB" for x in r["results"]]
     full = [f"{x['world_size']} ranks {fmt(x['full_planner']['seconds'])} s" for x in r["results"] if "full_planner" in x]
-    moe = r.get("moe")
-    moe_parts = [f"{x['world_size']} ranks {fmt(x['max_seconds'])} s / {fmt(x['max_peak_mib'])} MiB"
-                 for x in (moe or {}).get("results", [])]
+    moe_texts = []
+    for key in ("moe", "moe_vllm"):  # into the HF engine at rollout TP 1; into vLLM at rollout TP > 1
+        moe = r.get(key) or {}
+        moe_parts = [f"{x['world_size']} ranks {fmt(x['max_seconds'])} s / {fmt(x['max_peak_mib'])} MiB"
+                     for x in moe.get("results", [])]
+        if moe_parts:
+            moe_texts.append(f"; {moe['model']} with EP into {moe['engine']} TP{moe['rollout_tp']}: "
+                             + "; ".join(moe_parts))
     return (f"{r['model']}, one rank's plan: " + "; ".join(parts)
-            + (f" (whole-world planner: {'; '.join(full)})" if full else "")
-            + (f"; {moe['model']} with EP: " + "; ".join(moe_parts) if moe_parts else ""))
+            + (f" (whole-world planner: {'; '.join(full)})" if full else "") + "".join(moe_texts))
 
 
 def _reliability_headline(r: dict[str, Any]) -> str:
