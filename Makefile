@@ -60,7 +60,8 @@ demo-tools: install
 	$(BIN)/megarl data make arithmetic_tools --out $(TOOLS_DATA) --tokenizer-out $(TOOLS_DATA)/tokenizer \
 		--train-size 2000 --val-size 64
 	test -f $(TOOLS_DATA)/warm_start/model.safetensors || $(BIN)/python -m megarl.agent.warm_start \
-		--data $(TOOLS_DATA)/train.parquet --tokenizer $(TOOLS_DATA)/tokenizer --out $(TOOLS_DATA)/warm_start
+		--data $(TOOLS_DATA)/train.parquet --tokenizer $(TOOLS_DATA)/tokenizer --out $(TOOLS_DATA)/warm_start \
+		--steps 120 --mixed-steps 30 --tool-fraction 0.3
 	$(BIN)/megarl train configs/tools_cpu.yaml $(DEMO_ARGS)
 
 # The main tiers, then the vllm tier in its own environment (mk/vllm.mk). SKIP_VLLM=1 skips the latter.
