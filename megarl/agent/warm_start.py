@@ -7,9 +7,12 @@ the model's own turns only (tool outputs and prompts are context), and saves it 
 as a model directory that `model.path` can name.
 
 `calculator_demonstrations(..., tool_fraction=f)` makes a share `f` of the episodes call the
-calculator and the rest answer directly with the (right) number. A tiny model cannot compute a
-6-digit sum, so its direct answers are mostly wrong: the warm-started policy calls the tool on about
-`f` of its episodes, and RL has to discover that calling it pays (`make demo-tools`).
+calculator and the rest answer directly with the (right) number. The command line fits all-calculator
+demonstrations first (`--steps`: the call format, copying the expression and the tool's result), then
+`--mixed-steps` on demonstrations mixed by `--tool-fraction`, which teach the model to answer
+directly on part of its episodes. A tiny model cannot compute a 6-digit sum, so those direct answers
+are mostly wrong and RL has to discover that calling the tool pays (`make demo-tools`: 120 steps,
+then 30 at 0.3, after which about half of the sampled episodes call the calculator).
 """
 
 from __future__ import annotations
@@ -138,6 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.tool_fraction != 1.0 and args.mixed_steps <= 0:
+        raise ValueError(f"warm start: --tool-fraction {args.tool_fraction} applies to the --mixed-steps phase; "
+                         "pass --mixed-steps > 0")
     tokenizer = load_tokenizer(args.tokenizer)
     config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": args.hidden_size,
               "intermediate_size": 2 * args.hidden_size, "num_hidden_layers": args.layers, "num_attention_heads": 2,

@@ -54,6 +54,9 @@ def test_a_fraction_outside_0_1_is_refused(task_files: tuple[object, Path], tmp_
     tokenizer, train = task_files
     with pytest.raises(ValueError, match="tool_fraction"):
         calculator_demonstrations(tokenizer, train, limit=4, tool_fraction=1.5)
+    common = ["--data", str(train), "--tokenizer", str(train.parent / "tokenizer"), "--out", str(tmp_path / "m"),
+              "--steps", "0"]
     with pytest.raises(ValueError, match="tool_fraction"):
-        main(["--data", str(train), "--tokenizer", str(train.parent / "tokenizer"), "--out", str(tmp_path / "m"),
-              "--steps", "0", "--tool-fraction", "-0.1"])
+        main([*common, "--mixed-steps", "1", "--tool-fraction", "-0.1"])
+    with pytest.raises(ValueError, match="--mixed-steps"):  # without the mixed phase the fraction would do nothing
+        main([*common, "--tool-fraction", "0.3"])
