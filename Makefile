@@ -37,12 +37,19 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
-# The quickstart: write the synthetic task and its tokenizer, then train (configs/quickstart_cpu.yaml).
+# The quickstart: write the synthetic task and its tokenizer, then train (configs/quickstart_cpu.yaml)
+# with the vLLM engine where its environment is built (`make vllm-env`; measured at least as fast as
+# the HF engine, benchmarks/results/demo_engines.json), else with the HF engine.
 DEMO_DATA := data/arithmetic
 demo: install
 	$(BIN)/megarl data make arithmetic --out $(DEMO_DATA) --tokenizer-out $(DEMO_DATA)/tokenizer \
 		--num-operands 2 --min-value 0 --max-value 4 --operators +
-	$(BIN)/megarl train configs/quickstart_cpu.yaml $(DEMO_ARGS)
+	if [ -f $(VLLM_STAMP) ]; then \
+		$(VLLM_TEST_ENV) VLLM_LOGGING_LEVEL=ERROR $(VLLM_VENV)/bin/megarl train configs/quickstart_cpu.yaml \
+			rollout.engine=vllm $(DEMO_ARGS); \
+	else \
+		$(BIN)/megarl train configs/quickstart_cpu.yaml $(DEMO_ARGS); \
+	fi
 
 # PPO whose reward comes from a reward model (configs/ppo_rm_cpu.yaml): the task, a small reward
 # model fitted on preference pairs of it (once; remove $(DEMO_DATA)/reward_model to refit), the run.
