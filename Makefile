@@ -28,10 +28,13 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-# Re-install when the dependency pins change.
-$(STAMP): pyproject.toml | $(BIN)/python
+# Re-install when the dependency pins change. The packages the offline GPU bundle ships (direct and
+# transitive, tools/gpu_bundle.py) are installed at the bundle's versions, so that what is tested here
+# is what the bundle carries, whatever the registry has released since.
+$(STAMP): pyproject.toml tools/gpu_bundle.py | $(BIN)/python
 	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python tools/gpu_bundle.py packages > $(VENV)/bundle-constraints.txt
+	$(BIN)/python -m pip install -q -e ".[test]" -c $(VENV)/bundle-constraints.txt
 	$(BIN)/python -c "import torch; assert torch.__version__.startswith('$(TORCH_VERSION)'), torch.__version__"
 	touch $(STAMP)
 

@@ -50,7 +50,9 @@ def write_config(tmp: Path, task: Path, **sections: dict) -> Path:
         "data": {"train_files": [str(task / "train.parquet")], "val_files": [str(task / "val.parquet")],
                  "tokenizer": str(task / "tokenizer"), "max_prompt_length": 8, "max_response_length": 4,
                  "train_batch_size": 4, "apply_chat_template": "false"},
-        "model": {"init_from_scratch": True, "hf_config": TINY},
+        # A copy: the merge below updates nested dicts in place, and TINY is shared by every test
+        # of the process (a MoE hf_config merged into it once made every later run a MoE run).
+        "model": {"init_from_scratch": True, "hf_config": dict(TINY)},
         "actor": {"optim": {"lr": 1e-4, "weight_decay": 0.0}, "megatron": {"tensor_model_parallel_size": 2},
                   "ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 8},
         "rollout": {"engine": "hf", "n": 4},
