@@ -28,7 +28,6 @@ from typing import Any, Protocol
 
 import ray
 
-from megarl.cluster.session_reaper import TAG_ENV, start_reaper, stop_reaper
 from megarl.errors import MegarlError
 
 logger = logging.getLogger(__name__)
@@ -116,24 +115,12 @@ def start_or_connect(
         )
     else:
         init_kwargs.pop("include_dashboard")
-    # A cluster this process starts is tagged, and a watcher ends its processes if this process is
-    # killed before it can (see session_reaper); a cluster it connects to is not its to end.
-    reaper = None
-    if local:
-        tag = f"{os.getpid()}-{time.time_ns()}"
-        reaper = start_reaper(tag)
-        os.environ[TAG_ENV] = tag
-    try:
-        context = ray.init(address=address, **init_kwargs)
-    except BaseException:
-        _stop_tagging(reaper)
-        raise
+    context = ray.init(address=address, **init_kwargs)
 
     def cleanup() -> None:
         shutdown_registered()
         if ray.is_initialized():
             ray.shutdown()
-        _stop_tagging(reaper)
 
     atexit.register(cleanup)
     installed, previous_sigterm = _install_sigterm_handler()
@@ -155,14 +142,6 @@ def start_or_connect(
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_sigterm is None else previous_sigterm)
         if local and auth_env_before is None:
             os.environ.pop(AUTH_MODE_ENV, None)
-
-
-def _stop_tagging(reaper: Any) -> None:
-    """This process shut its cluster down (or never started it): no more tagged children, and the
-    watcher exits without killing anything. Safe to call twice."""
-    os.environ.pop(TAG_ENV, None)
-    if reaper is not None and reaper.returncode is None:
-        stop_reaper(reaper)
 
 
 def _install_sigterm_handler() -> tuple[bool, Any]:

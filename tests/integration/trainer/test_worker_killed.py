@@ -3,6 +3,7 @@ role, rank, node (IP and host name) and the call the rank died in; the last chec
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 
@@ -25,7 +26,10 @@ def test_killed_worker_fails_the_driver_with_a_named_error(tmp_path: Path, task_
     assert first.startswith("error: hybrid_actor rank "), error
     assert f"pid {details['victim_pid']}" in first  # the rank it names is the process that was killed
     assert f"host {socket.gethostname()}" in first and " on node " in first
-    assert "died during actor.update_actor(): its process exited unexpectedly" in first, first
+    # The kill is aimed at the update (the longest phase by far); on a loaded machine it can land in
+    # the step's next call instead. Whichever it was, the error names it.
+    assert re.search(r"died during actor\.(update_actor|save_checkpoint|update_log_probs)\(\): "
+                     r"its process exited unexpectedly", first), first
     # Ray's own multi-line text (actor id, namespace, a paragraph of possible causes) is not repeated.
     assert len(error) <= 4, error
     assert not any("Some common causes" in line or "actor_id" in line for line in error), error
