@@ -33,6 +33,13 @@ from megarl.errors import MegarlError
 logger = logging.getLogger(__name__)
 
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
+# How long a Ray process waits for each try at reaching the GCS. A worker that raylet was still
+# starting when the driver's process group was SIGKILLed knows nothing of the dead GCS and tries
+# it several times before giving up: about 25 s with Ray's default on an idle 2-core machine,
+# over 60 s on a loaded one; 2 s a try makes it about 10 s. The GCS of a local cluster runs on the
+# same host, where a connection takes milliseconds, so 2 s a try leaves ample margin.
+LOCAL_GCS_CONNECT_ENV = "RAY_gcs_rpc_server_connect_timeout_s"
+LOCAL_GCS_CONNECT_TIMEOUT_S = "2"
 
 
 class ClusterError(MegarlError, RuntimeError):
@@ -105,6 +112,9 @@ def start_or_connect(
     auth_env_before = os.environ.get(AUTH_MODE_ENV)
     if local and auth_env_before is None:
         os.environ[AUTH_MODE_ENV] = "disabled"
+    connect_env_before = os.environ.get(LOCAL_GCS_CONNECT_ENV)
+    if local and connect_env_before is None:  # inherited by the GCS, raylet and every worker
+        os.environ[LOCAL_GCS_CONNECT_ENV] = LOCAL_GCS_CONNECT_TIMEOUT_S
     init_kwargs: dict[str, Any] = dict(namespace=namespace, log_to_driver=log_to_driver, include_dashboard=False)
     if local:
         init_kwargs.update(
@@ -142,6 +152,8 @@ def start_or_connect(
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_sigterm is None else previous_sigterm)
         if local and auth_env_before is None:
             os.environ.pop(AUTH_MODE_ENV, None)
+        if local and connect_env_before is None:
+            os.environ.pop(LOCAL_GCS_CONNECT_ENV, None)
 
 
 def _install_sigterm_handler() -> tuple[bool, Any]:

@@ -1,7 +1,8 @@
 """A driver that starts a local cluster and a 2-rank group, says READY, then waits to be stopped.
 
 Run by test_cluster_cleanup.py, which interrupts it (SIGINT / SIGTERM) and checks that every
-process it started is gone.
+process it started is gone. With ``--churn`` it starts and kills one actor after another instead
+of waiting, so that raylet is always starting a new worker process when the test kills it.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import os
 import sys
 import time
+
+import ray
 
 from megarl.cluster.ray_cluster import start_or_connect
 from megarl.cluster.resource_pool import ResourcePool
@@ -20,6 +23,12 @@ class IdleWorker(Worker):
     pass
 
 
+@ray.remote(num_cpus=0)
+class Shortlived:
+    def ping(self) -> int:
+        return os.getpid()
+
+
 def main() -> None:
     with start_or_connect(num_cpus=2, object_store_memory_gb=0.1):
         pool = ResourcePool("idle", nnodes=1, devices_per_node=2).wait(timeout_s=120)
@@ -27,7 +36,12 @@ def main() -> None:
         print("READY", " ".join(str(info.pid) for info in group.node_infos), flush=True)
         try:
             while True:
-                time.sleep(0.1)
+                if "--churn" in sys.argv:
+                    actor = Shortlived.remote()
+                    ray.get(actor.ping.remote())
+                    ray.kill(actor)
+                else:
+                    time.sleep(0.1)
         finally:
             # Straight to the file descriptor: no Python-level stdout buffer or lock between the
             # interrupted main thread and the pipe the test reads.

@@ -78,6 +78,16 @@ def logged_steps(run_dir: Path) -> list[int]:
     return sorted(json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip())
 
 
+def step_timings(run_dir: Path, step: int) -> dict[str, float]:
+    """The `timing_s/<phase>` metrics of `step`, keyed by phase."""
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["step"] == step:
+            return {key.removeprefix("timing_s/"): value for key, value in record["metrics"].items()
+                    if key.startswith("timing_s/")}
+    raise KeyError(f"step {step} not in {run_dir / 'metrics.jsonl'}")
+
+
 def wait_for(predicate: Any, proc: subprocess.Popen, what: str, timeout_s: float = 900.0, poll_s: float = 0.05) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -144,16 +154,19 @@ def processes_naming(text: str) -> list[psutil.Process]:
 def kill_worker_during_update(work: Path, task: Path, resume: bool = False) -> FaultOutcome:
     """SIGKILL of an actor worker while the actor update runs (step 2; step 1 was checkpointed).
 
-    The update is made the longest phase by far (`actor.ppo_epochs=30`), and the kill comes 2 s into
-    step 2, after its generation and old log-probs (each well under a second here); the error says
-    which call the rank died in, so a kill outside the update is seen, not hidden.
+    The update is made the longest phase by far (`actor.ppo_epochs=100`: ~4 s here, the rest of a
+    step ~0.1 s), and the kill is timed from step 1's phases: step 2's phases before the update, then
+    40% of its update. The error says which call the rank died in, so a kill outside the update is
+    seen, not hidden.
     """
     config = write_config(work, task)
-    common = ("trainer.total_training_steps=3", "trainer.save_freq=1", "actor.ppo_epochs=30")
+    common = ("trainer.total_training_steps=3", "trainer.save_freq=1", "actor.ppo_epochs=100")
     driver = start_train(config, *common)
     run_dir = work / "run"
     wait_for(lambda: logged_steps(run_dir) == [1], driver, "step 1 was logged")
-    time.sleep(2.0)
+    timing = step_timings(run_dir, 1)
+    before_update = timing["step"] - timing["update_actor"]
+    time.sleep(max(before_update + 0.4 * timing["update_actor"], 0.0))
     workers = worker_processes(driver)
     victim = workers[-1]
     killed_at, killed_mono = time.time(), time.monotonic()
@@ -163,8 +176,10 @@ def kill_worker_during_update(work: Path, task: Path, resume: bool = False) -> F
     failed_at = _log_time(stderr, r"killing all \d+ ranks after a failure")
     message = error_lines(stderr)
     ok, verify_message, step = checkpoint_state(run_dir / "checkpoints")
+    steps = logged_steps(run_dir)
     details: dict[str, Any] = {"victim_pid": victim.pid, "exit_code": driver.returncode, "driver_exit_s": exit_s,
-                               "error": message, "checkpoint": verify_message, "checkpoint_step": step}
+                               "error": message, "checkpoint": verify_message, "checkpoint_step": step,
+                               "last_logged_step": steps[-1] if steps else None}
     survived = ok and step == 1
     if resume and survived:
         rerun = run_train(config, *common)

@@ -35,4 +35,6 @@ def test_killed_worker_fails_the_driver_with_a_named_error(tmp_path: Path, task_
     assert not any("Some common causes" in line or "actor_id" in line for line in error), error
     assert outcome.detected and outcome.time_to_detect_s is not None
     assert details["driver_exit_s"] < 180, "the driver did not stop after a worker died"  # a hang guard
+    # Nothing logged is lost: a step is saved before it is logged (save_freq=1).
+    assert details["checkpoint_step"] == details["last_logged_step"], details
     assert details["checkpoint_step"] == 1 and outcome.survived, details["checkpoint"]
