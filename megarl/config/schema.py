@@ -374,6 +374,11 @@ class TrainerConfig:
     max_ckpt_to_keep: int = 2
     default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"
     seed: int = 1
+    # sync: every batch is generated with the weights it is trained from. one_step_off: the next
+    # batch is generated (by a separate rollout pool, resources.rollout_pool) while this one trains,
+    # so every batch is one weight version old (with algorithm.rollout_correction to weight it);
+    # the pipeline is drained before each checkpoint, so a resume continues the same run.
+    async_mode: str = "sync"
     log_freq: int = 1
     progress_bar: bool = True
 
@@ -397,6 +402,10 @@ class ResourcesConfig:
     critic_pool: Optional[PoolConfig] = None
     ref_pool: Optional[PoolConfig] = None
     reward_model_pool: Optional[PoolConfig] = None
+    # null: the rollout engines share the actor's processes (the hybrid engine). Set: they run in a
+    # pool of their own, as many ranks as the actor's pool, fed over a bridge between the pools;
+    # needed by trainer.async_mode one_step_off.
+    rollout_pool: Optional[PoolConfig] = None
 
 
 @dataclass

@@ -145,6 +145,37 @@ def ref_enabled(cfg: DictConfig) -> bool:
     return bool(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
 
 
+ASYNC_MODES = ("sync", "one_step_off")
+
+
+def _check_async(r: Any, cfg: Any, world: int) -> None:
+    """trainer.async_mode and resources.rollout_pool: what the separate placement supports."""
+    mode, pool = cfg.trainer.async_mode, cfg.resources.rollout_pool
+    if mode not in ASYNC_MODES:
+        extra = (" (fully asynchronous training with a staleness bound and partial rollouts is not built)"
+                 if mode in ("fully_async", "async") else "")
+        r.err(f"trainer.async_mode = {mode!r}: valid: {', '.join(ASYNC_MODES)}{extra}")
+    if pool is not None:
+        rollout_world = pool_size(pool)
+        if rollout_world != world:
+            r.err(f"resources.rollout_pool: {rollout_world} ranks; the rollout pool must have as many ranks as "
+                  f"resources.actor_pool ({world}): rollout rank r takes its weights from training rank r")
+        if cfg.rollout.free_cache_engine:
+            r.err("rollout.free_cache_engine: true with resources.rollout_pool: a rollout pool of its own keeps its "
+                  "memory between steps (nothing trains in its processes); set it to false")
+    if mode == "one_step_off":
+        if pool is None:
+            r.err("trainer.async_mode = 'one_step_off' needs resources.rollout_pool: generation can overlap the "
+                  "update only in processes of its own (with the rollout in the actor's processes it waits anyway)")
+        if cfg.algorithm.filter_groups.enable:
+            r.err("trainer.async_mode = 'one_step_off' with algorithm.filter_groups.enable: DAPO's dynamic sampling "
+                  "generates a varying number of batches per step; use async_mode sync")
+        if not cfg.rollout.calculate_log_probs:
+            r.err("trainer.async_mode = 'one_step_off' needs rollout.calculate_log_probs: true: every batch is one "
+                  "weight version old, and its rollout log-probs are what the off-policy correction and the "
+                  "staleness metrics compare against")
+
+
 def _check_layout(r: _Rules, role: str, par: Any, world: int, pool_key: str, hf: Optional[dict]) -> int:
     """Check one role's Megatron layout against its pool; return the derived DP size (0 if invalid)."""
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
@@ -423,11 +454,14 @@ def validate_config(cfg: DictConfig) -> None:
             r.err("ref.megatron differs from actor.megatron, but the reference shares the actor's processes "
                   "(resources.ref_pool is null); set ref.megatron to null (the actor's layout) or give the reference its own pool")
 
+    _check_async(r, cfg, world)
     rtp = rollout.tensor_model_parallel_size
     if rtp < 1 or world % rtp != 0:
+        where = ("the rollout pool has as many ranks" if cfg.resources.rollout_pool is not None
+                 else "the rollout shares the actor's devices")
         r.err(
             f"rollout.tensor_model_parallel_size = {rtp}: must divide the {world} devices of resources.actor_pool "
-            f"(the rollout shares the actor's devices); valid: {_divisors(world)}"
+            f"({where}); valid: {_divisors(world)}"
         )
     elif hf:
         heads = hf.get("num_attention_heads")

@@ -49,10 +49,17 @@ def training_shards(named_weights: Iterable[tuple[str, torch.Tensor]], spec: Any
 
 def _vllm_targets(rollout_engine: Any, plan: ReshardPlan, rank: int) -> dict[str, torch.Tensor]:
     """The vLLM model's own parameters that the plan fills on this rank, checked by name and shape."""
+    return engine_targets(rollout_engine, plan.engine_tensors[rank])
+
+
+def engine_targets(rollout_engine: Any, tensors: Iterable[Any]) -> dict[str, torch.Tensor]:
+    """The vLLM model's own parameters for `tensors` (each with `name` and `shape`, vLLM's
+    per-rank names and shapes), checked by name and shape; one expert of a fused expert parameter
+    is a view of it."""
     params = dict(rollout_engine.engine_model().named_parameters())
     targets = {}
     experts: dict[str, torch.Tensor] = {}
-    for t in plan.engine_tensors[rank]:
+    for t in tensors:
         view = vllm_expert_view(t.name)  # one expert of a routed-expert (FusedMoE) parameter
         if view is not None:
             base, e = view
@@ -67,9 +74,9 @@ def _vllm_targets(rollout_engine: Any, plan: ReshardPlan, rank: int) -> dict[str
         p = params.get(t.name)
         if p is None:
             raise ConfigError(f"reshard: the vLLM model has no parameter {t.name!r}; it has e.g. {sorted(params)[:4]}")
-        if tuple(p.shape) != t.shape:
-            raise ConfigError(f"reshard: vLLM parameter {t.name!r} has shape {tuple(p.shape)}, the plan expects {t.shape} "
-                              f"(rollout tp={plan.rollout.tp}); is the engine's tensor_parallel_size the same?")
+        if tuple(p.shape) != tuple(t.shape):
+            raise ConfigError(f"reshard: vLLM parameter {t.name!r} has shape {tuple(p.shape)}, the plan expects "
+                              f"{tuple(t.shape)}; is the engine's tensor_parallel_size the rollout TP size?")
         targets[t.name] = p.data
     return targets
 

@@ -26,6 +26,8 @@ def ray_cpus_needed(cfg: DictConfig) -> int:
         total += pool_size(res.critic_pool)
     if cfg.reward_model.enable and res.reward_model_pool is not None:
         total += pool_size(res.reward_model_pool)
+    if res.rollout_pool is not None:
+        total += pool_size(res.rollout_pool)
     return int(total * per_worker + 0.999) + 1
 
 

@@ -92,6 +92,10 @@ class RLTrainer:
         self.weights_version = 0  # bumped by every actor update; the rollout syncs when behind
         self.rollout_version = -1
         self.sync_metrics: dict[str, float] = {}  # bytes moved by the last weight sync, all ranks
+        # trainer.async_mode one_step_off: the next step's generation, launched during this step, as
+        # (step, call handle, weight version it generates with); None when nothing is in flight.
+        self.one_step_off = self.cfg.trainer.async_mode == "one_step_off"
+        self.prefetch: Optional[tuple[int, Any, int]] = None
         self.memory_trace: list[tuple[str, str, str]] = []  # (phase, role, transition) of this step
         self.memory_metrics: dict[str, float] = {}  # memory/<phase>/<stat> of this step
         self.current_phase = "setup"
@@ -114,6 +118,8 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ the driver's own state
     def state_dict(self) -> dict[str, Any]:
+        if self.prefetch is not None:  # the pipeline is drained before every save (see may_prefetch)
+            raise RuntimeError(f"trainer state taken while the generation of step {self.prefetch[0]} is in flight")
         return {"global_step": self.global_step, "weights_version": self.weights_version,
                 "dataloader": self.run.train_loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                 "rng": capture_rng_state()}
@@ -163,7 +169,8 @@ class RLTrainer:
             return True
         if self.cfg.trainer.total_training_steps:
             return False
-        return self.run.train_loader.batches_handed_out >= self.cfg.trainer.total_epochs * len(self.run.train_loader)
+        handed_out = self.run.train_loader.batches_handed_out - (self.prefetch is not None)  # not trained yet
+        return handed_out >= self.cfg.trainer.total_epochs * len(self.run.train_loader)
 
     def train_step(self, step: int) -> dict[str, Any]:
         cfg, alg = self.cfg, self.cfg.algorithm
@@ -174,6 +181,7 @@ class RLTrainer:
             #      `score_beside_pass` the scores come with the first pass of step 4
             batch, gen_metrics = self.collect_scored_batch(step, score=not self.score_beside_pass)
             metrics.update(gen_metrics)
+            metrics.update(self.staleness_metrics(batch))
             metrics.update(agent_metrics(batch))  # multi-turn rollouts: turns, tool calls, errors, latency
             self.rollout_sleep()  # training needs the memory: the KV cache (and weights) go
             # Rows reordered so each actor DP rank gets about the same tokens (trainer.balance_batch);
@@ -254,7 +262,10 @@ class RLTrainer:
         self.current_phase = name
         with self.timer(name), self.progress.phase(name):
             yield
-        per_rank = [stats for group in self.workers.groups for stats in group.call_all(HostWorker.memory_stats)]
+        # Not the rollout pool while it generates the next batch: the probe would wait for it.
+        busy = self.workers.rollout.group if self.prefetch is not None else None
+        per_rank = [stats for group in self.workers.groups if group is not busy
+                    for stats in group.call_all(HostWorker.memory_stats)]
         for key, value in memory_phase_metrics(name, per_rank).items():
             self.memory_metrics[key] = max(value, self.memory_metrics.get(key, value))
 
@@ -306,24 +317,80 @@ class RLTrainer:
             traces = [path for group in groups for path in group.call_all(HostWorker.stop_profile)]
             logger.info("profile of step %d: %d traces under %s", step, len(traces), out_dir)
 
-    def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
-        """Responses for `prompts` from the rollout engines (synced to the actor's weights first)."""
+    def sync_rollout(self) -> None:
+        """Bring the rollout engines to the actor's current weights, when they are behind: inside
+        the actor's processes (hybrid engine), or over the bridge to a rollout pool of its own."""
+        if self.rollout_version == self.weights_version:
+            return
         rollout = self.workers.rollout
-        if self.rollout_version != self.weights_version:
-            with self.phase("sync_weights"), self.onloaded(self.workers.actor, self.spec.actor, params_only=True):
+        with self.phase("sync_weights"), self.onloaded(self.workers.actor, self.spec.actor, params_only=True):
+            if self.workers.separate_rollout:
+                sending = self.workers.actor.call_all_async(ActorRole.send_weights)
+                per_rank = rollout.call_all(RolloutRole.receive_weights, self.weights_version)
+                senders = sending.result(self.workers.actor.group.call_timeout_s)
+            else:
                 if rollout.call_all(RolloutRole.wake_up, ("weights",))[0]:
                     self.memory_trace.append((self.current_phase, "rollout", "wake_up:weights"))
                 per_rank = rollout.call_all(RolloutRole.sync_weights, self.weights_version)
-            self.rollout_version = self.weights_version
-            self.sync_metrics = {k: (sum if k.startswith("sync/bytes") else max)(r[k] for r in per_rank)
-                                 for k in per_rank[0]
-                                 if k.startswith("sync/bytes") or k in ("sync/pieces_verified", "sync/verify_s")}
-            self.sync_metrics["sync/seconds_max"] = max(r["sync/seconds"] for r in per_rank)
+                senders = []
+        self.rollout_version = self.weights_version
+        self.sync_metrics = {k: (sum if k.startswith("sync/bytes") else max)(r[k] for r in per_rank)
+                             for k in per_rank[0]
+                             if k.startswith("sync/bytes") or k in ("sync/pieces_verified", "sync/verify_s")}
+        self.sync_metrics["sync/seconds_max"] = max(r["sync/seconds"] for r in per_rank)
+        # Bytes a rollout rank received beyond its minimum: 0 on every rank is the zero-redundancy claim.
+        self.sync_metrics["sync/bytes_excess_max"] = max(r["sync/bytes_received"] - r["sync/bytes_minimum"]
+                                                         for r in per_rank)
+        if senders:  # separate placement: the reshard inside the training pool, before the bridge
+            self.sync_metrics["sync/bytes_within_training"] = sum(r["sync/bytes_within_training"] for r in senders)
+            self.sync_metrics["sync/bytes_sent"] = sum(r["sync/bytes_sent"] for r in senders)
+
+    def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
+        """Responses for `prompts` from the rollout engines (synced to the actor's weights first);
+        each row records the weight version it was generated with (`rollout_weights_version`)."""
+        rollout = self.workers.rollout
+        self.sync_rollout()
         if rollout.call_all(RolloutRole.wake_up)[0]:  # the KV cache, after the sync's buffers are freed
             self.memory_trace.append((self.current_phase, "rollout", "wake_up"))
         with self.phase("gen"):
             out = rollout.call_dp(RolloutRole.generate, prompts, sampling, dispatch_coords=self.workers.rollout_coords)
+        out["rollout_weights_version"] = torch.full((len(out),), self.rollout_version, dtype=torch.int64)
         return out
+
+    def rollout_batch(self, step: int, attempt: int) -> Batch:
+        """The generations step `step` trains on: launched during the previous step (one_step_off)
+        or generated now. In one_step_off mode the next step's generation is then launched, with the
+        weights of before this step's update, so that it runs while this step trains."""
+        if self.prefetch is not None:
+            launched_for, handle, version = self.prefetch
+            if launched_for != step or attempt != 0:
+                raise RuntimeError(f"generation in flight for step {launched_for}, asked for step {step}")
+            with self.phase("gen"):  # here only the wait: what the training pool idles for
+                out = handle.result(self.workers.rollout.group.call_timeout_s)
+            self.prefetch = None
+            out["rollout_weights_version"] = torch.full((len(out),), version, dtype=torch.int64)
+        else:
+            out = self.generate(self.run.train_loader.next_batch(), self.sampling(step * 1000 + attempt))
+        if self.one_step_off and self.may_prefetch(step):
+            self.sync_rollout()
+            prompts = self.run.train_loader.next_batch()
+            handle = self.workers.rollout.call_dp_async(RolloutRole.generate, prompts, self.sampling((step + 1) * 1000),
+                                                        dispatch_coords=self.workers.rollout_coords)
+            self.prefetch = (step + 1, handle, self.rollout_version)
+        return out
+
+    def may_prefetch(self, step: int) -> bool:
+        """Whether step `step` may launch the generation of the next one: not at the last step, and
+        not at a checkpoint step, so that a checkpoint holds nothing in flight and a resume generates
+        what the uninterrupted run generated (with the same weights and seed)."""
+        trainer = self.cfg.trainer
+        if step >= self.run.total_steps:
+            return False
+        if not trainer.total_training_steps:  # ends with the data: a next batch must exist
+            left = trainer.total_epochs * len(self.run.train_loader) - self.run.train_loader.batches_handed_out
+            if left < 1:
+                return False
+        return not (trainer.save_freq > 0 and step % trainer.save_freq == 0)
 
     def forward_pass(self, role: RoleView, method: Any, batch: Batch, metrics: dict[str, Any],
                      score_beside: bool) -> Batch:
@@ -359,8 +426,7 @@ class RLTrainer:
         metrics: dict[str, Any] = {}
         attempt = 0
         while True:
-            prompts = self.run.train_loader.next_batch()
-            gen = self.generate(prompts, self.sampling(step * 1000 + attempt))
+            gen = self.rollout_batch(step, attempt)
             attempt += 1
             if not score:
                 return gen, metrics
@@ -443,9 +509,22 @@ class RLTrainer:
             return {}
         metrics = rollout_mismatch_metrics(trainer_log_probs, batch["rollout_log_probs"], batch["response_mask"],
                                            self.spec.actor.loss.rollout_correction)
-        if "training/rollout_logprob_abs_diff_mean" in metrics:
+        # A batch generated with older weights (one_step_off) differs by the updates since: the gap
+        # check of the weight sync applies to batches generated with the weights being trained.
+        fresh = "rollout_weights_version" not in batch or bool(
+            (batch["rollout_weights_version"] == self.weights_version).all())
+        if "training/rollout_logprob_abs_diff_mean" in metrics and fresh:
             check_logprob_gap(step, metrics["training/rollout_logprob_abs_diff_mean"], self.spec.max_logprob_gap)
         return metrics
+
+    def staleness_metrics(self, batch: Batch) -> dict[str, float]:
+        """How many weight versions behind the weights being trained each row was generated:
+        `async/staleness_{mean,max,min}` (0 in synchronous mode, 1 after one_step_off's first step)."""
+        if "rollout_weights_version" not in batch:
+            return {}
+        staleness = (self.weights_version - batch["rollout_weights_version"]).float()
+        return {"async/staleness_mean": float(staleness.mean()), "async/staleness_max": float(staleness.max()),
+                "async/staleness_min": float(staleness.min())}
 
     def remax_baseline(self, batch: Batch) -> torch.Tensor:
         """ReMax: the reward of one greedy response per prompt, broadcast to that prompt's samples."""

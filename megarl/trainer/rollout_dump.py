@@ -13,6 +13,8 @@
   REINFORCE++ ...) give every token of a response the same value, so this is the per-sequence
   advantage; for GAE it is the first token's. ``null`` for an empty response;
 - ``response_length``: response tokens (int);
+- ``rollout_weights_version``: how many actor updates the weights that generated the row had had
+  (training at step ``s`` uses version ``s - 1``: a row with version ``s - 1`` is on-policy);
 - ``<key>`` for each ``reward_info/<key>`` column (``reward_info/<key>`` when ``<key>`` is already a
   field above, e.g. the scorer's own ``score`` before overlong shaping).
 
@@ -37,7 +39,10 @@ from megarl.protocol import Batch
 
 _OPTIONAL_OBJECT_COLUMNS = ("uid", "data_source", "ground_truth")
 _SUMMED_COLUMNS = {"score": "token_level_scores", "reward": "token_level_rewards"}
-_FIELDS = {"step", "input", "output", "advantage", "response_length", *_OPTIONAL_OBJECT_COLUMNS, *_SUMMED_COLUMNS}
+# The weight version (actor updates before it) each row was generated under; `step - 1` was trained on.
+_VERSION_COLUMN = "rollout_weights_version"
+_FIELDS = {"step", "input", "output", "advantage", "response_length", _VERSION_COLUMN, *_OPTIONAL_OBJECT_COLUMNS,
+           *_SUMMED_COLUMNS}
 
 
 def json_safe(value: Any) -> Any:
@@ -79,6 +84,8 @@ def generation_records(batch: Batch, tokenizer: PreTrainedTokenizerBase, step: i
     for field, key in _SUMMED_COLUMNS.items():
         if key in batch:
             columns[field] = batch[key].detach().float().cpu().sum(dim=-1).tolist()
+    if _VERSION_COLUMN in batch:
+        columns[_VERSION_COLUMN] = batch[_VERSION_COLUMN].tolist()
     if "advantages" in batch:
         # Right-padded responses start at column 0: that is the first response token.
         first = batch["advantages"].detach().float().cpu()[:, 0].tolist()

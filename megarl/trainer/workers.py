@@ -1,9 +1,11 @@
 """Start the SPMD worker groups of an experiment on Ray and return one handle per role.
 
 Placement follows `resources`: the hybrid actor (actor + rollout, and the reference unless it has
-its own pool) takes `resources.actor_pool`; the critic shares the actor's processes when it has no
-pool of its own and the same Megatron layout, otherwise it takes `resources.critic_pool`; so does the
-reward model (`resources.reward_model_pool`).
+its own pool) takes `resources.actor_pool`; the rollout engines take `resources.rollout_pool` when
+it is set (separate placement, weights over a bridge between the pools: `megarl.hybrid.bridge`).
+The critic shares the actor's processes when it has no pool of its own and the same Megatron
+layout, otherwise it takes `resources.critic_pool`; so does the reward model
+(`resources.reward_model_pool`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Workers:
     reward_model: Optional[RoleView] = None
     groups: list[WorkerGroup] = field(default_factory=list)
     rollout_engine: str = ""
+    separate_rollout: bool = False  # the rollout engines have a pool of their own (resources.rollout_pool)
 
     def shutdown(self) -> None:
         for group in self.groups:
@@ -60,6 +63,24 @@ def _pool(name: str, pool_cfg: Any, device: str, cpus: float) -> ResourcePool:
                         device=device, cpus_per_device=cpus)
 
 
+def connect_rollout_bridge(workers: Workers, spec: RunSpec) -> None:
+    """Separate placement: each training rank plans what its rollout rank receives, and both pools
+    join one gloo group (the bridge) that the weight syncs run over."""
+    ro = spec.rollout
+    layouts = workers.actor.call_all(ActorRole.plan_bridge, ro.tensor_parallel_size, ro.sync_bucket_bytes,
+                                     ro.sync_verify_freq)
+    host, port = workers.actor.call_rank(0, ActorRole.bridge_address)
+    size = 2 * len(layouts)
+    sending = workers.actor.call_all_async(ActorRole.connect_bridge, host, port, size)
+    receiving = [workers.rollout.call_rank_async(rank, RolloutRole.connect_bridge, host, port, size, layout)
+                 for rank, layout in enumerate(layouts)]
+    sending.result()
+    for handle in receiving:
+        handle.result()
+    logger.info("rollout bridge: %d training ranks -> %d rollout ranks over gloo at %s:%d", len(layouts),
+                len(layouts), host, port)
+
+
 def start_workers(cfg: DictConfig, spec: RunSpec) -> Workers:
     """Create pools and worker groups, initialise process groups, engines and weights.
 
@@ -68,10 +89,10 @@ def start_workers(cfg: DictConfig, spec: RunSpec) -> Workers:
     device = _device(cfg)
     res = cfg.resources
     cpus = float(res.num_cpus_per_worker)
-    hybrid_roles: dict[str, tuple[type, dict[str, Any]]] = {
-        "actor": (ActorRole, {"spec": spec.actor}),
-        "rollout": (RolloutRole, {"spec": spec.rollout}),
-    }
+    separate_rollout = res.rollout_pool is not None
+    hybrid_roles: dict[str, tuple[type, dict[str, Any]]] = {"actor": (ActorRole, {"spec": spec.actor})}
+    if not separate_rollout:
+        hybrid_roles["rollout"] = (RolloutRole, {"spec": spec.rollout})
     if spec.ref is not None and res.ref_pool is None:
         hybrid_roles["ref"] = (RefRole, {"spec": spec.ref})
     if spec.critic is not None and res.critic_pool is None:  # same layout: checked by validate_config
@@ -89,15 +110,24 @@ def start_workers(cfg: DictConfig, spec: RunSpec) -> Workers:
                 for name, (cls, _) in hybrid_roles.items() if name != "rollout"]
         for handle in init:
             handle.result()
-        engines = hybrid.for_role("rollout").call_all(RolloutRole.init_engine)
+        rollout_group = hybrid
+        if separate_rollout:
+            rollout_group = WorkerGroup(_pool("rollout", res.rollout_pool, device, cpus), HostWorker, "rollout",
+                                        init_kwargs={"roles": {"rollout": (RolloutRole, {"spec": spec.rollout})}})
+            groups.append(rollout_group)
+            rollout_group.init_distributed()
+        engines = rollout_group.for_role("rollout").call_all(RolloutRole.init_engine)
         workers = Workers(
             actor=hybrid.for_role("actor"),
-            rollout=hybrid.for_role("rollout"),
-            rollout_coords=rollout_coords(hybrid.world_size, spec.rollout.tensor_parallel_size),
+            rollout=rollout_group.for_role("rollout"),
+            rollout_coords=rollout_coords(rollout_group.world_size, spec.rollout.tensor_parallel_size),
             hybrid=hybrid,
             groups=groups,
             rollout_engine=engines[0],
+            separate_rollout=separate_rollout,
         )
+        if separate_rollout:
+            connect_rollout_bridge(workers, spec)
         if "ref" in hybrid_roles:
             workers.ref = hybrid.for_role("ref")
         if "critic" in hybrid_roles:

@@ -1,5 +1,10 @@
 """The role objects hosted in SPMD worker processes: actor, reference, rollout, critic, reward model.
 
+With a rollout pool of its own (`resources.rollout_pool`) the rollout engines live in other
+processes and receive the weights over a bridge that spans both pools (`megarl.hybrid.bridge`):
+`ActorRole.send_weights` on the training ranks meets `RolloutRole.receive_weights` on the rollout
+ranks.
+
 A `megarl.cluster.host_worker.HostWorker` builds them as `RoleClass(context, **kwargs)` and the
 driver reaches them through `WorkerGroup.for_role(name)`. The hybrid actor process holds
 "actor", "ref" and "rollout" together, so the rollout engine takes its weights from the actor's
@@ -16,6 +21,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import ray
 import torch
 
 from megarl.agent.loop import AgentLoop
@@ -23,6 +29,8 @@ from megarl.agent.rollout import multi_turn_generate
 from megarl.agent.tools import ToolSet
 from megarl.convert.engine_load import load_converted_weights
 from megarl.data.tokenizer import load_tokenizer
+from megarl.cluster.rendezvous import free_port
+from megarl.hybrid.bridge import BridgeReceiver, BridgeSender, ShardLayout
 from megarl.hybrid.sync import WeightSync
 from megarl.megatron.engine import MegatronEngine
 from megarl.models.spec import ModelSpec
@@ -150,6 +158,27 @@ class ActorRole(EngineRole):
         return Batch.from_dict({"update_log_probs": captured.values})
 
 
+    # ---------------------------------------------- weights to a rollout pool of its own
+    bridge: BridgeSender | None = None
+
+    def plan_bridge(self, rollout_tp: int, bucket_bytes: int, verify_every: int) -> ShardLayout:
+        """Plan this rank's part of the sync to a separate rollout pool; returns what its rollout
+        rank (the same rank number there) will receive."""
+        self.bridge = BridgeSender(self.engine, rollout_tp, bucket_bytes, verify_every)
+        return self.bridge.layout
+
+    def bridge_address(self) -> tuple[str, int]:
+        """(this node's IP, a port free on it) for the bridge's store (asked of rank 0)."""
+        return ray.util.get_node_ip_address(), free_port()
+
+    def connect_bridge(self, host: str, port: int, world_size: int) -> None:
+        self.bridge.connect(host, port, world_size)
+
+    def send_weights(self) -> dict[str, float]:
+        """This rank's weights to its rollout rank (`RolloutRole.receive_weights` runs there)."""
+        return self.bridge.send()
+
+
 class RefRole(EngineRole):
     """The frozen reference policy (KL loss or KL-in-reward)."""
 
@@ -209,6 +238,7 @@ class RolloutRole:
         self.engine: Any = None
         self.actor: ActorRole | None = None
         self.weight_sync: WeightSync | None = None
+        self.bridge: BridgeReceiver | None = None  # separate placement: the weights come from another pool
         self.weights_version = -1
         self.agent: AgentLoop | None = None  # the multi-turn loop, built on first use
         self.agent_group: Any = None  # the gloo group of this rank's rollout TP group (multi-turn, TP > 1)
@@ -243,6 +273,25 @@ class RolloutRole:
             "sync/pieces_verified": float(stats.pieces_verified),  # in the whole world, the same on every rank
             # Checking the fingerprints after the transfers (exchange, compare, all-reduce); 0 unverified
             "sync/verify_s": float(stats.verify_seconds),
+        }
+
+    def connect_bridge(self, host: str, port: int, world_size: int, layout: ShardLayout) -> None:
+        """Join the bridge to the training pool (separate placement); `layout`: what this rank
+        receives, as its training rank planned it."""
+        self.bridge = BridgeReceiver(self.engine, self.context.rank, layout, self.spec.sync_bucket_bytes,
+                                     self.spec.sync_verify_freq)
+        self.bridge.connect(host, port, world_size)
+
+    def receive_weights(self, version: int) -> dict[str, float]:
+        """Take the training rank's weights over the bridge (separate placement); the same metrics
+        as `sync_weights`, bytes counted at this end (the rollout pool)."""
+        stats = self.bridge.receive()
+        self.weights_version = version
+        return {
+            "sync/bytes_received": float(stats.bytes_received),
+            "sync/bytes_minimum": float(stats.minimum_bytes),
+            "sync/seconds": float(stats.seconds),
+            "sync/pieces_verified": float(stats.pieces_verified),
         }
 
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:

@@ -34,7 +34,7 @@ SECTION_ALIASES = {
     "rollout": ("ro",), "algorithm": ("alg",), "resources": ("res",), "val_kwargs": ("val",),
     "overlong_buffer": ("overlong",), "custom_reward_function": ("custom",), "filter_groups": ("fg",),
     "actor_pool": ("pool_cfg",), "critic_pool": ("pool_cfg",), "ref_pool": ("pool_cfg",), "megatron": ("par",),
-    "reward_model_pool": ("pool_cfg",), "reward_model": ("rm",),
+    "reward_model_pool": ("pool_cfg",), "rollout_pool": ("pool_cfg",), "reward_model": ("rm",),
 }
 
 

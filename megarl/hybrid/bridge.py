@@ -1,0 +1,236 @@
+"""Weights from the training pool to a rollout pool of its own (`resources.rollout_pool`).
+
+With separate placement the rollout engines run in processes of their own, so the generation of
+the next batch can overlap the update (`trainer.async_mode`). The rollout pool has as many ranks
+as the actor's pool (N); rollout rank r is fed by training rank r:
+
+1. Inside the training world, every training rank reshards the Megatron shards into the rollout
+   shard that rollout rank r needs (the hybrid engine's own plan and executor, verified as in the
+   colocated sync). This is the only copy of it on the training side, and it is freed after step 2.
+2. Over the bridge, a gloo group of 2N ranks that spans both pools (training rank r is bridge rank
+   r, rollout rank r is bridge rank N + r), training rank r sends that shard to rollout rank r in
+   buckets of at most `bucket_bytes`, each followed by its fingerprint. Rollout rank r writes the
+   buckets straight into its engine's tensors and compares the fingerprints; a mismatch stops the
+   sync with an error naming the tensors of the bucket and both ranks.
+
+So each rollout rank receives exactly the bytes of its own shard: `bytes_received` equals
+`minimum_bytes`, since a rollout rank holds nothing of the training weights.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megarl.errors import ConfigError
+from megarl.hybrid.executor import ExecStats, execute_plan
+from megarl.hybrid.plan import DEFAULT_BUCKET_BYTES
+from megarl.hybrid.rank_plan import RankPlanner
+from megarl.hybrid.sync import engine_targets, training_shards
+from megarl.hybrid.slices import vllm_expert_view
+from megarl.hybrid.verify import WeightSyncError, fingerprint
+from megarl.layout import ParallelLayout
+
+_TAG_DATA, _TAG_FINGERPRINT = 0, 1
+
+
+@dataclass(frozen=True)
+class ShardTensor:
+    """One tensor of a rollout rank's shard: its engine name and shape (the plan's order)."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """What rollout rank r receives: its tensors in order, their dtype and the engine layout
+    ("hf": full HF-named tensors for `update_weights`; "vllm": vLLM's per-rank parameters)."""
+
+    tensors: tuple[ShardTensor, ...]
+    dtype: torch.dtype
+    engine_layout: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel for t in self.tensors) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def open_bridge(host: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0) -> dist.ProcessGroup:
+    """The gloo group of both pools (bridge rank 0, training rank 0, hosts its store at host:port)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
+    return dist.ProcessGroupGloo(dist.PrefixStore("megarl-rollout-bridge", store), rank, world_size, timeout)
+
+
+def _segments(tensors: Sequence[ShardTensor], bucket_numel: int) -> Iterator[list[tuple[int, int, int]]]:
+    """Buckets of the tensors' concatenation: per bucket, (tensor index, start, length) in order."""
+    bucket: list[tuple[int, int, int]] = []
+    room = bucket_numel
+    for i, t in enumerate(tensors):
+        start = 0
+        while start < t.numel:
+            n = min(room, t.numel - start)
+            bucket.append((i, start, n))
+            start += n
+            room -= n
+            if room == 0:
+                yield bucket
+                bucket, room = [], bucket_numel
+    if bucket:
+        yield bucket
+
+
+def _bucket_numel(bucket_bytes: int, dtype: torch.dtype) -> int:
+    return max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
+
+
+class BridgeSender:
+    """Training rank r's side: reshard into rollout rank r's shard, then send it over the bridge.
+
+    Args:
+        train_engine: the `MegatronEngine` of this rank (`spec`, `ranks`, `get_named_weights()`).
+        rollout_tp: tensor-parallel size of the rollout engines.
+        bucket_bytes: bound on one transfer (in the training world and over the bridge).
+        verify_every: verify every k-th sync, the first included (0: never).
+    """
+
+    def __init__(self, train_engine: Any, rollout_tp: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 verify_every: int = 1) -> None:
+        if verify_every < 0:
+            raise ConfigError(f"weight sync: verify_every={verify_every}; valid: 0 (never) or k >= 1 (every k-th sync)")
+        r = train_engine.ranks
+        self.engine = train_engine
+        self.bucket_bytes = bucket_bytes
+        self.verify_every = verify_every
+        self.syncs_done = 0
+        self.pp_rank, self.pp_size = r.pp_rank, r.pp_size
+        layout = ParallelLayout(tp=r.tp_size, pp=r.pp_size, dp=r.dp_size, cp=r.cp_size, ep=r.ep_size)
+        dtype = next(iter(train_engine.get_named_weights()))[1].dtype
+        self.engine_layout = "hf" if rollout_tp == 1 else "vllm"
+        planner = RankPlanner(train_engine.spec, layout, ParallelLayout.rollout(rollout_tp, layout.world_size),
+                              self.engine_layout, dtype, bucket_bytes)
+        self.rank = dist.get_rank()
+        self.plan = planner.plan(self.rank)
+        self.layout = ShardLayout(tuple(ShardTensor(t.name, tuple(t.shape)) for t in self.plan.engine_tensors[self.rank]),
+                                  dtype, self.engine_layout)
+        self.bridge: dist.ProcessGroup | None = None
+
+    def connect(self, host: str, port: int, world_size: int) -> None:
+        self.bridge = open_bridge(host, port, self.rank, world_size)
+
+    def send(self) -> dict[str, float]:
+        """Reshard (a collective of the training world) and send this rank's rollout shard to its
+        rollout rank; the rollout rank must be in `BridgeReceiver.receive` at the same time."""
+        if self.bridge is None:
+            raise ConfigError("weight sync: the rollout bridge is not connected")
+        start = time.perf_counter()
+        verify = self.verify_every > 0 and self.syncs_done % self.verify_every == 0
+        shards = training_shards(self.engine.get_named_weights(), self.engine.spec, self.pp_rank, self.pp_size)
+        staged, within = execute_plan(self.plan, shards, verify=verify)
+        tensors = [staged[t.name].reshape(-1) for t in self.layout.tensors]
+        peer = self.bridge.size() // 2 + self.rank
+        numel = _bucket_numel(self.bucket_bytes, self.layout.dtype)
+        buffer = torch.empty(max(1, min(numel, sum(t.numel for t in self.layout.tensors))), dtype=self.layout.dtype)
+        sent = 0
+        for bucket in _segments(self.layout.tensors, numel):
+            n = sum(length for _, _, length in bucket)
+            flat, offset = buffer[:n], 0
+            for i, lo, length in bucket:
+                flat[offset:offset + length].copy_(tensors[i][lo:lo + length])
+                offset += length
+            self.bridge.send([flat], peer, _TAG_DATA).wait()
+            if verify:
+                self.bridge.send([fingerprint(flat).reshape(1)], peer, _TAG_FINGERPRINT).wait()
+            sent += n * flat.element_size()
+        del staged, tensors, buffer
+        self.syncs_done += 1
+        return {"sync/bytes_sent": float(sent), "sync/bytes_within_training": float(within.bytes_received),
+                "sync/send_s": time.perf_counter() - start}
+
+
+class BridgeReceiver:
+    """Rollout rank r's side: receive its shard from training rank r into the rollout engine."""
+
+    def __init__(self, rollout_engine: Any, rank: int, layout: ShardLayout, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 verify_every: int = 1) -> None:
+        self.engine = rollout_engine
+        self.rank = rank
+        self.layout = layout
+        self.bucket_bytes = bucket_bytes
+        self.verify_every = verify_every
+        self.syncs_done = 0
+        self.bridge: dist.ProcessGroup | None = None
+
+    def connect(self, host: str, port: int, world_size: int) -> None:
+        self.bridge = open_bridge(host, port, world_size // 2 + self.rank, world_size)
+
+    def _targets(self) -> dict[str, torch.Tensor]:
+        if self.layout.engine_layout == "hf":
+            return {t.name: torch.empty(t.shape, dtype=self.layout.dtype) for t in self.layout.tensors}
+        if self.engine.state.value not in ("awake", "weights_only"):
+            raise ConfigError(f"rollout engine is {self.engine.state.value}; wake it up before a weight sync")
+        return engine_targets(self.engine, self.layout.tensors)
+
+    def receive(self) -> ExecStats:
+        if self.bridge is None:
+            raise ConfigError("weight sync: the rollout bridge is not connected")
+        start = time.perf_counter()
+        verify = self.verify_every > 0 and self.syncs_done % self.verify_every == 0
+        peer = self.bridge.rank() - self.bridge.size() // 2
+        stats = ExecStats(rank=self.rank, minimum_bytes=self.layout.nbytes)
+        with torch.no_grad():
+            targets = self._targets()
+            flat_targets = [targets[t.name] for t in self.layout.tensors]
+            numel = _bucket_numel(self.bucket_bytes, self.layout.dtype)
+            buffer = torch.empty(max(1, min(numel, sum(t.numel for t in self.layout.tensors))), dtype=self.layout.dtype)
+            expected = torch.zeros(1, dtype=torch.int64)
+            bad: list[str] = []
+            for bucket in _segments(self.layout.tensors, numel):
+                n = sum(length for _, _, length in bucket)
+                flat = buffer[:n]
+                self.bridge.recv([flat], peer, _TAG_DATA).wait()
+                if verify:
+                    self.bridge.recv([expected], peer, _TAG_FINGERPRINT).wait()
+                    if int(fingerprint(flat)) != int(expected[0]):
+                        bad.append(", ".join(f"{self.layout.tensors[i].name}[{lo}:{lo + length}]"
+                                             for i, lo, length in bucket))
+                offset = 0
+                for i, lo, length in bucket:
+                    target = flat_targets[i]
+                    view = target.view(-1) if target.is_contiguous() else None
+                    if view is None:  # e.g. one expert of a fused parameter: copy through a flat copy
+                        whole = target.reshape(-1).clone()
+                        whole[lo:lo + length].copy_(flat[offset:offset + length])
+                        target.copy_(whole.view(target.shape))
+                    else:
+                        view[lo:lo + length].copy_(flat[offset:offset + length])
+                    offset += length
+                stats.bytes_received += n * flat.element_size()
+                stats.buckets_received += 1
+                stats.pieces_verified += len(bucket) if verify else 0
+            if bad:
+                raise WeightSyncError(
+                    f"weight sync over the rollout bridge: {len(bad)} bucket(s) from training rank {peer} arrived "
+                    f"changed at rollout rank {self.rank}; tensors (element ranges) of the first: {bad[0]}")
+            if self.layout.engine_layout == "hf":
+                self.engine.update_weights(targets.items())
+            else:
+                if any(vllm_expert_view(t.name) for t in self.layout.tensors):
+                    self.engine.finish_fused_experts()
+                self.engine.mark_weights_updated()
+        self.syncs_done += 1
+        stats.seconds = time.perf_counter() - start
+        return stats
