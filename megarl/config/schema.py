@@ -378,7 +378,10 @@ class TrainerConfig:
     # batch is generated (by a separate rollout pool, resources.rollout_pool) while this one trains,
     # so every batch is one weight version old (with algorithm.rollout_correction to weight it);
     # the pipeline is drained before each checkpoint, so a resume continues the same run.
+    # bounded_staleness: as one_step_off, but the weights go to the rollout pool only when a row
+    # would otherwise be more than max_staleness versions older than the weights it trains with.
     async_mode: str = "sync"
+    max_staleness: int = 1  # bounded_staleness: the bound, >= 1
     log_freq: int = 1
     progress_bar: bool = True
 

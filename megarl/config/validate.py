@@ -145,14 +145,15 @@ def ref_enabled(cfg: DictConfig) -> bool:
     return bool(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
 
 
-ASYNC_MODES = ("sync", "one_step_off")
+ASYNC_MODES = ("sync", "one_step_off", "bounded_staleness")
 
 
 def _check_async(r: Any, cfg: Any, world: int) -> None:
     """trainer.async_mode and resources.rollout_pool: what the separate placement supports."""
     mode, pool = cfg.trainer.async_mode, cfg.resources.rollout_pool
     if mode not in ASYNC_MODES:
-        extra = (" (fully asynchronous training with a staleness bound and partial rollouts is not built)"
+        extra = (" (a fully asynchronous producer/consumer with partial rollouts is not built; "
+                 "bounded_staleness bounds the staleness of pipelined generation)"
                  if mode in ("fully_async", "async") else "")
         r.err(f"trainer.async_mode = {mode!r}: valid: {', '.join(ASYNC_MODES)}{extra}")
     if pool is not None:
@@ -163,17 +164,23 @@ def _check_async(r: Any, cfg: Any, world: int) -> None:
         if cfg.rollout.free_cache_engine:
             r.err("rollout.free_cache_engine: true with resources.rollout_pool: a rollout pool of its own keeps its "
                   "memory between steps (nothing trains in its processes); set it to false")
-    if mode == "one_step_off":
+    if cfg.trainer.max_staleness < 1:
+        r.err(f"trainer.max_staleness = {cfg.trainer.max_staleness}: must be >= 1 (a row generated during the "
+              "previous step is already one version old)")
+    elif cfg.trainer.max_staleness != 1 and mode != "bounded_staleness":
+        r.err(f"trainer.max_staleness = {cfg.trainer.max_staleness} is used only by trainer.async_mode "
+              f"bounded_staleness (async_mode is {mode!r}); remove it or set that mode")
+    if mode in ("one_step_off", "bounded_staleness"):
         if pool is None:
-            r.err("trainer.async_mode = 'one_step_off' needs resources.rollout_pool: generation can overlap the "
+            r.err(f"trainer.async_mode = {mode!r} needs resources.rollout_pool: generation can overlap the "
                   "update only in processes of its own (with the rollout in the actor's processes it waits anyway)")
         if cfg.algorithm.filter_groups.enable:
-            r.err("trainer.async_mode = 'one_step_off' with algorithm.filter_groups.enable: DAPO's dynamic sampling "
+            r.err(f"trainer.async_mode = {mode!r} with algorithm.filter_groups.enable: DAPO's dynamic sampling "
                   "generates a varying number of batches per step; use async_mode sync")
         if not cfg.rollout.calculate_log_probs:
-            r.err("trainer.async_mode = 'one_step_off' needs rollout.calculate_log_probs: true: every batch is one "
-                  "weight version old, and its rollout log-probs are what the off-policy correction and the "
-                  "staleness metrics compare against")
+            r.err(f"trainer.async_mode = {mode!r} needs rollout.calculate_log_probs: true: the rows are generated "
+                  "with older weights, and their rollout log-probs are what the off-policy correction and the "
+                  "mismatch metrics compare against")
 
 
 def _check_layout(r: _Rules, role: str, par: Any, world: int, pool_key: str, hf: Optional[dict]) -> int:

@@ -97,6 +97,65 @@ def _bucket_numel(bucket_bytes: int, dtype: torch.dtype) -> int:
     return max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
 
 
+def send_shard(bridge: dist.ProcessGroup, peer: int, tensors: Sequence[torch.Tensor], layout: ShardLayout,
+               bucket_bytes: int, verify: bool) -> int:
+    """Send `tensors` (in `layout`'s order and shapes) to bridge rank `peer` in buckets of at most
+    `bucket_bytes`, each followed by its fingerprint when `verify`; returns the bytes sent."""
+    flat_tensors = [t.reshape(-1) for t in tensors]
+    numel = _bucket_numel(bucket_bytes, layout.dtype)
+    buffer = torch.empty(max(1, min(numel, sum(t.numel for t in layout.tensors))), dtype=layout.dtype)
+    sent = 0
+    for bucket in _segments(layout.tensors, numel):
+        n = sum(length for _, _, length in bucket)
+        flat, offset = buffer[:n], 0
+        for i, lo, length in bucket:
+            flat[offset:offset + length].copy_(flat_tensors[i][lo:lo + length])
+            offset += length
+        bridge.send([flat], peer, _TAG_DATA).wait()
+        if verify:
+            bridge.send([fingerprint(flat).reshape(1)], peer, _TAG_FINGERPRINT).wait()
+        sent += n * flat.element_size()
+    return sent
+
+
+def receive_shard(bridge: dist.ProcessGroup, peer: int, targets: Sequence[torch.Tensor], layout: ShardLayout,
+                  bucket_bytes: int, verify: bool, rank: int) -> ExecStats:
+    """Receive what `send_shard` sends into `targets` (views allowed); with `verify`, every bucket's
+    fingerprint is compared, and after the last one a `WeightSyncError` names the tensors (element
+    ranges) of the first bucket that arrived changed, the sending and the receiving rank."""
+    stats = ExecStats(rank=rank, minimum_bytes=layout.nbytes)
+    numel = _bucket_numel(bucket_bytes, layout.dtype)
+    buffer = torch.empty(max(1, min(numel, sum(t.numel for t in layout.tensors))), dtype=layout.dtype)
+    expected = torch.zeros(1, dtype=torch.int64)
+    bad: list[str] = []
+    for bucket in _segments(layout.tensors, numel):
+        n = sum(length for _, _, length in bucket)
+        flat = buffer[:n]
+        bridge.recv([flat], peer, _TAG_DATA).wait()
+        if verify:
+            bridge.recv([expected], peer, _TAG_FINGERPRINT).wait()
+            if int(fingerprint(flat)) != int(expected[0]):
+                bad.append(", ".join(f"{layout.tensors[i].name}[{lo}:{lo + length}]" for i, lo, length in bucket))
+        offset = 0
+        for i, lo, length in bucket:
+            target = targets[i]
+            if target.is_contiguous():
+                target.view(-1)[lo:lo + length].copy_(flat[offset:offset + length])
+            else:  # e.g. one expert of a fused parameter: through a flat copy
+                whole = target.reshape(-1).clone()
+                whole[lo:lo + length].copy_(flat[offset:offset + length])
+                target.copy_(whole.view(target.shape))
+            offset += length
+        stats.bytes_received += n * flat.element_size()
+        stats.buckets_received += 1
+        stats.pieces_verified += len(bucket) if verify else 0
+    if bad:
+        raise WeightSyncError(
+            f"weight sync over the rollout bridge: {len(bad)} bucket(s) from training rank {peer} arrived changed "
+            f"at rollout rank {rank}; tensors (element ranges) of the first: {bad[0]}")
+    return stats
+
+
 class BridgeSender:
     """Training rank r's side: reshard into rollout rank r's shard, then send it over the bridge.
 
@@ -140,22 +199,10 @@ class BridgeSender:
         verify = self.verify_every > 0 and self.syncs_done % self.verify_every == 0
         shards = training_shards(self.engine.get_named_weights(), self.engine.spec, self.pp_rank, self.pp_size)
         staged, within = execute_plan(self.plan, shards, verify=verify)
-        tensors = [staged[t.name].reshape(-1) for t in self.layout.tensors]
-        peer = self.bridge.size() // 2 + self.rank
-        numel = _bucket_numel(self.bucket_bytes, self.layout.dtype)
-        buffer = torch.empty(max(1, min(numel, sum(t.numel for t in self.layout.tensors))), dtype=self.layout.dtype)
-        sent = 0
-        for bucket in _segments(self.layout.tensors, numel):
-            n = sum(length for _, _, length in bucket)
-            flat, offset = buffer[:n], 0
-            for i, lo, length in bucket:
-                flat[offset:offset + length].copy_(tensors[i][lo:lo + length])
-                offset += length
-            self.bridge.send([flat], peer, _TAG_DATA).wait()
-            if verify:
-                self.bridge.send([fingerprint(flat).reshape(1)], peer, _TAG_FINGERPRINT).wait()
-            sent += n * flat.element_size()
-        del staged, tensors, buffer
+        tensors = [staged[t.name] for t in self.layout.tensors]
+        sent = send_shard(self.bridge, self.bridge.size() // 2 + self.rank, tensors, self.layout, self.bucket_bytes,
+                          verify)
+        del staged, tensors
         self.syncs_done += 1
         return {"sync/bytes_sent": float(sent), "sync/bytes_within_training": float(within.bytes_received),
                 "sync/send_s": time.perf_counter() - start}
@@ -190,41 +237,10 @@ class BridgeReceiver:
         start = time.perf_counter()
         verify = self.verify_every > 0 and self.syncs_done % self.verify_every == 0
         peer = self.bridge.rank() - self.bridge.size() // 2
-        stats = ExecStats(rank=self.rank, minimum_bytes=self.layout.nbytes)
         with torch.no_grad():
             targets = self._targets()
-            flat_targets = [targets[t.name] for t in self.layout.tensors]
-            numel = _bucket_numel(self.bucket_bytes, self.layout.dtype)
-            buffer = torch.empty(max(1, min(numel, sum(t.numel for t in self.layout.tensors))), dtype=self.layout.dtype)
-            expected = torch.zeros(1, dtype=torch.int64)
-            bad: list[str] = []
-            for bucket in _segments(self.layout.tensors, numel):
-                n = sum(length for _, _, length in bucket)
-                flat = buffer[:n]
-                self.bridge.recv([flat], peer, _TAG_DATA).wait()
-                if verify:
-                    self.bridge.recv([expected], peer, _TAG_FINGERPRINT).wait()
-                    if int(fingerprint(flat)) != int(expected[0]):
-                        bad.append(", ".join(f"{self.layout.tensors[i].name}[{lo}:{lo + length}]"
-                                             for i, lo, length in bucket))
-                offset = 0
-                for i, lo, length in bucket:
-                    target = flat_targets[i]
-                    view = target.view(-1) if target.is_contiguous() else None
-                    if view is None:  # e.g. one expert of a fused parameter: copy through a flat copy
-                        whole = target.reshape(-1).clone()
-                        whole[lo:lo + length].copy_(flat[offset:offset + length])
-                        target.copy_(whole.view(target.shape))
-                    else:
-                        view[lo:lo + length].copy_(flat[offset:offset + length])
-                    offset += length
-                stats.bytes_received += n * flat.element_size()
-                stats.buckets_received += 1
-                stats.pieces_verified += len(bucket) if verify else 0
-            if bad:
-                raise WeightSyncError(
-                    f"weight sync over the rollout bridge: {len(bad)} bucket(s) from training rank {peer} arrived "
-                    f"changed at rollout rank {self.rank}; tensors (element ranges) of the first: {bad[0]}")
+            stats = receive_shard(self.bridge, peer, [targets[t.name] for t in self.layout.tensors], self.layout,
+                                  self.bucket_bytes, verify, self.rank)
             if self.layout.engine_layout == "hf":
                 self.engine.update_weights(targets.items())
             else:

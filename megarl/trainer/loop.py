@@ -92,10 +92,16 @@ class RLTrainer:
         self.weights_version = 0  # bumped by every actor update; the rollout syncs when behind
         self.rollout_version = -1
         self.sync_metrics: dict[str, float] = {}  # bytes moved by the last weight sync, all ranks
-        # trainer.async_mode one_step_off: the next step's generation, launched during this step, as
-        # (step, call handle, weight version it generates with); None when nothing is in flight.
-        self.one_step_off = self.cfg.trainer.async_mode == "one_step_off"
+        # trainer.async_mode one_step_off / bounded_staleness: the next step's generation, launched
+        # during this step, as (step, call handle, weight version it generates with); None when
+        # nothing is in flight. A row may be at most `max_staleness` versions older than the weights
+        # it is trained from: one_step_off syncs before every launch (1), bounded_staleness only
+        # when the bound requires it (trainer.max_staleness).
+        mode = self.cfg.trainer.async_mode
+        self.pipelined = mode != "sync"
+        self.max_staleness = int(self.cfg.trainer.max_staleness) if mode == "bounded_staleness" else 1
         self.prefetch: Optional[tuple[int, Any, int]] = None
+        self.synced_in_step = False
         self.memory_trace: list[tuple[str, str, str]] = []  # (phase, role, transition) of this step
         self.memory_metrics: dict[str, float] = {}  # memory/<phase>/<stat> of this step
         self.current_phase = "setup"
@@ -182,6 +188,8 @@ class RLTrainer:
             batch, gen_metrics = self.collect_scored_batch(step, score=not self.score_beside_pass)
             metrics.update(gen_metrics)
             metrics.update(self.staleness_metrics(batch))
+            metrics["sync/synced"] = float(self.synced_in_step)  # a weight sync ran while this step generated
+            self.synced_in_step = False
             metrics.update(agent_metrics(batch))  # multi-turn rollouts: turns, tool calls, errors, latency
             self.rollout_sleep()  # training needs the memory: the KV cache (and weights) go
             # Rows reordered so each actor DP rank gets about the same tokens (trainer.balance_batch);
@@ -322,6 +330,7 @@ class RLTrainer:
         the actor's processes (hybrid engine), or over the bridge to a rollout pool of its own."""
         if self.rollout_version == self.weights_version:
             return
+        self.synced_in_step = True
         rollout = self.workers.rollout
         with self.phase("sync_weights"), self.onloaded(self.workers.actor, self.spec.actor, params_only=True):
             if self.workers.separate_rollout:
@@ -358,9 +367,11 @@ class RLTrainer:
         return out
 
     def rollout_batch(self, step: int, attempt: int) -> Batch:
-        """The generations step `step` trains on: launched during the previous step (one_step_off)
-        or generated now. In one_step_off mode the next step's generation is then launched, with the
-        weights of before this step's update, so that it runs while this step trains."""
+        """The generations step `step` trains on: launched during the previous step (pipelined
+        modes) or generated now. In the pipelined modes the next step's generation is then launched,
+        with weights from before this step's update, so that it runs while this step trains: the
+        latest (one_step_off), or those the rollout has while they are within `max_staleness`
+        versions of the weights that will train on the rows (bounded_staleness)."""
         if self.prefetch is not None:
             launched_for, handle, version = self.prefetch
             if launched_for != step or attempt != 0:
@@ -371,8 +382,11 @@ class RLTrainer:
             out["rollout_weights_version"] = torch.full((len(out),), version, dtype=torch.int64)
         else:
             out = self.generate(self.run.train_loader.next_batch(), self.sampling(step * 1000 + attempt))
-        if self.one_step_off and self.may_prefetch(step):
-            self.sync_rollout()
+        if self.pipelined and self.may_prefetch(step):
+            # The next step trains with the weights after this step's update (if the actor updates).
+            trained_with = self.weights_version + int(step > self.cfg.trainer.critic_warmup)
+            if trained_with - self.rollout_version > self.max_staleness:
+                self.sync_rollout()
             prompts = self.run.train_loader.next_batch()
             handle = self.workers.rollout.call_dp_async(RolloutRole.generate, prompts, self.sampling((step + 1) * 1000),
                                                         dispatch_coords=self.workers.rollout_coords)
@@ -509,7 +523,7 @@ class RLTrainer:
             return {}
         metrics = rollout_mismatch_metrics(trainer_log_probs, batch["rollout_log_probs"], batch["response_mask"],
                                            self.spec.actor.loss.rollout_correction)
-        # A batch generated with older weights (one_step_off) differs by the updates since: the gap
+        # A batch generated with older weights (pipelined modes) differs by the updates since: the gap
         # check of the weight sync applies to batches generated with the weights being trained.
         fresh = "rollout_weights_version" not in batch or bool(
             (batch["rollout_weights_version"] == self.weights_version).all())
@@ -519,7 +533,8 @@ class RLTrainer:
 
     def staleness_metrics(self, batch: Batch) -> dict[str, float]:
         """How many weight versions behind the weights being trained each row was generated:
-        `async/staleness_{mean,max,min}` (0 in synchronous mode, 1 after one_step_off's first step)."""
+        `async/staleness_{mean,max,min}` (0 in synchronous mode, 1 after one_step_off's first step,
+        at most trainer.max_staleness with bounded_staleness)."""
         if "rollout_weights_version" not in batch:
             return {}
         staleness = (self.weights_version - batch["rollout_weights_version"]).float()

@@ -76,6 +76,27 @@ def test_one_step_off_trains_each_row_one_version_old(tmp_path: Path, task_dir: 
         assert m["sync/bytes_within_training"] > 0 and m["sync/pieces_verified"] > 0, step
 
 
+def test_bounded_staleness_syncs_only_when_a_row_would_be_too_old(tmp_path: Path, task_dir: Path) -> None:  # noqa: F811
+    dumps = tmp_path / "rollouts"
+    config = write_config(tmp_path, task_dir, **{**ASYNC, "trainer": {"async_mode": "bounded_staleness",
+                                                                     "max_staleness": 2}})
+    proc = run_train(config, "trainer.total_training_steps=6", "trainer.save_freq=4",
+                     f"trainer.rollout_data_dir={dumps}")
+    assert proc.returncode == 0
+    metrics = read_metrics(tmp_path / "run")
+    # Worked by hand: step 1 generates fresh (v0); steps 2 and 3 were generated during steps 1 and 2
+    # still with v0 (trained with v1, v2: 1 and 2 versions old); launching step 4's generation
+    # during step 3 would give 3 > 2, so v2 is synced first; the checkpoint at step 4 drains the
+    # pipeline, so step 5 generates fresh with v4, and step 6 (launched during step 5) with v4.
+    versions = {1: 0, 2: 0, 3: 0, 4: 2, 5: 4, 6: 4}
+    synced = {1: 1.0, 2: 0.0, 3: 1.0, 4: 0.0, 5: 1.0, 6: 0.0}
+    for step, version in versions.items():
+        rows = [json.loads(line) for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
+        assert {row["rollout_weights_version"] for row in rows} == {version}, step
+        assert step - 1 - version <= 2 and metrics[step]["async/staleness_max"] == step - 1 - version, step
+        assert metrics[step]["sync/synced"] == synced[step], step
+
+
 def test_killed_one_step_off_run_resumes_with_the_same_metrics(tmp_path: Path, task_dir: Path) -> None:  # noqa: F811
     common = ("trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.max_ckpt_to_keep=3")
     straight = tmp_path / "straight"

@@ -58,7 +58,7 @@ def test_one_step_off_without_a_rollout_pool_is_refused(tmp_path: Path) -> None:
 
 def test_unknown_mode_names_the_valid_ones_and_what_is_not_built(tmp_path: Path) -> None:
     message = _errors(_experiment(tmp_path, {"async_mode": "fully_async"}, {}))
-    assert "trainer.async_mode = 'fully_async': valid: sync, one_step_off" in message
+    assert "trainer.async_mode = 'fully_async': valid: sync, one_step_off, bounded_staleness" in message
     assert "not built" in message
 
 
@@ -79,3 +79,13 @@ def test_one_step_off_refuses_dynamic_sampling_and_missing_rollout_log_probs(tmp
                                   {"filter_groups": {"enable": True}}))
     assert "with algorithm.filter_groups.enable" in message
     assert "needs rollout.calculate_log_probs: true" in message
+
+
+def test_max_staleness_is_checked_and_belongs_to_bounded_staleness(tmp_path: Path) -> None:
+    assert "trainer.max_staleness = 0: must be >= 1" in _errors(_experiment(tmp_path, {"max_staleness": 0}, {}))
+    message = _errors(_experiment(tmp_path, {"async_mode": "one_step_off", "max_staleness": 3}, POOL2,
+                                  {"free_cache_engine": False}))
+    assert "trainer.max_staleness = 3 is used only by trainer.async_mode bounded_staleness" in message
+    cfg = load_config(_experiment(tmp_path, {"async_mode": "bounded_staleness", "max_staleness": 3}, POOL2,
+                                  {"free_cache_engine": False}))
+    assert cfg.trainer.max_staleness == 3
