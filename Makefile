@@ -14,10 +14,11 @@ PYTEST_ARGS ?=
 # Tiers that run on a CPU machine without extra environments (vllm has its own: `make test-vllm`).
 TEST_MARKERS ?= not gpu and not vllm
 
-.PHONY: install demo demo-rm demo-tools test test-unit clean help
+.PHONY: install demo demo-async demo-rm demo-tools test test-unit clean help
 
 help:
 	@echo "make demo   - install, then run the quickstart (tiny GRPO on CPU)"
+	@echo "make demo-async - install, then the quickstart one-step-off-policy (rollout in its own process)"
 	@echo "make demo-rm - install, then PPO on CPU with a reward model fitted on the task"
 	@echo "make demo-tools - install, then multi-turn GRPO on CPU with a calculator tool"
 	@echo "make test   - install, then run the test suite (unit, distributed, integration tiers)"
@@ -52,6 +53,18 @@ demo: install
 			rollout.engine=vllm $(DEMO_ARGS); \
 	else \
 		$(BIN)/megarl train configs/quickstart_cpu.yaml $(DEMO_ARGS); \
+	fi
+
+# The quickstart's task, one-step-off-policy (configs/async_cpu.yaml): 1 training process and 1
+# rollout process; the next batch is generated while the trainer updates on this one.
+demo-async: install
+	$(BIN)/megarl data make arithmetic --out $(DEMO_DATA) --tokenizer-out $(DEMO_DATA)/tokenizer \
+		--num-operands 2 --min-value 0 --max-value 4 --operators +
+	if [ -f $(VLLM_STAMP) ]; then \
+		$(VLLM_TEST_ENV) VLLM_LOGGING_LEVEL=ERROR $(VLLM_VENV)/bin/megarl train configs/async_cpu.yaml \
+			rollout.engine=vllm $(DEMO_ARGS); \
+	else \
+		$(BIN)/megarl train configs/async_cpu.yaml $(DEMO_ARGS); \
 	fi
 
 # PPO whose reward comes from a reward model (configs/ppo_rm_cpu.yaml): the task, a small reward

@@ -22,7 +22,7 @@ from __future__ import annotations
 import datetime
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,17 +41,47 @@ _TAG_DATA, _TAG_FINGERPRINT = 0, 1
 
 @dataclass(frozen=True)
 class ShardTensor:
-    """One tensor of a rollout rank's shard: its engine name and shape (the plan's order)."""
+    """One tensor of a rollout rank's shard: its engine name and shape (the plan's order), and the
+    ranges along `axis` that hold weights (`covered`, (offset, length) each; None: all of it); the
+    rest is padding (e.g. vLLM's vocabulary padding), zeroed at the receiver and never sent. A rank
+    past the end of a small vocabulary holds only padding (no range)."""
 
     name: str
     shape: tuple[int, ...]
+    axis: int = 0
+    covered: Optional[tuple[tuple[int, int], ...]] = None
+
+    @classmethod
+    def of(cls, t: Any) -> ShardTensor:
+        """From the plan's `LocalTensor` (its blocks merged into ranges)."""
+        ranges: list[list[int]] = []
+        for lo, n in sorted((b.offset, b.length) for b in t.blocks):
+            if ranges and lo <= ranges[-1][0] + ranges[-1][1]:
+                ranges[-1][1] = max(ranges[-1][1], lo + n - ranges[-1][0])
+            else:
+                ranges.append([lo, n])
+        shape = tuple(t.shape)
+        whole = not shape or [[0, shape[t.axis]]] == ranges
+        return cls(t.name, shape, t.axis, None if whole else tuple((lo, n) for lo, n in ranges))
+
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        if self.covered is None:
+            return ((0, self.shape[self.axis] if self.shape else 1),)
+        return self.covered
+
+    @property
+    def row_numel(self) -> int:
+        """Elements of one index along `axis`."""
+        n = 1
+        for i, d in enumerate(self.shape):
+            if i != self.axis:
+                n *= d
+        return n
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        """Elements sent: the covered ranges only."""
+        return sum(n for _, n in self.ranges()) * self.row_numel
 
 
 @dataclass(frozen=True)
@@ -65,7 +95,26 @@ class ShardLayout:
 
     @property
     def nbytes(self) -> int:
+        """The bytes sent: the minimum, since a rollout rank holds none of the training weights."""
         return sum(t.numel for t in self.tensors) * torch.empty((), dtype=self.dtype).element_size()
+
+    def regions(self) -> list[tuple[int, int, int]]:
+        """(tensor index, offset, length along its axis) of every covered range, in sending order."""
+        return [(i, lo, n) for i, t in enumerate(self.tensors) for lo, n in t.ranges()]
+
+
+def _region(tensor: torch.Tensor, spec: ShardTensor, lo: int, n: int) -> torch.Tensor:
+    return tensor.narrow(spec.axis, lo, n) if tensor.dim() else tensor
+
+
+def _zero_padding(tensor: torch.Tensor, spec: ShardTensor) -> None:
+    if spec.covered is None or not tensor.dim():
+        return
+    start = 0
+    for lo, n in list(spec.covered) + [(spec.shape[spec.axis], 0)]:
+        if lo > start:
+            tensor.narrow(spec.axis, start, lo - start).zero_()
+        start = max(start, lo + n)
 
 
 def open_bridge(host: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0) -> dist.ProcessGroup:
@@ -75,17 +124,18 @@ def open_bridge(host: str, port: int, rank: int, world_size: int, timeout_s: flo
     return dist.ProcessGroupGloo(dist.PrefixStore("megarl-rollout-bridge", store), rank, world_size, timeout)
 
 
-def _segments(tensors: Sequence[ShardTensor], bucket_numel: int) -> Iterator[list[tuple[int, int, int]]]:
-    """Buckets of the tensors' concatenation: per bucket, (tensor index, start, length) in order."""
+def _segments(layout: ShardLayout, bucket_numel: int) -> Iterator[list[tuple[int, int, int]]]:
+    """Buckets of the covered regions' concatenation: per bucket, (region index, start element,
+    elements) in order; a region may be cut anywhere."""
     bucket: list[tuple[int, int, int]] = []
     room = bucket_numel
-    for i, t in enumerate(tensors):
-        start = 0
-        while start < t.numel:
-            n = min(room, t.numel - start)
-            bucket.append((i, start, n))
-            start += n
-            room -= n
+    for r, (i, _, n) in enumerate(layout.regions()):
+        numel, start = n * layout.tensors[i].row_numel, 0
+        while start < numel:
+            take = min(room, numel - start)
+            bucket.append((r, start, take))
+            start += take
+            room -= take
             if room == 0:
                 yield bucket
                 bucket, room = [], bucket_numel
@@ -99,17 +149,18 @@ def _bucket_numel(bucket_bytes: int, dtype: torch.dtype) -> int:
 
 def send_shard(bridge: dist.ProcessGroup, peer: int, tensors: Sequence[torch.Tensor], layout: ShardLayout,
                bucket_bytes: int, verify: bool) -> int:
-    """Send `tensors` (in `layout`'s order and shapes) to bridge rank `peer` in buckets of at most
-    `bucket_bytes`, each followed by its fingerprint when `verify`; returns the bytes sent."""
-    flat_tensors = [t.reshape(-1) for t in tensors]
+    """Send the covered regions of `tensors` (in `layout`'s order and shapes) to bridge rank `peer`
+    in buckets of at most `bucket_bytes`, each followed by its fingerprint when `verify`; returns
+    the bytes sent."""
+    regions = [_region(tensors[i], layout.tensors[i], lo, n).reshape(-1) for i, lo, n in layout.regions()]
     numel = _bucket_numel(bucket_bytes, layout.dtype)
     buffer = torch.empty(max(1, min(numel, sum(t.numel for t in layout.tensors))), dtype=layout.dtype)
     sent = 0
-    for bucket in _segments(layout.tensors, numel):
+    for bucket in _segments(layout, numel):
         n = sum(length for _, _, length in bucket)
         flat, offset = buffer[:n], 0
-        for i, lo, length in bucket:
-            flat[offset:offset + length].copy_(flat_tensors[i][lo:lo + length])
+        for r, lo, length in bucket:
+            flat[offset:offset + length].copy_(regions[r][lo:lo + length])
             offset += length
         bridge.send([flat], peer, _TAG_DATA).wait()
         if verify:
@@ -120,31 +171,36 @@ def send_shard(bridge: dist.ProcessGroup, peer: int, tensors: Sequence[torch.Ten
 
 def receive_shard(bridge: dist.ProcessGroup, peer: int, targets: Sequence[torch.Tensor], layout: ShardLayout,
                   bucket_bytes: int, verify: bool, rank: int) -> ExecStats:
-    """Receive what `send_shard` sends into `targets` (views allowed); with `verify`, every bucket's
-    fingerprint is compared, and after the last one a `WeightSyncError` names the tensors (element
-    ranges) of the first bucket that arrived changed, the sending and the receiving rank."""
+    """Receive what `send_shard` sends into `targets` (views allowed; padding zeroed); with
+    `verify`, every bucket's fingerprint is compared, and after the last one a `WeightSyncError`
+    names the tensors (element ranges) of the first bucket that arrived changed, the sending and
+    the receiving rank."""
     stats = ExecStats(rank=rank, minimum_bytes=layout.nbytes)
+    for target, spec in zip(targets, layout.tensors):
+        _zero_padding(target, spec)
+    where = layout.regions()
+    regions = [_region(targets[i], layout.tensors[i], lo, n) for i, lo, n in where]
     numel = _bucket_numel(bucket_bytes, layout.dtype)
     buffer = torch.empty(max(1, min(numel, sum(t.numel for t in layout.tensors))), dtype=layout.dtype)
     expected = torch.zeros(1, dtype=torch.int64)
     bad: list[str] = []
-    for bucket in _segments(layout.tensors, numel):
+    for bucket in _segments(layout, numel):
         n = sum(length for _, _, length in bucket)
         flat = buffer[:n]
         bridge.recv([flat], peer, _TAG_DATA).wait()
         if verify:
             bridge.recv([expected], peer, _TAG_FINGERPRINT).wait()
-            if int(fingerprint(flat)) != int(expected[0]):
-                bad.append(", ".join(f"{layout.tensors[i].name}[{lo}:{lo + length}]" for i, lo, length in bucket))
+            if int(fingerprint(flat).reshape(())) != int(expected[0]):
+                bad.append(", ".join(_describe(layout, where[r], lo, length) for r, lo, length in bucket))
         offset = 0
-        for i, lo, length in bucket:
-            target = targets[i]
-            if target.is_contiguous():
-                target.view(-1)[lo:lo + length].copy_(flat[offset:offset + length])
-            else:  # e.g. one expert of a fused parameter: through a flat copy
-                whole = target.reshape(-1).clone()
+        for r, lo, length in bucket:
+            region = regions[r]
+            if region.is_contiguous():
+                region.view(-1)[lo:lo + length].copy_(flat[offset:offset + length])
+            else:  # e.g. one expert of a fused parameter, or a range along a later axis
+                whole = region.reshape(-1).clone()
                 whole[lo:lo + length].copy_(flat[offset:offset + length])
-                target.copy_(whole.view(target.shape))
+                region.copy_(whole.view(region.shape))
             offset += length
         stats.bytes_received += n * flat.element_size()
         stats.buckets_received += 1
@@ -155,6 +211,14 @@ def receive_shard(bridge: dist.ProcessGroup, peer: int, targets: Sequence[torch.
             f"at rollout rank {rank}; tensors (element ranges) of the first: {bad[0]}")
     return stats
 
+
+def _describe(layout: ShardLayout, region: tuple[int, int, int], lo: int, length: int) -> str:
+    """`name[a:b]` in the tensor's flat elements, or with the axis range for a padded tensor."""
+    i, offset, n = region
+    t = layout.tensors[i]
+    if t.covered is None:
+        return f"{t.name}[{lo}:{lo + length}]"
+    return f"{t.name}[{t.axis}: {offset}:{offset + n}][{lo}:{lo + length}]"
 
 class BridgeSender:
     """Training rank r's side: reshard into rollout rank r's shard, then send it over the bridge.
@@ -183,8 +247,8 @@ class BridgeSender:
                               self.engine_layout, dtype, bucket_bytes)
         self.rank = dist.get_rank()
         self.plan = planner.plan(self.rank)
-        self.layout = ShardLayout(tuple(ShardTensor(t.name, tuple(t.shape)) for t in self.plan.engine_tensors[self.rank]),
-                                  dtype, self.engine_layout)
+        self.layout = ShardLayout(tuple(ShardTensor.of(t) for t in self.plan.engine_tensors[self.rank]), dtype,
+                                  self.engine_layout)
         self.bridge: dist.ProcessGroup | None = None
 
     def connect(self, host: str, port: int, world_size: int) -> None:

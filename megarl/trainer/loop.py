@@ -67,7 +67,7 @@ from megarl.tracking.memory import phase_metrics as memory_phase_metrics
 from megarl.tracking.memory import step_metrics as memory_step_metrics
 from megarl.tracking.metrics import compute_data_metrics, compute_throughput, compute_timing_metrics, count_tokens
 from megarl.workers.losses import OLD_LOG_PROB_SOURCES
-from megarl.workers.roles import ActorRole, CriticRole, EngineRole, RefRole, RewardModelRole, RolloutRole
+from megarl.workers.roles import ROLLOUT_BUSY, ActorRole, CriticRole, EngineRole, RefRole, RewardModelRole, RolloutRole
 from megarl.workers.specs import EngineRoleSpec
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,7 @@ class RLTrainer:
         self.max_staleness = int(self.cfg.trainer.max_staleness) if mode == "bounded_staleness" else 1
         self.prefetch: Optional[tuple[int, Any, int]] = None
         self.synced_in_step = False
+        self.rollout_busy_s = 0.0  # how long the slowest rollout rank generated the last batch
         self.memory_trace: list[tuple[str, str, str]] = []  # (phase, role, transition) of this step
         self.memory_metrics: dict[str, float] = {}  # memory/<phase>/<stat> of this step
         self.current_phase = "setup"
@@ -189,6 +190,9 @@ class RLTrainer:
             metrics.update(gen_metrics)
             metrics.update(self.staleness_metrics(batch))
             metrics["sync/synced"] = float(self.synced_in_step)  # a weight sync ran while this step generated
+            # The rollout pool's own time on this step's rows (in the pipelined modes it overlaps the
+            # previous step; timing_s/gen is then only the wait for it).
+            metrics["timing_s/rollout_busy"] = self.rollout_busy_s
             self.synced_in_step = False
             metrics.update(agent_metrics(batch))  # multi-turn rollouts: turns, tool calls, errors, latency
             self.rollout_sleep()  # training needs the memory: the KV cache (and weights) go
@@ -364,6 +368,13 @@ class RLTrainer:
         with self.phase("gen"):
             out = rollout.call_dp(RolloutRole.generate, prompts, sampling, dispatch_coords=self.workers.rollout_coords)
         out["rollout_weights_version"] = torch.full((len(out),), self.rollout_version, dtype=torch.int64)
+        return self.take_busy_time(out)
+
+    def take_busy_time(self, out: Batch) -> Batch:
+        """Keep how long the slowest rollout rank generated `out` (`timing_s/rollout_busy` of the step
+        that trains on it) and drop the column."""
+        if ROLLOUT_BUSY in out:
+            self.rollout_busy_s = float(out.pop(ROLLOUT_BUSY)[ROLLOUT_BUSY].max())
         return out
 
     def rollout_batch(self, step: int, attempt: int) -> Batch:
@@ -380,6 +391,7 @@ class RLTrainer:
                 out = handle.result(self.workers.rollout.group.call_timeout_s)
             self.prefetch = None
             out["rollout_weights_version"] = torch.full((len(out),), version, dtype=torch.int64)
+            out = self.take_busy_time(out)
         else:
             out = self.generate(self.run.train_loader.next_batch(), self.sampling(step * 1000 + attempt))
         if self.pipelined and self.may_prefetch(step):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,6 +43,8 @@ from megarl.workers.losses import make_actor_loss, make_critic_loss
 from megarl.workers.specs import EngineRoleSpec, RolloutSpec
 
 logger = logging.getLogger(__name__)
+
+ROLLOUT_BUSY = "rollout_busy_s"  # column of `RolloutRole.generate`: seconds the rank spent generating
 
 
 def _mean(values: Any) -> float:
@@ -297,6 +300,7 @@ class RolloutRole:
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
         """Responses to this rank's prompts: one engine call, or with `spec.multi_turn` the agent
         loop (turns and tool calls; the rollout TP group's first rank drives it and runs the tools)."""
+        start = time.perf_counter()
         if self.spec.multi_turn is None:
             out = self.engine.generate(prompts, sampling)
         else:
@@ -304,6 +308,8 @@ class RolloutRole:
                                       share=self._share_in_rollout_group)
         if not self.spec.calculate_log_probs and "rollout_log_probs" in out:
             out.pop("rollout_log_probs")
+        # How long this rank generated, on every row (the driver takes it off: timing_s/rollout_busy).
+        out[ROLLOUT_BUSY] = torch.full((len(out),), time.perf_counter() - start, dtype=torch.float64)
         return out
 
     def _agent_loop(self) -> AgentLoop:

@@ -72,3 +72,33 @@ def test_a_changed_bucket_is_named() -> None:
     assert message == ("weight sync over the rollout bridge: 1 bucket(s) from training rank 0 arrived changed at "
                        "rollout rank 0; tensors (element ranges) of the first: model.embed_tokens.weight[32:35], "
                        "model.norm.weight[0:5], lm_head.weight[0:8]")
+
+
+PADDED = ShardLayout((ShardTensor("lm_head.weight", (8, 3), axis=0, covered=((0, 5),)),
+                      ShardTensor("model.norm.weight", (3,))), torch.float32, "vllm")
+
+
+def _exchange_padded(rank: int, world: int, port: int) -> Any:
+    bridge = open_bridge("127.0.0.1", port, rank, world, timeout_s=60)
+    full = [torch.arange(24.0).view(8, 3), torch.ones(3)]
+    if rank == 0:
+        return send_shard(bridge, 1, full, PADDED, 4 * 4, verify=True)
+    targets = [torch.full((8, 3), 7.0), torch.zeros(3)]
+    stats = receive_shard(bridge, 0, targets, PADDED, 4 * 4, verify=True, rank=0)
+    return stats.bytes_received, stats.minimum_bytes, targets
+
+
+def test_padding_rows_are_zeroed_and_never_sent() -> None:
+    sent, (received, minimum, (head, norm)) = run_distributed(_exchange_padded, 2)
+    assert sent == received == minimum == (5 * 3 + 3) * 4  # rows 5..7 of lm_head are vocabulary padding
+    assert torch.equal(head[:5], torch.arange(15.0).view(5, 3)) and torch.equal(head[5:], torch.zeros(3, 3))
+    assert torch.equal(norm, torch.ones(3))
+
+
+def test_a_tensor_of_padding_only_sends_nothing() -> None:
+    # Rollout rank 1 of a 17-token vocabulary padded to 64 at TP=2: rows 32..63, all padding.
+    layout = ShardLayout((ShardTensor("lm_head.weight", (32, 3), axis=0, covered=()),), torch.float32, "vllm")
+    assert layout.nbytes == 0 and layout.regions() == []
+    target = torch.full((32, 3), 7.0)
+    stats = receive_shard(None, 0, [target], layout, 16, verify=True, rank=1)  # nothing to receive: no group
+    assert stats.bytes_received == stats.minimum_bytes == 0 and torch.equal(target, torch.zeros(32, 3))

@@ -1,0 +1,78 @@
+"""One-step-off-policy `megarl train` with vLLM engines in a pool of their own: the actor trains at
+TP=2 on 2 processes, the rollout runs vLLM at TP=2 on 2 other processes, and every sync over the
+bridge writes each rollout rank's vLLM shard straight into its engine's parameters.
+
+Checks every sync moved exactly the minimum (each rollout rank: its vLLM tensor-parallel shard,
+derived here from the checkpoint), that the first step's rows (generated fresh) have vLLM's
+log-probs equal to the trainer's to fp32 accuracy, and that the later rows were one version old.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from test_vllm_train_e2e import LOGPROB_GAP_MAX, QUICKSTART, task_dir  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.vllm  # skipped by tests/conftest.py where vLLM is not installed
+
+STEPS = 3
+
+
+def rollout_tp2_bytes(checkpoint: Path) -> int:
+    """Bytes both vLLM TP=2 ranks hold together: every tensor split once, the norm weights (1-D)
+    replicated on both."""
+    total = 0
+    with safe_open(str(checkpoint), framework="pt") as f:
+        for name in f.keys():
+            tensor = f.get_tensor(name)
+            copies = 2 if name.endswith("norm.weight") else 1
+            total += copies * tensor.numel() * tensor.element_size()
+    return total
+
+
+def test_one_step_off_with_vllm_tp2_in_its_own_pool(tmp_path: Path, task_dir: Path) -> None:  # noqa: F811
+    run_dir = tmp_path / "run"
+    overrides = [
+        "rollout.engine=vllm",
+        "rollout.tensor_model_parallel_size=2",
+        "rollout.free_cache_engine=false",
+        "trainer.async_mode=one_step_off",
+        "resources.rollout_pool.nnodes=1",
+        "resources.rollout_pool.devices_per_node=2",
+        f"data.train_files=[{task_dir / 'train.parquet'}]",
+        "data.val_files=[]",
+        f"data.tokenizer={task_dir / 'tokenizer'}",
+        f"trainer.total_training_steps={STEPS}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.progress_bar=false",
+        f"trainer.default_local_dir={run_dir}",
+        "tracking.backends=[jsonl,console]",
+        "tracking.report_plots=false",
+    ]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_LOGGING_LEVEL="ERROR")
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli", "train", str(QUICKSTART), *overrides],
+                          capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "rollout engine: vllm (rollout.engine=vllm)" in proc.stdout, proc.stdout[-3000:]
+
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    metrics = {row["step"]: row["metrics"] for row in map(json.loads, lines)}
+    assert sorted(metrics) == list(range(1, STEPS + 1))
+    expected = rollout_tp2_bytes(run_dir / "initial_model" / "model.safetensors")
+    for step, m in metrics.items():
+        assert m["sync/bytes_minimum"] == expected, (step, m["sync/bytes_minimum"], expected)
+        assert m["sync/bytes_received"] == expected and m["sync/bytes_excess_max"] == 0, step
+        assert m["async/staleness_max"] == (0 if step == 1 else 1), step
+    # Step 1 trains on rows generated with the weights it trains: the engine has exactly them.
+    assert 0.0 <= metrics[1]["training/rollout_logprob_abs_diff_max"] < LOGPROB_GAP_MAX
+    # Later rows are one update old: the gap shows that update (the first Adam step moves ~1e-2).
+    assert metrics[2]["training/rollout_logprob_abs_diff_max"] > 10 * LOGPROB_GAP_MAX
