@@ -103,6 +103,7 @@ class RLTrainer:
         self.prefetch: Optional[tuple[int, Any, int]] = None
         self.synced_in_step = False
         self.rollout_busy_s = 0.0  # how long the slowest rollout rank generated the last batch
+        self.step_version = 0  # weights_version at the start of the running step
         self.memory_trace: list[tuple[str, str, str]] = []  # (phase, role, transition) of this step
         self.memory_metrics: dict[str, float] = {}  # memory/<phase>/<stat> of this step
         self.current_phase = "setup"
@@ -183,6 +184,7 @@ class RLTrainer:
         cfg, alg = self.cfg, self.cfg.algorithm
         actor, ref, critic = self.workers.actor, self.workers.ref, self.workers.critic
         metrics: dict[str, Any] = {"training/global_step": step, "training/epoch": self.run.train_loader.epoch}
+        self.step_version = self.weights_version  # the weights this step's batch is trained from
         with self.timer("step"):
             # 1-3. prompts -> responses -> scores (DAPO: until enough groups carry a signal); with
             #      `score_beside_pass` the scores come with the first pass of step 4
@@ -538,7 +540,7 @@ class RLTrainer:
         # A batch generated with older weights (pipelined modes) differs by the updates since: the gap
         # check of the weight sync applies to batches generated with the weights being trained.
         fresh = "rollout_weights_version" not in batch or bool(
-            (batch["rollout_weights_version"] == self.weights_version).all())
+            (batch["rollout_weights_version"] == self.step_version).all())
         if "training/rollout_logprob_abs_diff_mean" in metrics and fresh:
             check_logprob_gap(step, metrics["training/rollout_logprob_abs_diff_mean"], self.spec.max_logprob_gap)
         return metrics
@@ -549,7 +551,7 @@ class RLTrainer:
         at most trainer.max_staleness with bounded_staleness)."""
         if "rollout_weights_version" not in batch:
             return {}
-        staleness = (self.weights_version - batch["rollout_weights_version"]).float()
+        staleness = (self.step_version - batch["rollout_weights_version"]).float()
         return {"async/staleness_mean": float(staleness.mean()), "async/staleness_max": float(staleness.max()),
                 "async/staleness_min": float(staleness.min())}
 

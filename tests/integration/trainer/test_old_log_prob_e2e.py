@@ -45,10 +45,13 @@ def test_shortcut_skips_the_pass_and_trains_like_recompute(tmp_path: Path, task_
     assert one[GAP] == pytest.approx(two[GAP], abs=1e-6)
 
 
-def test_gap_threshold_stops_a_run_sampling_at_another_precision(tmp_path: Path, task_dir: Path) -> None:
+@pytest.mark.parametrize("source", ["recompute", "update"])
+def test_gap_threshold_stops_a_run_sampling_at_another_precision(tmp_path: Path, task_dir: Path, source: str) -> None:
     """A bf16 rollout engine of the fp32 trainer's weights: its log-probs differ by ~1e-3 nats, far
-    above a threshold of 1e-5, and the run stops at step 1 naming the gap, the key and the causes."""
-    proc = run_train(write_config(tmp_path, task_dir), "rollout.dtype=bf16", "rollout.max_logprob_gap=1e-5")
+    above a threshold of 1e-5, and the run stops at step 1 naming the gap, the key and the causes;
+    also when the old log-probs come from the update (the check then runs after it)."""
+    proc = run_train(write_config(tmp_path, task_dir), "rollout.dtype=bf16", "rollout.max_logprob_gap=1e-5",
+                     f"actor.old_log_prob_source={source}")
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert "step 1: the mean |rollout log-prob - trainer log-prob|" in out, out[-3000:]
