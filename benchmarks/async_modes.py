@@ -8,7 +8,7 @@ in turn within each round so that a busy machine slows them alike. Per mode, fro
 - time to a reward level: the run's cumulative step time when the mean training score over the
   last `--window` steps first reaches `--level`;
 - idle shares: the training pool idles while it waits for generation (`timing_s/gen`); the rollout
-  pool is busy generating (`timing_s/rollout_busy`, its own measure) and in the weight sync
+  pool is busy generating (`async/rollout_busy_s`, its own measure) and in the weight sync
   (`timing_s/sync_weights`), idle the rest of the step;
 - staleness of the trained rows (`async/staleness_mean`) and the rollout/trainer mismatch
   (`rollout_corr/kl_k3`).
@@ -75,12 +75,12 @@ def summarise_run(rows: list[dict[str, Any]], level: float, window: int) -> dict
         return sum(m.get(key, 0.0) for m in timed)
 
     response_tokens = sum(m["response_length/mean"] * PROMPTS * N for m in timed)
-    rollout_busy = total_of("timing_s/rollout_busy") + total_of("timing_s/sync_weights")
+    rollout_busy = total_of("async/rollout_busy_s") + total_of("timing_s/sync_weights")
     return {
         "step_s_mean": round(total / len(timed), 4),
         "generated_tokens_per_s": round(response_tokens / total, 1),
         "gen_wait_s_mean": round(total_of("timing_s/gen") / len(timed), 4),
-        "rollout_busy_s_mean": round(total_of("timing_s/rollout_busy") / len(timed), 4),
+        "rollout_busy_s_mean": round(total_of("async/rollout_busy_s") / len(timed), 4),
         "update_actor_s_mean": round(total_of("timing_s/update_actor") / len(timed), 4),
         "sync_weights_s_mean": round(total_of("timing_s/sync_weights") / len(timed), 4),
         "training_idle_share": round(total_of("timing_s/gen") / total, 3),

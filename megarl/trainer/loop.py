@@ -193,8 +193,9 @@ class RLTrainer:
             metrics.update(self.staleness_metrics(batch))
             metrics["sync/synced"] = float(self.synced_in_step)  # a weight sync ran while this step generated
             # The rollout pool's own time on this step's rows (in the pipelined modes it overlaps the
-            # previous step; timing_s/gen is then only the wait for it).
-            metrics["timing_s/rollout_busy"] = self.rollout_busy_s
+            # previous step; timing_s/gen is then only the wait for it). Not a timing_s/ phase: the
+            # phases add up to the step, and this one may lie outside it.
+            metrics["async/rollout_busy_s"] = self.rollout_busy_s
             self.synced_in_step = False
             metrics.update(agent_metrics(batch))  # multi-turn rollouts: turns, tool calls, errors, latency
             self.rollout_sleep()  # training needs the memory: the KV cache (and weights) go
@@ -373,7 +374,7 @@ class RLTrainer:
         return self.take_busy_time(out)
 
     def take_busy_time(self, out: Batch) -> Batch:
-        """Keep how long the slowest rollout rank generated `out` (`timing_s/rollout_busy` of the step
+        """Keep how long the slowest rollout rank generated `out` (`async/rollout_busy_s` of the step
         that trains on it) and drop the column."""
         if ROLLOUT_BUSY in out:
             self.rollout_busy_s = float(out.pop(ROLLOUT_BUSY)[ROLLOUT_BUSY].max())

@@ -308,7 +308,7 @@ class RolloutRole:
                                       share=self._share_in_rollout_group)
         if not self.spec.calculate_log_probs and "rollout_log_probs" in out:
             out.pop("rollout_log_probs")
-        # How long this rank generated, on every row (the driver takes it off: timing_s/rollout_busy).
+        # How long this rank generated, on every row (the driver takes it off: async/rollout_busy_s).
         out[ROLLOUT_BUSY] = torch.full((len(out),), time.perf_counter() - start, dtype=torch.float64)
         return out
 
