@@ -97,8 +97,10 @@ def test_bounded_staleness_syncs_only_when_a_row_would_be_too_old(tmp_path: Path
         assert metrics[step]["sync/synced"] == synced[step], step
 
 
-def test_killed_one_step_off_run_resumes_with_the_same_metrics(tmp_path: Path, task_dir: Path) -> None:  # noqa: F811
-    common = ("trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.max_ckpt_to_keep=3")
+@pytest.mark.parametrize("mode", ["one_step_off", "bounded_staleness"])
+def test_killed_pipelined_run_resumes_with_the_same_metrics(tmp_path: Path, task_dir: Path, mode: str) -> None:  # noqa: F811
+    common = ("trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.max_ckpt_to_keep=3",
+              f"trainer.async_mode={mode}", *(("trainer.max_staleness=2",) if mode == "bounded_staleness" else ()))
     straight = tmp_path / "straight"
     straight.mkdir()
     assert run_train(write_config(straight, task_dir, **ASYNC), *common).returncode == 0
