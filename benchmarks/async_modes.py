@@ -109,7 +109,10 @@ def main() -> int:
     parser.add_argument("--work-dir", type=Path, default=REPO_ROOT / "outputs" / "bench_async_modes")
     parser.add_argument("--timeout-s", type=float, default=900)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "async_modes.json")
+    parser.add_argument("--quick", action="store_true", help="1 round of 20 steps (a smoke run)")
     args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.steps = 1, 20
     names = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(names) - set(MODES))
     if unknown:

@@ -34,9 +34,9 @@ from report import render_report  # noqa: E402
 from megarl.bench import SECTIONS, add_arguments  # noqa: E402  (the command line is megarl's)
 # Seconds per section: full sizes / --quick.
 TIMEOUTS = {"e2e": (3600, 1200), "phases": (2400, 900), "scaling": (3600, 1800), "components": (3600, 900),
-            "gpu": (2400, 900)}
+            "async_modes": (2400, 900), "gpu": (2400, 900)}
 SCHEMA_VERSION = 1
-USES_WORK_DIR = ("e2e", "phases", "scaling")
+USES_WORK_DIR = ("e2e", "phases", "scaling", "async_modes")
 
 
 def utc_now() -> str:
