@@ -45,27 +45,23 @@ install: $(STAMP)
 # with the vLLM engine where its environment is built (`make vllm-env`; measured at least as fast as
 # the HF engine, benchmarks/results/demo_engines.json), else with the HF engine.
 DEMO_DATA := data/arithmetic
+# $(call train_demo,CONFIG): train CONFIG with the vLLM engine where its environment is built, else HF.
+train_demo = if [ -f $(VLLM_STAMP) ]; then \
+		$(VLLM_TEST_ENV) VLLM_LOGGING_LEVEL=ERROR $(VLLM_VENV)/bin/megarl train $(1) rollout.engine=vllm $(DEMO_ARGS); \
+	else \
+		$(BIN)/megarl train $(1) $(DEMO_ARGS); \
+	fi
 demo: install
 	$(BIN)/megarl data make arithmetic --out $(DEMO_DATA) --tokenizer-out $(DEMO_DATA)/tokenizer \
 		--num-operands 2 --min-value 0 --max-value 4 --operators +
-	if [ -f $(VLLM_STAMP) ]; then \
-		$(VLLM_TEST_ENV) VLLM_LOGGING_LEVEL=ERROR $(VLLM_VENV)/bin/megarl train configs/quickstart_cpu.yaml \
-			rollout.engine=vllm $(DEMO_ARGS); \
-	else \
-		$(BIN)/megarl train configs/quickstart_cpu.yaml $(DEMO_ARGS); \
-	fi
+	$(call train_demo,configs/quickstart_cpu.yaml)
 
 # The quickstart's task, one-step-off-policy (configs/async_cpu.yaml): 1 training process and 1
 # rollout process; the next batch is generated while the trainer updates on this one.
 demo-async: install
 	$(BIN)/megarl data make arithmetic --out $(DEMO_DATA) --tokenizer-out $(DEMO_DATA)/tokenizer \
 		--num-operands 2 --min-value 0 --max-value 4 --operators +
-	if [ -f $(VLLM_STAMP) ]; then \
-		$(VLLM_TEST_ENV) VLLM_LOGGING_LEVEL=ERROR $(VLLM_VENV)/bin/megarl train configs/async_cpu.yaml \
-			rollout.engine=vllm $(DEMO_ARGS); \
-	else \
-		$(BIN)/megarl train configs/async_cpu.yaml $(DEMO_ARGS); \
-	fi
+	$(call train_demo,configs/async_cpu.yaml)
 
 # PPO whose reward comes from a reward model (configs/ppo_rm_cpu.yaml): the task, a small reward
 # model fitted on preference pairs of it (once; remove $(DEMO_DATA)/reward_model to refit), the run.

@@ -18,7 +18,10 @@ def free_port(host: str = "") -> int:
         return int(probe.getsockname()[1])
 
 
-@ray.remote(num_cpus=0, max_retries=0)
-def node_address_and_free_port() -> tuple[str, int]:
-    """(IP of the node this task runs on, a port free there). Scheduled into rank 0's bundle."""
+def address_and_free_port() -> tuple[str, int]:
+    """(IP of the node this process runs on, a port free there)."""
     return ray.util.get_node_ip_address(), free_port()
+
+
+# The same as a task, scheduled by WorkerGroup into rank 0's bundle before any worker exists.
+node_address_and_free_port = ray.remote(num_cpus=0, max_retries=0)(address_and_free_port)

@@ -30,11 +30,9 @@ import torch.distributed as dist
 from megarl.errors import ConfigError
 from megarl.hybrid.executor import ExecStats, execute_plan
 from megarl.hybrid.plan import DEFAULT_BUCKET_BYTES
-from megarl.hybrid.rank_plan import RankPlanner
-from megarl.hybrid.sync import engine_targets, training_shards
+from megarl.hybrid.sync import checked_verify_every, engine_shards, engine_targets, own_plan, verify_due
 from megarl.hybrid.slices import vllm_expert_view
 from megarl.hybrid.verify import WeightSyncError, fingerprint
-from megarl.layout import ParallelLayout
 
 _TAG_DATA, _TAG_FINGERPRINT = 0, 1
 
@@ -220,6 +218,7 @@ def _describe(layout: ShardLayout, region: tuple[int, int, int], lo: int, length
         return f"{t.name}[{lo}:{lo + length}]"
     return f"{t.name}[{t.axis}: {offset}:{offset + n}][{lo}:{lo + length}]"
 
+
 class BridgeSender:
     """Training rank r's side: reshard into rollout rank r's shard, then send it over the bridge.
 
@@ -232,23 +231,14 @@ class BridgeSender:
 
     def __init__(self, train_engine: Any, rollout_tp: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  verify_every: int = 1) -> None:
-        if verify_every < 0:
-            raise ConfigError(f"weight sync: verify_every={verify_every}; valid: 0 (never) or k >= 1 (every k-th sync)")
-        r = train_engine.ranks
         self.engine = train_engine
         self.bucket_bytes = bucket_bytes
-        self.verify_every = verify_every
+        self.verify_every = checked_verify_every(verify_every)
         self.syncs_done = 0
-        self.pp_rank, self.pp_size = r.pp_rank, r.pp_size
-        layout = ParallelLayout(tp=r.tp_size, pp=r.pp_size, dp=r.dp_size, cp=r.cp_size, ep=r.ep_size)
-        dtype = next(iter(train_engine.get_named_weights()))[1].dtype
-        self.engine_layout = "hf" if rollout_tp == 1 else "vllm"
-        planner = RankPlanner(train_engine.spec, layout, ParallelLayout.rollout(rollout_tp, layout.world_size),
-                              self.engine_layout, dtype, bucket_bytes)
         self.rank = dist.get_rank()
-        self.plan = planner.plan(self.rank)
-        self.layout = ShardLayout(tuple(ShardTensor.of(t) for t in self.plan.engine_tensors[self.rank]), dtype,
-                                  self.engine_layout)
+        self.plan = own_plan(train_engine, rollout_tp, bucket_bytes)
+        self.layout = ShardLayout(tuple(ShardTensor.of(t) for t in self.plan.engine_tensors[self.rank]),
+                                  self.plan.dtype, self.plan.engine)
         self.bridge: dist.ProcessGroup | None = None
 
     def connect(self, host: str, port: int, world_size: int) -> None:
@@ -260,9 +250,8 @@ class BridgeSender:
         if self.bridge is None:
             raise ConfigError("weight sync: the rollout bridge is not connected")
         start = time.perf_counter()
-        verify = self.verify_every > 0 and self.syncs_done % self.verify_every == 0
-        shards = training_shards(self.engine.get_named_weights(), self.engine.spec, self.pp_rank, self.pp_size)
-        staged, within = execute_plan(self.plan, shards, verify=verify)
+        verify = verify_due(self.verify_every, self.syncs_done)
+        staged, within = execute_plan(self.plan, engine_shards(self.engine), verify=verify)
         tensors = [staged[t.name] for t in self.layout.tensors]
         sent = send_shard(self.bridge, self.bridge.size() // 2 + self.rank, tensors, self.layout, self.bucket_bytes,
                           verify)
@@ -281,7 +270,7 @@ class BridgeReceiver:
         self.rank = rank
         self.layout = layout
         self.bucket_bytes = bucket_bytes
-        self.verify_every = verify_every
+        self.verify_every = checked_verify_every(verify_every)
         self.syncs_done = 0
         self.bridge: dist.ProcessGroup | None = None
 
@@ -299,7 +288,7 @@ class BridgeReceiver:
         if self.bridge is None:
             raise ConfigError("weight sync: the rollout bridge is not connected")
         start = time.perf_counter()
-        verify = self.verify_every > 0 and self.syncs_done % self.verify_every == 0
+        verify = verify_due(self.verify_every, self.syncs_done)
         peer = self.bridge.rank() - self.bridge.size() // 2
         with torch.no_grad():
             targets = self._targets()

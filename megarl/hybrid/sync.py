@@ -108,6 +108,44 @@ def sync_shards(plan: ReshardPlan, shards: Mapping[str, torch.Tensor], rollout_e
     return stats
 
 
+def checked_verify_every(verify_every: int) -> int:
+    """`rollout.sync_verify_freq`: 0 (never) or k >= 1 (every k-th sync, the first included)."""
+    if verify_every < 0:
+        raise ConfigError(f"weight sync: verify_every={verify_every}; valid: 0 (never) or k >= 1 (every k-th sync)")
+    return verify_every
+
+
+def verify_due(verify_every: int, syncs_done: int) -> bool:
+    """Whether the next sync (after `syncs_done` of them) is verified."""
+    return verify_every > 0 and syncs_done % verify_every == 0
+
+
+def engine_shards(train_engine: Any) -> dict[str, torch.Tensor]:
+    """The training engine's parameters of this rank keyed as the plan names them."""
+    r = train_engine.ranks
+    return training_shards(train_engine.get_named_weights(), train_engine.spec, r.pp_rank, r.pp_size)
+
+
+def own_plan(train_engine: Any, rollout_tp: int, bucket_bytes: int,
+             group: dist.ProcessGroup | None = None) -> ReshardPlan:
+    """This rank's part of the reshard from the training engine's layout (which must span `group`,
+    in Megatron's rank order) to the rollout layout of `rollout_tp`, over the same ranks."""
+    r = train_engine.ranks
+    layout = ParallelLayout(tp=r.tp_size, pp=r.pp_size, dp=r.dp_size, cp=r.cp_size, ep=r.ep_size)
+    if layout.world_size != dist.get_world_size(group):
+        raise ConfigError(f"weight sync: training layout {layout} does not span the group of "
+                          f"{dist.get_world_size(group)} ranks")
+    planned = layout.coord(dist.get_rank(group)).ep_rank
+    if planned != r.ep_rank:  # the plan would fetch the wrong experts from this rank
+        raise ConfigError(f"weight sync: rank {dist.get_rank(group)} is expert-parallel rank {r.ep_rank} in "
+                          f"Megatron, the plan's rank order puts it at {planned}; the training process groups "
+                          "must use Megatron's default order tp-cp-ep-dp-pp")
+    dtype = next(iter(train_engine.get_named_weights()))[1].dtype
+    planner = RankPlanner(train_engine.spec, layout, ParallelLayout.rollout(rollout_tp, layout.world_size),
+                          "hf" if rollout_tp == 1 else "vllm", dtype, bucket_bytes)
+    return planner.plan(dist.get_rank(group))
+
+
 class WeightSync:
     """Plans this rank's part once (`plan`: a `ReshardPlan` covering this rank alone), then moves
     the training engine's weights into the rollout engine on `sync()`.
@@ -124,35 +162,18 @@ class WeightSync:
     def __init__(self, train_engine: Any, rollout_engine: Any, rollout_tp: int = 1,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, group: dist.ProcessGroup | None = None,
                  verify_every: int = 1) -> None:
-        if verify_every < 0:
-            raise ConfigError(f"weight sync: verify_every={verify_every}; valid: 0 (never) or k >= 1 (every k-th sync)")
-        r = train_engine.ranks
         self.train_engine = train_engine
         self.rollout_engine = rollout_engine
-        self.verify_every = verify_every
+        self.verify_every = checked_verify_every(verify_every)
         self.syncs_done = 0
         self.group = group
-        self.pp_rank, self.pp_size = r.pp_rank, r.pp_size
-        layout = ParallelLayout(tp=r.tp_size, pp=r.pp_size, dp=r.dp_size, cp=r.cp_size, ep=r.ep_size)
-        if layout.world_size != dist.get_world_size(group):
-            raise ConfigError(f"weight sync: training layout {layout} does not span the group of "
-                              f"{dist.get_world_size(group)} ranks")
-        planned = layout.coord(dist.get_rank(group)).ep_rank
-        if planned != r.ep_rank:  # the plan would fetch the wrong experts from this rank
-            raise ConfigError(f"weight sync: rank {dist.get_rank(group)} is expert-parallel rank {r.ep_rank} in "
-                              f"Megatron, the plan's rank order puts it at {planned}; the training process groups "
-                              "must use Megatron's default order tp-cp-ep-dp-pp")
-        dtype = next(iter(train_engine.get_named_weights()))[1].dtype
-        planner = RankPlanner(train_engine.spec, layout, ParallelLayout.rollout(rollout_tp, layout.world_size),
-                              "hf" if rollout_tp == 1 else "vllm", dtype, bucket_bytes)
-        self.plan = planner.plan(dist.get_rank(group))
+        self.plan = own_plan(train_engine, rollout_tp, bucket_bytes, group)
 
     def sync(self, transport: Transport | None = None) -> ExecStats:
         """Reshard and deliver; returns this rank's transfer statistics. `transport`: how buckets
         move (default: point-to-point over the group)."""
-        shards = training_shards(self.train_engine.get_named_weights(), self.train_engine.spec,
-                                 self.pp_rank, self.pp_size)
-        verify = self.verify_every > 0 and self.syncs_done % self.verify_every == 0
+        shards = engine_shards(self.train_engine)
+        verify = verify_due(self.verify_every, self.syncs_done)
         stats = sync_shards(self.plan, shards, self.rollout_engine, self.group, verify=verify, transport=transport)
         self.syncs_done += 1
         return stats

@@ -22,7 +22,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import ray
 import torch
 
 from megarl.agent.loop import AgentLoop
@@ -30,8 +29,9 @@ from megarl.agent.rollout import multi_turn_generate
 from megarl.agent.tools import ToolSet
 from megarl.convert.engine_load import load_converted_weights
 from megarl.data.tokenizer import load_tokenizer
-from megarl.cluster.rendezvous import free_port
+from megarl.cluster.rendezvous import address_and_free_port
 from megarl.hybrid.bridge import BridgeReceiver, BridgeSender, ShardLayout
+from megarl.hybrid.executor import ExecStats
 from megarl.hybrid.sync import WeightSync
 from megarl.megatron.engine import MegatronEngine
 from megarl.models.spec import ModelSpec
@@ -172,7 +172,7 @@ class ActorRole(EngineRole):
 
     def bridge_address(self) -> tuple[str, int]:
         """(this node's IP, a port free on it) for the bridge's store (asked of rank 0)."""
-        return ray.util.get_node_ip_address(), free_port()
+        return address_and_free_port()
 
     def connect_bridge(self, host: str, port: int, world_size: int) -> None:
         self.bridge.connect(host, port, world_size)
@@ -232,6 +232,16 @@ class RewardModelRole(EngineRole):
         return None
 
 
+def received_metrics(stats: ExecStats) -> dict[str, float]:
+    """A rollout rank's side of a weight sync: bytes received against the minimum, seconds, pieces checked."""
+    return {
+        "sync/bytes_received": float(stats.bytes_received),
+        "sync/bytes_minimum": float(stats.minimum_bytes),
+        "sync/seconds": float(stats.seconds),
+        "sync/pieces_verified": float(stats.pieces_verified),
+    }
+
+
 class RolloutRole:
     """The rollout engine of this rank, refilled from the actor's weights in the same process."""
 
@@ -268,15 +278,10 @@ class RolloutRole:
                                           verify_every=self.spec.sync_verify_freq)
         stats = self.weight_sync.sync()
         self.weights_version = version
-        return {
-            "sync/bytes_received": float(stats.bytes_received),
-            "sync/bytes_minimum": float(stats.minimum_bytes),
-            "sync/bytes_sent": float(stats.bytes_sent),
-            "sync/seconds": float(stats.seconds),
-            "sync/pieces_verified": float(stats.pieces_verified),  # in the whole world, the same on every rank
-            # Checking the fingerprints after the transfers (exchange, compare, all-reduce); 0 unverified
-            "sync/verify_s": float(stats.verify_seconds),
-        }
+        # pieces_verified: in the whole world, the same on every rank; verify_s: checking the
+        # fingerprints after the transfers (exchange, compare, all-reduce), 0 unverified.
+        return {**received_metrics(stats), "sync/bytes_sent": float(stats.bytes_sent),
+                "sync/verify_s": float(stats.verify_seconds)}
 
     def connect_bridge(self, host: str, port: int, world_size: int, layout: ShardLayout) -> None:
         """Join the bridge to the training pool (separate placement); `layout`: what this rank
@@ -290,12 +295,7 @@ class RolloutRole:
         as `sync_weights`, bytes counted at this end (the rollout pool)."""
         stats = self.bridge.receive()
         self.weights_version = version
-        return {
-            "sync/bytes_received": float(stats.bytes_received),
-            "sync/bytes_minimum": float(stats.minimum_bytes),
-            "sync/seconds": float(stats.seconds),
-            "sync/pieces_verified": float(stats.pieces_verified),
-        }
+        return received_metrics(stats)  # pieces_verified: this rank's (the check is inline, per bucket)
 
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
         """Responses to this rank's prompts: one engine call, or with `spec.multi_turn` the agent

@@ -18,11 +18,9 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from test_vllm_train_e2e import LOGPROB_GAP_MAX, QUICKSTART, task_dir  # noqa: F401 (fixture)
+from test_vllm_train_e2e import LOGPROB_GAP_MAX, QUICKSTART, STEPS, quickstart_overrides, task_dir  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.vllm  # skipped by tests/conftest.py where vLLM is not installed
-
-STEPS = 3
 
 
 def rollout_tp2_bytes(checkpoint: Path) -> int:
@@ -39,25 +37,9 @@ def rollout_tp2_bytes(checkpoint: Path) -> int:
 
 def test_one_step_off_with_vllm_tp2_in_its_own_pool(tmp_path: Path, task_dir: Path) -> None:  # noqa: F811
     run_dir = tmp_path / "run"
-    overrides = [
-        "rollout.engine=vllm",
-        "rollout.tensor_model_parallel_size=2",
-        "rollout.free_cache_engine=false",
-        "trainer.async_mode=one_step_off",
-        "resources.rollout_pool.nnodes=1",
-        "resources.rollout_pool.devices_per_node=2",
-        f"data.train_files=[{task_dir / 'train.parquet'}]",
-        "data.val_files=[]",
-        f"data.tokenizer={task_dir / 'tokenizer'}",
-        f"trainer.total_training_steps={STEPS}",
-        "trainer.val_before_train=false",
-        "trainer.test_freq=-1",
-        "trainer.save_freq=-1",
-        "trainer.progress_bar=false",
-        f"trainer.default_local_dir={run_dir}",
-        "tracking.backends=[jsonl,console]",
-        "tracking.report_plots=false",
-    ]
+    overrides = [*quickstart_overrides(task_dir, run_dir), "rollout.tensor_model_parallel_size=2",
+                 "rollout.free_cache_engine=false", "trainer.async_mode=one_step_off",
+                 "resources.rollout_pool.nnodes=1", "resources.rollout_pool.devices_per_node=2"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_LOGGING_LEVEL="ERROR")
     proc = subprocess.run([sys.executable, "-m", "megarl.cli", "train", str(QUICKSTART), *overrides],
                           capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)

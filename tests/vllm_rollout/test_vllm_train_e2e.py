@@ -53,9 +53,9 @@ def tensor_parallel_bytes(checkpoint: Path) -> int:
     return total
 
 
-def test_quickstart_grpo_with_vllm_engine(tmp_path: Path, task_dir: Path) -> None:
-    run_dir = tmp_path / "run"
-    overrides = [
+def quickstart_overrides(task_dir: Path, run_dir: Path) -> list[str]:
+    """The quickstart with the vLLM engine for STEPS steps: no validation, checkpoints or plots."""
+    return [
         "rollout.engine=vllm",
         f"data.train_files=[{task_dir / 'train.parquet'}]",
         "data.val_files=[]",
@@ -69,6 +69,11 @@ def test_quickstart_grpo_with_vllm_engine(tmp_path: Path, task_dir: Path) -> Non
         "tracking.backends=[jsonl,console]",
         "tracking.report_plots=false",
     ]
+
+
+def test_quickstart_grpo_with_vllm_engine(tmp_path: Path, task_dir: Path) -> None:
+    run_dir = tmp_path / "run"
+    overrides = quickstart_overrides(task_dir, run_dir)
     env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_LOGGING_LEVEL="ERROR")
     proc = subprocess.run([sys.executable, "-m", "megarl.cli", "train", str(QUICKSTART), *overrides],
                           capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
