@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import shutil
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, is_main_replica
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megarl.errors import CheckpointError
 from megarl.megatron.model import unwrap
@@ -159,9 +161,22 @@ def check_restored(path: Path, saved: dict[str, Any], engine: Any, loaded: dict[
         raise CheckpointError(f"{path}: the load did not restore the saved state: " + "; ".join(problems))
 
 
+def _write_results_in_this_process() -> None:
+    """Megatron's torch_dist writer hands a rank's write results back through a queue that it makes
+    once per process with a spawned multiprocessing Manager: a server process that lives as long as
+    the worker and outlives it when the worker dies without running its exit handlers (seen: a
+    worker killed with its Ray cluster left that server running for over a minute). megarl saves
+    synchronously, where the results are put and taken in the saving process itself (megatron-core
+    0.16.1: `AsyncRequest.execute_sync`, `FileSystemWriterAsync.retrieve_write_results`), so a plain
+    queue of this process serves and no server process is started."""
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save(engine: Any, path: str | os.PathLike[str]) -> None:
     """Collective: every rank calls it with the same path."""
 
+    _write_results_in_this_process()
     target = Path(path)
     tmp = target.with_name(target.name + ".partial")
     rank = dist.get_rank()

@@ -7,6 +7,7 @@ import os
 import tempfile
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
@@ -46,6 +47,8 @@ def _save_then_resume(rank: int, world: int, port: int, hf_dir: str, batches: li
     _step(engine, batches[0])
     _step(engine, batches[1])
     engine.save_checkpoint(ckpt_dir)
+    children = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)
+                if p.status() != psutil.STATUS_ZOMBIE]
     saved = gather_hf_state(engine)
     uninterrupted = _step(engine, batches[2])
     want = gather_hf_state(engine)
@@ -58,7 +61,7 @@ def _save_then_resume(rank: int, world: int, port: int, hf_dir: str, batches: li
     got = gather_hf_state(resumed)
     return {"saved": saved, "loaded": loaded, "want": want, "got": got, "want_step": want_step,
             "got_step": adam_step(resumed.optimizer), "metrics": (uninterrupted, after),
-            "files": sorted(os.listdir(ckpt_dir))}
+            "files": sorted(os.listdir(ckpt_dir)), "children_after_save": children}
 
 
 @pytest.mark.parametrize("save_layout,load_layout,dtype",
@@ -70,6 +73,9 @@ def test_checkpoint_reshards_and_resumes_exactly(save_layout: dict, load_layout:
     ckpt_dir = os.path.join(tempfile.mkdtemp(prefix="megarl_ckpt_"), "step_2")
     res = run_distributed(_save_then_resume, 2, hf_dir, batches, ckpt_dir, save_layout, load_layout, dtype)[0]
     assert "metadata.json" in res["files"] and not os.path.exists(ckpt_dir + ".partial")
+    # A save leaves no process behind that could outlive a killed worker (Megatron's writer would
+    # otherwise keep a multiprocessing Manager server per rank; see checkpoint.save).
+    assert res["children_after_save"] == [], res["children_after_save"]
     for key in res["saved"]:
         assert torch.equal(res["loaded"][key], res["saved"][key]), f"loaded {key} differs from saved"
         err = (res["got"][key] - res["want"][key]).abs().max().item()

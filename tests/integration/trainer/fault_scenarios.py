@@ -140,6 +140,14 @@ def tagged_processes(tag: str) -> list[psutil.Process]:
     return found
 
 
+def describe(proc: psutil.Process) -> tuple[int, str, str]:
+    """(pid, name, start of the command line) of a process, for a failure message."""
+    try:
+        return proc.pid, proc.name(), " ".join(proc.cmdline())[:200]
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return proc.pid, "(gone)", ""
+
+
 def processes_naming(text: str) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter():
@@ -215,7 +223,7 @@ def kill_driver_mid_step(work: Path, task: Path, within_s: float = 60.0) -> Faul
     naming = processes_naming(session) if session else []
     ok, verify_message, step = checkpoint_state(run_dir / "checkpoints")
     details = {"processes_before": len(before), "process_names": names, "session_dir": session,
-               "left": [(p.pid, p.name()) for p in left], "left_naming_session": [(p.pid, p.name()) for p in naming],
+               "left": [describe(p) for p in left], "left_naming_session": [describe(p) for p in naming],
                "checkpoint": verify_message, "checkpoint_step": step}
     return FaultOutcome("SIGKILL of the driver's process group mid-step", bool(raylet) and not left and not naming,
                         ok, "none" if ok else "last complete checkpoint does not verify", gone_s, details)
