@@ -179,12 +179,12 @@ def rollout_mismatch_metrics(trainer_log_prob: torch.Tensor, rollout_log_prob: t
             **mismatch_metrics(trainer_log_prob, rollout_log_prob, mask, settings)}
 
 
-def check_logprob_gap(step: int, gap_mean: float, threshold: float | None) -> None:
-    """Stop the run when step `step`'s mean |rollout - trainer| log-prob gap exceeds `threshold`."""
+def check_logprob_gap(step: int, gap_mean: float, threshold: float | None, where: str = "the response tokens") -> None:
+    """Stop the run when step `step`'s mean |rollout - trainer| log-prob gap over `where` exceeds `threshold`."""
     if threshold is None or not gap_mean > threshold:
         return
     raise RolloutMismatchError(
-        f"step {step}: the mean |rollout log-prob - trainer log-prob| over the response tokens is {gap_mean:.4g} "
+        f"step {step}: the mean |rollout log-prob - trainer log-prob| over {where} is {gap_mean:.4g} "
         f"nats, above rollout.max_logprob_gap = {threshold:g}. The rollout engine is not sampling from the "
         "policy being trained: most likely the actor's weights did not reach it (a failed or skipped weight "
         "sync, a wrong weight mapping), or the two run at different precisions (rollout.dtype vs model.dtype, "

@@ -290,6 +290,15 @@ class RolloutConfig:
     # optimizer steps not synced to the rollout (tiny model, lr 1e-3). Not yet measured on GPU bf16
     # engines: look at the metric of a first run there. null: never. Needs calculate_log_probs.
     max_logprob_gap: Optional[float] = 0.1
+    # End-to-end check of the weight sync on a fixed probe batch: after a sync of the weights of
+    # version v (actor updates so far) with v a multiple of probe_freq (the initial weights included),
+    # the rollout engine samples one response to each of the first `probe_prompts` training prompts
+    # (the training sampling, one fixed seed) and the actor scores the same tokens with the weights it
+    # just sent: probe/logprob_abs_diff_mean above max_logprob_gap stops the run. It runs whatever
+    # calculate_log_probs and trainer.async_mode (whose older-weights batches the per-step check above
+    # leaves out), single-turn; it costs one short generation and one actor forward pass. 0: never.
+    probe_freq: int = 0
+    probe_prompts: int = 8
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 

@@ -366,6 +366,11 @@ def validate_config(cfg: DictConfig) -> None:
     if rollout.sync_verify_freq < 0:
         r.err(f"rollout.sync_verify_freq = {rollout.sync_verify_freq}: must be 0 (never verify a weight sync) "
               "or k >= 1 (every k-th sync)")
+    if rollout.probe_freq < 0:
+        r.err(f"rollout.probe_freq = {rollout.probe_freq}: must be 0 (no probe) or k >= 1 (after the sync of "
+              "every k-th weight version)")
+    if rollout.probe_prompts < 1:
+        r.err(f"rollout.probe_prompts = {rollout.probe_prompts}: must be >= 1 (training prompts in the probe batch)")
     _check_multi_turn(r, rollout.multi_turn)
     _check_old_log_probs(r, cfg)  # actor.old_log_prob_source, algorithm.rollout_correction, max_logprob_gap
     if actor.clip_ratio_c <= 1.0:

@@ -27,6 +27,7 @@ then its KV cache, around the next weight sync. Each step's transitions are writ
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator
@@ -44,6 +45,7 @@ from megarl.algorithms import (
     check_logprob_gap,
     filter_groups,
     get_advantage_estimator,
+    logprob_gap,
     make_kl_controller,
     rollout_mismatch_metrics,
     sequence_metric,
@@ -92,6 +94,8 @@ class RLTrainer:
         self.weights_version = 0  # bumped by every actor update; the rollout syncs when behind
         self.rollout_version = -1
         self.sync_metrics: dict[str, float] = {}  # bytes moved by the last weight sync, all ranks
+        self.probe_metrics: dict[str, float] = {}  # probe/*: the weight-sync probe run in this step
+        self.probed_version = -1  # the last weight version the probe checked (rollout.probe_freq)
         # trainer.async_mode one_step_off / bounded_staleness: the next step's generation, launched
         # during this step, as (step, call handle, weight version it generates with); None when
         # nothing is in flight. A row may be at most `max_staleness` versions older than the weights
@@ -263,6 +267,8 @@ class RLTrainer:
         metrics.update(compute_timing_metrics(timings, total_tokens, response_tokens))
         metrics.update(compute_throughput(total_tokens, timings["step"], self.n_devices))
         metrics.update(self.sync_metrics)
+        metrics.update(self.probe_metrics)
+        self.probe_metrics = {}
         metrics.update(self.memory_metrics)
         metrics.update(memory_step_metrics(self.memory_metrics))
         self.write_memory_trace(step)
@@ -360,6 +366,35 @@ class RLTrainer:
         if senders:  # separate placement: the reshard inside the training pool, before the bridge
             self.sync_metrics["sync/bytes_within_training"] = sum(r["sync/bytes_within_training"] for r in senders)
             self.sync_metrics["sync/bytes_sent"] = sum(r["sync/bytes_sent"] for r in senders)
+        freq = int(self.cfg.rollout.probe_freq)
+        if freq and self.rollout_version % freq == 0 and self.rollout_version != self.probed_version:
+            self.probe_sync()
+
+    def probe_sync(self) -> None:
+        """The end-to-end check of the weight sync just done (`rollout.probe_freq`): the rollout
+        engines sample one response to each probe prompt (the training sampling, one fixed seed, so
+        the engines' own random streams are untouched), the actor scores the same tokens with the
+        weights it sent; `probe/logprob_abs_diff_{mean,max}` and `probe/probs_diff_{mean,max}`, and
+        `rollout.max_logprob_gap` stops the run. The actor holds the synced weights here: a sync runs
+        before an update, never during one."""
+        rollout, actor = self.workers.rollout, self.workers.actor
+        sampling = with_seed(dataclasses.replace(self.spec.train_sampling, n=1), int(self.cfg.trainer.seed) * 100003 - 1)
+        if rollout.call_all(RolloutRole.wake_up)[0]:
+            self.memory_trace.append((self.current_phase, "rollout", "wake_up"))
+        with self.phase("probe"):
+            gen = rollout.call_dp(RolloutRole.probe, self.run.probe_prompts, sampling,
+                                  dispatch_coords=self.workers.rollout_coords)
+            with self.onloaded(actor, self.spec.actor, params_only=True):
+                scored = actor.call_dp(ActorRole.compute_log_prob, gen)
+        gap = logprob_gap(scored["old_log_probs"], gen["rollout_log_probs"], gen["response_mask"])
+        if not gap:  # every response holds at least its first token
+            raise RuntimeError(f"weight-sync probe of version {self.rollout_version}: no response token to compare")
+        self.probe_metrics = {"probe/" + key.removeprefix("training/rollout_"): value for key, value in gap.items()}
+        self.probe_metrics["probe/weights_version"] = float(self.rollout_version)
+        self.probed_version = self.rollout_version
+        check_logprob_gap(self.global_step + 1, gap["training/rollout_logprob_abs_diff_mean"], self.spec.max_logprob_gap,
+                          f"the probe batch ({len(gen)} responses to the first rollout.probe_prompts training prompts, "
+                          f"weights of version {self.rollout_version})")
 
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
         """Responses for `prompts` from the rollout engines (synced to the actor's weights first);

@@ -19,6 +19,7 @@ from megarl.data.dataset import RLDataset
 from megarl.data.loader import RLDataLoader
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import ConfigError
+from megarl.protocol import Batch
 from megarl.rewards.manager import RewardManager
 from megarl.trainer.checkpoint_dirs import CheckpointDirs
 from megarl.trainer.resume import select_resume
@@ -39,6 +40,7 @@ class RunContext:
     reward_manager: Any
     total_steps: int
     resume: Optional[tuple[int, Path]] = None  # the verified checkpoint (step, dir) the run resumes from
+    probe_prompts: Optional[Batch] = None  # rollout.probe_freq > 0: the prompts of the weight-sync probe
 
 
 def _config_digest(data: dict) -> str:
@@ -199,6 +201,19 @@ def total_training_steps(cfg: DictConfig, batches_per_epoch: int) -> int:
     return int(batches_per_epoch * cfg.trainer.total_epochs)
 
 
+def probe_prompts(cfg: DictConfig, dataset: RLDataset) -> Optional[Batch]:
+    """The fixed prompts of the weight-sync probe (`rollout.probe_freq`): the first
+    `rollout.probe_prompts` rows of the training data, whatever the shuffling; None without a probe."""
+    if not cfg.rollout.probe_freq:
+        return None
+    wanted = int(cfg.rollout.probe_prompts)
+    if wanted > len(dataset):
+        raise ConfigError(f"rollout.probe_prompts = {wanted}: the training data ({', '.join(map(str, cfg.data.train_files))}) "
+                          f"has only {len(dataset)} prompts; valid: 1 to {len(dataset)}")
+    rows = dataset.get_rows(list(range(wanted)))
+    return dataset.collate(rows, uids=[f"probe-{e['row']}" for e in rows])
+
+
 def prepare_run(cfg: DictConfig) -> RunContext:
     """Everything the driver needs before starting workers; fails on bad data before Ray starts.
 
@@ -212,6 +227,7 @@ def prepare_run(cfg: DictConfig) -> RunContext:
     train_loader, val_dataset = build_datasets(cfg, tokenizer)
     reward_manager = RewardManager.from_config(cfg.reward, response_length(cfg))
     reward_manager.check_data_sources(train_loader.dataset.rule_data_sources())
+    probe = probe_prompts(cfg, train_loader.dataset)
     if val_dataset is not None:
         reward_manager.check_data_sources(val_dataset.rule_data_sources())
     # Verified before the run directory is written to (initial model, config) and before Ray starts.
@@ -233,4 +249,5 @@ def prepare_run(cfg: DictConfig) -> RunContext:
         reward_manager=reward_manager,
         total_steps=total_training_steps(cfg, len(train_loader)),
         resume=resume,
+        probe_prompts=probe,
     )

@@ -312,6 +312,12 @@ class RolloutRole:
         out[ROLLOUT_BUSY] = torch.full((len(out),), time.perf_counter() - start, dtype=torch.float64)
         return out
 
+    def probe(self, prompts: Batch, sampling: SamplingParams) -> Batch:
+        """One engine call on this rank's probe prompts (`rollout.probe_freq`), with the sampled tokens'
+        log-probs whatever `calculate_log_probs` and `multi_turn` say: the weight-sync probe compares them
+        with the actor's."""
+        return self.engine.generate(prompts, sampling)
+
     def _agent_loop(self) -> AgentLoop:
         if self.agent is None:
             settings = self.spec.multi_turn

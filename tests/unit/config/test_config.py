@@ -418,3 +418,13 @@ def test_hf_config_cannot_contradict_the_checkpoint(tmp_path: Path) -> None:
     assert "model.hf_config sets ['num_hidden_layers'], which differ from" in errors_of(path)
     same = write(tmp_path, "same.yaml", dict(VALID, model={"path": str(model_dir), "hf_config": {"num_hidden_layers": 4}}))
     assert load_config(same).model.hf_config.num_hidden_layers == 4
+
+
+def test_sync_probe_keys_are_checked(valid_file: Path) -> None:
+    assert ("rollout.probe_freq = -2: must be 0 (no probe) or k >= 1 (after the sync of every k-th weight version)"
+            in errors_of(valid_file, "rollout.probe_freq=-2"))
+    assert ("rollout.probe_prompts = 0: must be >= 1 (training prompts in the probe batch)"
+            in errors_of(valid_file, "rollout.probe_freq=1", "rollout.probe_prompts=0"))
+    cfg = load_config(valid_file, ["rollout.probe_freq=5", "rollout.probe_prompts=3"])
+    assert (cfg.rollout.probe_freq, cfg.rollout.probe_prompts) == (5, 3)
+    assert load_config(valid_file).rollout.probe_freq == 0  # off unless asked for
