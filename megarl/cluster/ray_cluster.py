@@ -17,8 +17,10 @@ import atexit
 import logging
 import os
 import signal
+import subprocess
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +30,8 @@ from typing import Any, Protocol
 
 import ray
 
+from megarl.cluster.reaper import TAG_ENV as REAPER_TAG_ENV
+from megarl.cluster.reaper import start_reaper
 from megarl.errors import MegarlError
 
 logger = logging.getLogger(__name__)
@@ -115,6 +119,13 @@ def start_or_connect(
     connect_env_before = os.environ.get(LOCAL_GCS_CONNECT_ENV)
     if local and connect_env_before is None:  # inherited by the GCS, raylet and every worker
         os.environ[LOCAL_GCS_CONNECT_ENV] = LOCAL_GCS_CONNECT_TIMEOUT_S
+    # A local cluster's processes carry a tag of it; the reaper kills them if this process dies
+    # without stopping them (megarl.cluster.reaper).
+    tag_before = os.environ.get(REAPER_TAG_ENV)
+    reaper = None
+    if local:
+        os.environ[REAPER_TAG_ENV] = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        reaper = start_reaper(os.environ[REAPER_TAG_ENV])
     init_kwargs: dict[str, Any] = dict(namespace=namespace, log_to_driver=log_to_driver, include_dashboard=False)
     if local:
         init_kwargs.update(
@@ -125,7 +136,12 @@ def start_or_connect(
         )
     else:
         init_kwargs.pop("include_dashboard")
-    context = ray.init(address=address, **init_kwargs)
+    try:
+        context = ray.init(address=address, **init_kwargs)
+    except BaseException:
+        _restore_env(REAPER_TAG_ENV, tag_before, local)
+        _release(reaper)
+        raise
 
     def cleanup() -> None:
         shutdown_registered()
@@ -154,6 +170,23 @@ def start_or_connect(
             os.environ.pop(AUTH_MODE_ENV, None)
         if local and connect_env_before is None:
             os.environ.pop(LOCAL_GCS_CONNECT_ENV, None)
+        _restore_env(REAPER_TAG_ENV, tag_before, local)
+        _release(reaper)
+
+
+def _restore_env(key: str, before: str | None, changed: bool) -> None:
+    if not changed:
+        return
+    if before is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = before
+
+
+def _release(reaper: subprocess.Popen | None) -> None:
+    """Let the reaper sweep (nothing is left after a shutdown) and exit; not waited for."""
+    if reaper is not None and reaper.stdin is not None:
+        reaper.stdin.close()
 
 
 def _install_sigterm_handler() -> tuple[bool, Any]:

@@ -33,8 +33,8 @@ def main() -> None:
     with start_or_connect(num_cpus=2, object_store_memory_gb=0.1):
         pool = ResourcePool("idle", nnodes=1, devices_per_node=2).wait(timeout_s=120)
         group = WorkerGroup(pool, IdleWorker, "idle")
-        print("READY", " ".join(str(info.pid) for info in group.node_infos), flush=True)
-        try:
+        try:  # READY inside: the test may interrupt as soon as it reads it
+            print("READY", " ".join(str(info.pid) for info in group.node_infos), flush=True)
             while True:
                 if "--churn" in sys.argv:
                     actor = Shortlived.remote()

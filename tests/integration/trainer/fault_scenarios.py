@@ -200,9 +200,9 @@ def kill_worker_during_update(work: Path, task: Path, resume: bool = False) -> F
                         None if failed_at is None else max(0.0, failed_at - killed_at), details)
 
 
-def kill_driver_mid_step(work: Path, task: Path, within_s: float = 60.0) -> FaultOutcome:
-    """SIGKILL of the driver's process group during a step: every process of the run must be gone
-    (Ray's GCS, raylet, agents, the workers) within `within_s`."""
+def kill_driver_mid_step(work: Path, task: Path, within_s: float = 60.0, group: bool = True) -> FaultOutcome:
+    """SIGKILL of the driver's process group (`group`) or of the driver alone during a step: every
+    process of the run must be gone (Ray's GCS, raylet, agents, the workers) within `within_s`."""
     config = write_config(work, task)
     tag = f"fault-{os.getpid()}-{time.monotonic_ns()}"
     driver = start_train(config, "trainer.total_training_steps=50", "trainer.save_freq=1", tag=tag)
@@ -213,7 +213,10 @@ def kill_driver_mid_step(work: Path, task: Path, within_s: float = 60.0) -> Faul
     session = re.search(r"--session_dir=(\S+)", " ".join(raylet[0].cmdline())).group(1) if raylet else ""
     names = sorted({p.name() for p in before})
     killed = time.monotonic()
-    os.killpg(driver.pid, signal.SIGKILL)
+    if group:
+        os.killpg(driver.pid, signal.SIGKILL)
+    else:
+        os.kill(driver.pid, signal.SIGKILL)
     driver.wait(timeout=60)
     left: list[psutil.Process] = tagged_processes(tag)
     while left and time.monotonic() - killed < within_s:
@@ -225,7 +228,8 @@ def kill_driver_mid_step(work: Path, task: Path, within_s: float = 60.0) -> Faul
     details = {"processes_before": len(before), "process_names": names, "session_dir": session,
                "left": [describe(p) for p in left], "left_naming_session": [describe(p) for p in naming],
                "checkpoint": verify_message, "checkpoint_step": step}
-    return FaultOutcome("SIGKILL of the driver's process group mid-step", bool(raylet) and not left and not naming,
+    what = "the driver's process group" if group else "the driver alone"
+    return FaultOutcome(f"SIGKILL of {what} mid-step", bool(raylet) and not left and not naming,
                         ok, "none" if ok else "last complete checkpoint does not verify", gone_s, details)
 
 

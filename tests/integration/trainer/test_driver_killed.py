@@ -1,5 +1,6 @@
-"""SIGKILL of the driver's process group mid-step leaves no process of the run behind: not Ray's
-GCS, raylet, dashboard/runtime-env agents or log monitor, not the workers."""
+"""SIGKILL of the driver mid-step, of its process group or of the driver's PID alone, leaves no
+process of the run behind: not Ray's GCS, raylet, dashboard/runtime-env agents or log monitor, not
+the workers (which Ray starts in process groups of their own), not a worker raylet was starting."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ pytestmark = pytest.mark.integration
 WITHIN_S = 60.0
 
 
-def test_killed_driver_leaves_no_ray_process(tmp_path: Path, task_dir: Path) -> None:  # noqa: F811
-    outcome = kill_driver_mid_step(tmp_path, task_dir, within_s=WITHIN_S)
+@pytest.mark.parametrize("group", [True, False], ids=["process_group", "driver_pid"])
+def test_killed_driver_leaves_no_ray_process(tmp_path: Path, task_dir: Path, group: bool) -> None:  # noqa: F811
+    outcome = kill_driver_mid_step(tmp_path, task_dir, within_s=WITHIN_S, group=group)
     details = outcome.details
     print(f"all {details['processes_before']} processes of the run gone {outcome.time_to_detect_s:.1f} s "
           "after the kill")
