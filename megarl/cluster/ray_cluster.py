@@ -8,7 +8,10 @@
 On exit, on Ctrl-C (KeyboardInterrupt) and on SIGTERM (turned into SystemExit inside the block)
 the context manager shuts down the worker groups and resource pools created inside it, then
 disconnects from Ray; a local cluster stops with it. An atexit hook does the same if the block
-was never left normally.
+was never left normally. When nothing in this process can run (SIGKILL), the reaper of a local
+cluster (megarl.cluster.reaper) kills its processes: every process started while the block is
+open carries the cluster's tag (`MEGARL_LOCAL_CLUSTER_TAG`) and is killed when the block exits or
+the process dies, so one that must outlive the block is started without that variable.
 """
 
 from __future__ import annotations
