@@ -2,27 +2,39 @@
 
 Same for both: the single-digit addition task and its character tokenizer; the random-init Qwen2
 (megarl writes it to `<run>/initial_model/`, TRL loads that directory); the prompts of every step
-(megarl's data-loader order, handed to TRL unshuffled); 8 prompts x 8 responses a step, up to 4
-response tokens, temperature 1.0; lr 1e-4 constant; no KL (beta 0); token-mean loss; fp32; two
-CPU cores (megarl: 2 worker processes x 1 thread, TP=2; TRL: 1 process x 2 threads).
+(megarl's data-loader order, handed to TRL unshuffled); 8 prompts x 8 responses a step,
+temperature 1.0; constant lr; no KL (beta 0); token-mean loss; fp32; two CPU cores (megarl: 2
+worker processes x 1 thread, TP=2; TRL: 1 process x 2 threads). Two sizes (`--size`):
 
-    python benchmarks/e2e.py [--steps 120] [--quick] [--out benchmarks/results/sections/e2e.json]
+- quickstart: the quickstart's model (4 layers, hidden 256; 2.4M parameters), up to 4 response
+  tokens, lr 1e-4;
+- 25m: hidden 512, 8 layers, intermediate 1536, 8/4 heads (~25M parameters), up to 64 response
+  tokens, lr 1e-5.
+
+    python benchmarks/e2e.py [--size quickstart|25m] [--steps N] [--quick] [--out PATH]
 
 Step 1 is left out of the time averages. Generated tokens/s and training tokens/s are per step
-wall time (response tokens, and prompt + response tokens, over the step's seconds).
+wall time (response tokens, and prompt + response tokens, over the step's seconds). Useful-token
+MFU of a phase: its useful FLOPs over its seconds, over the machine's fp32 matmul rate measured in
+the same run (torch.mm with the run's 2 threads, best of 10). Useful FLOPs count the real (unpadded)
+tokens of the step and the parameters that multiply them (all but the input embedding table):
+6 x params x tokens for an update (forward and backward), 2 x params x tokens for a log-prob pass;
+attention's sequence-squared term is left out (under 1% at these lengths). TRL has no separate
+log-prob pass; its training time is the step minus generation and scoring.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -30,7 +42,16 @@ from common import REPO_ROOT, RESULTS_DIR, PeakMemorySampler, load_average, mach
 from megarl_run import base_overrides, prepare_task, run_megarl  # noqa: E402
 
 BENCH_PYTHON = REPO_ROOT / ".venv-bench" / "bin" / "python"
-PROMPTS, N, RESPONSE_LENGTH, LR, THREADS = 8, 8, 4, 1e-4, 2
+PROMPTS, N, THREADS = 8, 8, 2
+# Per size: the model (HF config keys over the quickstart's), response tokens, learning rate, steps.
+SIZES: dict[str, dict[str, Any]] = {
+    "quickstart": {"hf_config": {}, "response_length": 4, "lr": 1e-4, "steps": 120,
+                   "model": "random-init Qwen2, 4 layers, hidden 256, head_dim 64, character vocabulary"},
+    "25m": {"hf_config": {"hidden_size": 512, "num_hidden_layers": 8, "intermediate_size": 1536,
+                          "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 128},
+            "response_length": 64, "lr": 1e-5, "steps": 8,
+            "model": "random-init Qwen2, 8 layers, hidden 512, intermediate 1536, 8/4 heads, character vocabulary"},
+}
 # TRL also runs with 1 thread: a 2-thread OpenMP process slows down badly when the machine's
 # cores are oversubscribed (threads wait for each other at every parallel region), while
 # megarl's 1-thread workers do not; the 1-thread figure shows how much of a gap is that effect.
@@ -54,14 +75,78 @@ def megarl_prompt_order(run_dir: Path, steps: int) -> list[dict[str, str]]:
     return rows
 
 
+def size_overrides(size: str) -> list[str]:
+    """megarl overrides of one size over the quickstart config."""
+    spec = SIZES[size]
+    return ([f"model.hf_config.{key}={value}" for key, value in spec["hf_config"].items()]
+            + [f"data.max_response_length={spec['response_length']}", f"actor.optim.lr={spec['lr']}"])
+
+
+def useful_params(model_dir: Path) -> int:
+    """Parameters that multiply each token (all but the input embedding table), from the checkpoint."""
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            if not name.endswith("embed_tokens.weight"):
+                total += math.prod(f.get_slice(name).get_shape())
+    return total
+
+
+def matmul_rate(threads: int = THREADS, size: int = 1024, repeats: int = 10) -> float:
+    """fp32 FLOP/s of torch.mm on square matrices with `threads` threads (best of `repeats`)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        torch.mm(a, b)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return 2.0 * size ** 3 / best
+
+
+def useful_mfu(megarl: dict[str, Any], trl: dict[str, Any], params: int, rate: float) -> dict[str, Any]:
+    """Useful-token MFU of megarl's update and old-log-prob phases and of TRL's training part,
+    summed over the timed steps (see the module doc)."""
+    def share(flops: float, seconds: float) -> Optional[float]:
+        return flops / seconds / rate if seconds > 0 else None
+
+    timed = [r for r in megarl["records"] if r["step"] > 1 and r.get("total_tokens")]
+    tokens = sum(r["total_tokens"] for r in timed)
+    update_s = sum(r.get("update_actor_s", 0.0) for r in timed)
+    logprob_s = sum(r.get("old_log_prob_s", 0.0) for r in timed)
+    trl_timed = [r for r in trl["records"] if r["step"] > 1 and r.get("prompt_tokens") is not None]
+    trl_tokens = sum(r["prompt_tokens"] + r["response_tokens"] for r in trl_timed)
+    trl_train_s = sum(r["step_s"] - (r["gen_and_score_s"] or 0.0) for r in trl_timed)
+    return {
+        "useful_params": params,
+        "matmul_fp32_flops_per_s": rate,
+        "megarl_update_mfu": share(6.0 * params * tokens, update_s),
+        "megarl_old_log_prob_mfu": share(2.0 * params * tokens, logprob_s),
+        "megarl_update_gflops_per_s": 6.0 * params * tokens / update_s / 1e9 if update_s else None,
+        "trl_training_mfu": share(6.0 * params * trl_tokens, trl_train_s),
+        "megarl_tokens_per_step": tokens / len(timed) if timed else None,
+        "trl_tokens_per_step": trl_tokens / len(trl_timed) if trl_timed else None,
+    }
+
+
 def run_trl(python: Path, model_dir: Path, tokenizer: Path, prompts_file: Path, steps: int,
-            work_dir: Path, timeout_s: float, threads: int = THREADS) -> dict[str, Any]:
+            work_dir: Path, timeout_s: float, response_length: int, lr: float,
+            threads: int = THREADS) -> dict[str, Any]:
     """Run benchmarks/trl_grpo.py in the benchmark environment, sampling its memory."""
     out = work_dir / f"e2e_trl_t{threads}.json"
     cmd = [str(python), str(REPO_ROOT / "benchmarks" / "trl_grpo.py"), "--model-dir", str(model_dir),
            "--tokenizer", str(tokenizer), "--prompts", str(prompts_file), "--steps", str(steps),
            "--prompts-per-step", str(PROMPTS), "--num-generations", str(N),
-           "--max-completion-length", str(RESPONSE_LENGTH), "--lr", str(LR), "--threads", str(threads),
+           "--max-completion-length", str(response_length), "--lr", str(lr), "--threads", str(threads),
            "--work-dir", str(work_dir / "e2e_trl_output"), "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     log_path = work_dir / f"e2e_trl_t{threads}.log"
@@ -122,29 +207,37 @@ def compare(megarl: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=120, help="the quickstart's length")
+    p.add_argument("--size", choices=sorted(SIZES), default="quickstart")
+    p.add_argument("--steps", type=int, default=None, help="default: 120 at the quickstart size, 8 at 25m")
     p.add_argument("--quick", action="store_true", help="3 steps: a smoke test of both sides")
     p.add_argument("--work-dir", type=Path, default=None, help="runs and data (default: a temporary folder)")
     p.add_argument("--bench-python", type=Path, default=BENCH_PYTHON, help="python of the TRL environment")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per side")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "sections" / "e2e.json")
+    p.add_argument("--out", type=Path, default=None, help="default: results/sections/e2e.json (e2e_25m.json)")
     args = p.parse_args(argv)
-    steps = 3 if args.quick else args.steps
+    size = SIZES[args.size]
+    steps = 3 if args.quick else (args.steps or size["steps"])
+    out = args.out or RESULTS_DIR / "sections" / ("e2e.json" if args.size == "quickstart" else f"e2e_{args.size}.json")
     if not args.bench_python.is_file():
         raise SystemExit(f"{args.bench_python} not found: run benchmarks/make_bench_env.sh first (TRL lives there)")
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="megarl-bench-e2e-"))
     task = prepare_task(work)
     run_dir = work / "e2e_megarl"
 
-    megarl = run_megarl(run_dir, base_overrides(task, run_dir, steps), prompts=PROMPTS, n=N, timeout_s=args.timeout)
+    rate = matmul_rate()
+    megarl = run_megarl(run_dir, base_overrides(task, run_dir, steps) + size_overrides(args.size), prompts=PROMPTS,
+                        n=N, timeout_s=args.timeout)
     prompts_file = work / "e2e_prompts.json"
     prompts_file.write_text(json.dumps(megarl_prompt_order(run_dir, steps)))
-    trl = run_trl(args.bench_python, run_dir / "initial_model", task["tokenizer"], prompts_file, steps, work, args.timeout)
+    trl_args = dict(response_length=size["response_length"], lr=size["lr"])
+    trl = run_trl(args.bench_python, run_dir / "initial_model", task["tokenizer"], prompts_file, steps, work, args.timeout,
+                  **trl_args)
     variants = {}
     for threads in TRL_THREAD_VARIANTS:
         try:
             variants[f"threads={threads}"] = run_trl(args.bench_python, run_dir / "initial_model", task["tokenizer"],
-                                                     prompts_file, steps, work, args.timeout, threads=threads)
+                                                     prompts_file, steps, work, args.timeout, threads=threads,
+                                                     **trl_args)
         except RuntimeError as err:  # a variant is extra information, not the comparison itself
             variants[f"threads={threads}"] = {"error": str(err)[-2000:]}
 
@@ -153,9 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "setup": {
             "task": "single-digit addition (a+b=), reward 1 when the completion starts with the sum",
-            "model": "random-init Qwen2, 4 layers, hidden 256, head_dim 64, character vocabulary (same weights both sides)",
-            "prompts_per_step": PROMPTS, "responses_per_prompt": N, "max_response_tokens": RESPONSE_LENGTH,
-            "steps": steps, "lr": LR, "precision": "fp32", "kl": "none (beta 0)", "loss": "token-mean",
+            "size": args.size,
+            "model": f"{size['model']} (same weights both sides)",
+            "prompts_per_step": PROMPTS, "responses_per_prompt": N, "max_response_tokens": size["response_length"],
+            "steps": steps, "lr": size["lr"], "precision": "fp32", "kl": "none (beta 0)", "loss": "token-mean",
             "megarl": "2 Ray workers x 1 thread, Megatron TP=2 on gloo, HF rollout engine, separate old-log-prob pass",
             "trl": f"1 process x {THREADS} threads, model.generate rollout, on-policy (no old-log-prob pass)",
             "trl_variants": f"TRL again with {', '.join(map(str, TRL_THREAD_VARIANTS))} thread(s): 2-thread OpenMP "
@@ -166,12 +260,13 @@ def main(argv: list[str] | None = None) -> int:
         "megarl": megarl,
         "trl": trl,
         "ratios_megarl_over_trl": compare(megarl, trl),
+        "mfu": useful_mfu(megarl, trl, useful_params(run_dir / "initial_model"), rate),
         "trl_variants": variants,
         "ratios_megarl_over_trl_variants": {k: compare(megarl, v) for k, v in variants.items() if "summary" in v},
         "load_average_end": load_average(),
     }
-    write_json(args.out, result)
-    print(json.dumps({"ratios_megarl_over_trl": result["ratios_megarl_over_trl"],
+    write_json(out, result)
+    print(json.dumps({"ratios_megarl_over_trl": result["ratios_megarl_over_trl"], "mfu": result["mfu"],
                       "megarl": megarl["summary"], "trl": trl["summary"]}, indent=2, default=str))
     return 0
 

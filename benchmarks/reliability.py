@@ -2,7 +2,8 @@
 run once on a real `megarl train` run (tiny Qwen2, local Ray cluster, 2 actor workers at TP=2, CPU).
 
 Faults: SIGKILL of an actor worker during the update; SIGKILL of the driver's process group mid-step
-(every process of the run must be gone) and while a checkpoint is written; no space left on device
+and of the driver's PID alone (every process of the run must be gone), and of the group while a
+checkpoint is written; no space left on device
 during a save (a stand-in: the driver's write into the temporary checkpoint raises ENOSPC); an engine
 shard truncated and one with a flipped bit (`megarl checkpoint verify` on a damaged copy).
 
@@ -91,6 +92,7 @@ def run(work: Path, resume: bool) -> list[dict[str, Any]]:
 
     attempt("worker_kill", lambda d: kill_worker_during_update(d, task, resume=resume))
     attempt("driver_kill", lambda d: kill_driver_mid_step(d, task))
+    attempt("driver_pid_kill", lambda d: kill_driver_mid_step(d, task, group=False))
     attempt("disk_full", lambda d: disk_full_during_save(d, task, resume=resume))
     attempt("kill_during_save", lambda d: kill_driver_during_save(d, task, resume=resume))
     source = work / "kill_during_save" / "run" / "checkpoints" / "global_step_1"

@@ -17,6 +17,7 @@ from typing import Any
 
 SECTION_TITLES = {
     "e2e": "End to end: megarl vs TRL GRPOTrainer (same machine, same task and budget)",
+    "e2e_25m": "End to end at ~25M parameters, 64-token responses: megarl vs TRL GRPOTrainer, with MFU",
     "phases": "Phase breakdown of a megarl step",
     "scaling": "Scaling: workers and model size",
     "components": "Component benchmarks",
@@ -287,8 +288,25 @@ def _async_modes(result: dict[str, Any]) -> list[str]:
          f"s to {level.get('level')}", "score last 10"], rows)
 
 
+def _e2e_25m(result: dict[str, Any]) -> list[str]:
+    """The e2e table, then the useful-token MFU of the update and log-prob phases."""
+    mfu = result.get("mfu", {})
+    rate = mfu.get("matmul_fp32_flops_per_s")
+    lines = _e2e(result) + ["", f"Useful-token MFU against torch.mm fp32 at {fmt(rate / 1e9 if rate else None)} GFLOP/s "
+                                f"(2 threads, measured in the same run), {fmt(mfu.get('useful_params'))} parameters "
+                                "multiplying each token:", ""]
+    rows = [["megarl update (6 x params x tokens)", mfu.get("megarl_update_mfu")],
+            ["megarl old log-prob pass (2 x params x tokens)", mfu.get("megarl_old_log_prob_mfu")],
+            ["TRL training (step minus generation and scoring; 6 x params x tokens)", mfu.get("trl_training_mfu")]]
+    phases = result["megarl"]["summary"].get("phase_seconds_mean", {})
+    lines += table(["phase", "MFU"], rows)
+    lines += ["", "megarl's phases (s, mean of steps 2..N): "
+              + ", ".join(f"{k} {fmt(v)}" for k, v in phases.items()), ""]
+    return lines
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
-    "e2e": _e2e, "phases": _phases, "scaling": _scaling, "components": _components, "async_modes": _async_modes,
+    "e2e": _e2e, "e2e_25m": _e2e_25m, "phases": _phases, "scaling": _scaling, "components": _components, "async_modes": _async_modes,
     "gpu": _gpu,
 }
 

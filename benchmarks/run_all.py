@@ -4,6 +4,7 @@ Sections (each a script in this folder, run in its own process with its own time
 that fails or times out is recorded with its error and the others still run):
 
   e2e         megarl GRPO vs TRL GRPOTrainer, side by side (needs .venv-bench: make_bench_env.sh)
+  e2e_25m     the same at ~25M parameters and 64-token responses, with useful-token MFU
   phases      phase breakdown of a megarl step (GRPO, and PPO with critic and reference)
   scaling     1 vs 2 workers; the model doubled twice
   components  algorithms, engine, reshard, rollout, convert benchmarks
@@ -33,10 +34,10 @@ from report import render_report  # noqa: E402
 
 from megarl.bench import SECTIONS, add_arguments  # noqa: E402  (the command line is megarl's)
 # Seconds per section: full sizes / --quick.
-TIMEOUTS = {"e2e": (3600, 1200), "phases": (2400, 900), "scaling": (3600, 1800), "components": (3600, 900),
+TIMEOUTS = {"e2e": (3600, 1200), "e2e_25m": (3600, 1200), "phases": (2400, 900), "scaling": (3600, 1800), "components": (3600, 900),
             "async_modes": (2400, 900), "gpu": (2400, 900)}
 SCHEMA_VERSION = 1
-USES_WORK_DIR = ("e2e", "phases", "scaling", "async_modes")
+USES_WORK_DIR = ("e2e", "e2e_25m", "phases", "scaling", "async_modes")
 
 
 def utc_now() -> str:

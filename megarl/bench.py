@@ -17,7 +17,7 @@ from typing import Any
 from megarl.errors import MegarlError
 
 # Benchmark sections, in the order they run by default (each is benchmarks/<name>.py).
-SECTIONS = ("e2e", "phases", "scaling", "components", "async_modes", "gpu")
+SECTIONS = ("e2e", "e2e_25m", "phases", "scaling", "components", "async_modes", "gpu")
 
 
 def benchmarks_dir() -> Path:

@@ -4,7 +4,9 @@ bridge writes each rollout rank's vLLM shard straight into its engine's paramete
 
 Checks every sync moved exactly the minimum (each rollout rank: its vLLM tensor-parallel shard,
 derived here from the checkpoint), that the first step's rows (generated fresh) have vLLM's
-log-probs equal to the trainer's to fp32 accuracy, and that the later rows were one version old.
+log-probs equal to the trainer's to fp32 accuracy, and that the later rows were one version old;
+the weight-sync probe (`rollout.probe_freq=1`) finds vLLM's log-probs equal to the trainer's after
+every sync.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def test_one_step_off_with_vllm_tp2_in_its_own_pool(tmp_path: Path, task_dir: Pa
     run_dir = tmp_path / "run"
     overrides = [*quickstart_overrides(task_dir, run_dir), "rollout.tensor_model_parallel_size=2",
                  "rollout.free_cache_engine=false", "trainer.async_mode=one_step_off",
-                 "resources.rollout_pool.nnodes=1", "resources.rollout_pool.devices_per_node=2"]
+                 "resources.rollout_pool.nnodes=1", "resources.rollout_pool.devices_per_node=2",
+                 "rollout.probe_freq=1"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_LOGGING_LEVEL="ERROR")
     proc = subprocess.run([sys.executable, "-m", "megarl.cli", "train", str(QUICKSTART), *overrides],
                           capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
@@ -58,3 +61,9 @@ def test_one_step_off_with_vllm_tp2_in_its_own_pool(tmp_path: Path, task_dir: Pa
     assert 0.0 <= metrics[1]["training/rollout_logprob_abs_diff_max"] < LOGPROB_GAP_MAX
     # Later rows are one update old: the gap shows that update (the first Adam step moves ~1e-2).
     assert metrics[2]["training/rollout_logprob_abs_diff_max"] > 10 * LOGPROB_GAP_MAX
+    # The probe checks the weights each sync brought, also where the rows trained on are older.
+    probed = [step for step, m in metrics.items() if m["sync/synced"]]
+    assert probed and probed[0] == 1, probed
+    for step in probed:
+        assert metrics[step]["probe/weights_version"] == step - 1, (step, metrics[step].get("probe/weights_version"))
+        assert 0.0 <= metrics[step]["probe/logprob_abs_diff_max"] < LOGPROB_GAP_MAX, step
