@@ -23,7 +23,9 @@ import platform
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
+
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -176,3 +178,22 @@ def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None
     return a / b
+
+
+def matmul_flops(size: int, repeats: int = 10, threads: Optional[int] = None) -> float:
+    """fp32 FLOP/s of `torch.mm` on square matrices (best of `repeats`), with `threads` torch threads
+    (None: the process's current setting)."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        torch.mm(a, b)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return 2.0 * size ** 3 / best

@@ -38,7 +38,17 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO_ROOT, RESULTS_DIR, PeakMemorySampler, load_average, machine_info, mean, ratio, write_json  # noqa: E402
+from common import (  # noqa: E402
+    REPO_ROOT,
+    RESULTS_DIR,
+    PeakMemorySampler,
+    load_average,
+    machine_info,
+    matmul_flops,
+    mean,
+    ratio,
+    write_json,
+)
 from megarl_run import base_overrides, prepare_task, run_megarl  # noqa: E402
 
 BENCH_PYTHON = REPO_ROOT / ".venv-bench" / "bin" / "python"
@@ -92,25 +102,6 @@ def useful_params(model_dir: Path) -> int:
             if not name.endswith("embed_tokens.weight"):
                 total += math.prod(f.get_slice(name).get_shape())
     return total
-
-
-def matmul_rate(threads: int = THREADS, size: int = 1024, repeats: int = 10) -> float:
-    """fp32 FLOP/s of torch.mm on square matrices with `threads` threads (best of `repeats`)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a, b = torch.randn(size, size), torch.randn(size, size)
-        torch.mm(a, b)
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(before)
-    return 2.0 * size ** 3 / best
 
 
 def useful_mfu(megarl: dict[str, Any], trl: dict[str, Any], params: int, rate: float) -> dict[str, Any]:
@@ -224,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     task = prepare_task(work)
     run_dir = work / "e2e_megarl"
 
-    rate = matmul_rate()
+    rate = matmul_flops(1024, threads=THREADS)
     megarl = run_megarl(run_dir, base_overrides(task, run_dir, steps) + size_overrides(args.size), prompts=PROMPTS,
                         n=N, timeout_s=args.timeout)
     prompts_file = work / "e2e_prompts.json"
@@ -265,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         "ratios_megarl_over_trl_variants": {k: compare(megarl, v) for k, v in variants.items() if "summary" in v},
         "load_average_end": load_average(),
     }
+    # The results name neither this machine's temporary folders nor the work folder given.
+    result = json.loads(json.dumps(result, default=str).replace(str(work), "<work>"))
     write_json(out, result)
     print(json.dumps({"ratios_megarl_over_trl": result["ratios_megarl_over_trl"], "mfu": result["mfu"],
                       "megarl": megarl["summary"], "trl": trl["summary"]}, indent=2, default=str))

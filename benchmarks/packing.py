@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, load_average, machine_info, ratio, write_json  # noqa: E402
+from common import RESULTS_DIR, load_average, machine_info, matmul_flops, ratio, write_json  # noqa: E402
 
 from megarl.layout import ParallelLayout  # noqa: E402
 from megarl.megatron.engine import MegatronEngine  # noqa: E402
@@ -91,18 +91,6 @@ def make_batch(args: argparse.Namespace, vocab: int) -> dict[str, torch.Tensor]:
 def pg_loss(outputs: dict[str, torch.Tensor], mb: dict[str, torch.Tensor], n: Any) -> tuple[torch.Tensor, dict]:
     loss = -(outputs["log_probs"] * mb["advantages"] * mb["response_mask"]).sum() / n.global_num_tokens * n.dp_size
     return loss, {}
-
-
-def matmul_flops(size: int, repeats: int = 10) -> float:
-    """fp32 FLOP/s of `torch.mm` on square matrices (best of `repeats`)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * size ** 3 / best
 
 
 def _timed(fn: Any) -> tuple[float, Any]:

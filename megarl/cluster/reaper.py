@@ -30,14 +30,14 @@ QUIET_S = 2.0  # stop once no tagged process has been seen for this long
 LIMIT_S = 120.0  # and in any case after this long
 
 
-def tagged_processes(tag: str, exclude: int) -> list[psutil.Process]:
-    """Live processes whose environment carries `tag` under TAG_ENV, except the process `exclude`."""
+def tagged_processes(tag: str, env: str = TAG_ENV, exclude: int | None = None) -> list[psutil.Process]:
+    """Live processes whose environment (as they were started) has `env` = `tag`, except `exclude`."""
     found = []
     for proc in psutil.process_iter():
         if proc.pid == exclude:
             continue
         try:
-            if proc.environ().get(TAG_ENV) == tag and proc.status() != psutil.STATUS_ZOMBIE:
+            if proc.environ().get(env) == tag and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue

@@ -13,24 +13,20 @@ from pathlib import Path
 import psutil
 import pytest
 
+from megarl.cluster.reaper import tagged_processes
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 DRIVER = Path(__file__).with_name("cleanup_driver.py")
 TAG_ENV = "MEGARL_TEST_RUN_TAG"
 # A worker that was starting when the GCS died retries it for about 10 s (2 s a try, set by
-# start_or_connect); with Ray's default of 5 s a try it took 25 s on an idle 2-core machine.
+# start_or_connect; with Ray's default of 5 s a try it took 25 s on an idle 2-core machine), unless
+# the cluster's reaper kills it first (2.3 s).
 STARTING_WORKER_GONE_S = 20.0
 
 
 def _tagged(tag: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get(TAG_ENV) == tag and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
+    return tagged_processes(tag, TAG_ENV)
 
 
 def _starting_worker(proc: psutil.Process) -> bool:

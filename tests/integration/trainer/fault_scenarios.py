@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import psutil
 
+from megarl.cluster.reaper import tagged_processes as processes_with_tag
 from megarl.trainer.checkpoint_dirs import LATEST_FILE
 from megarl.trainer.checkpoint_verify import verify_checkpoint
 from test_train_e2e import write_config
@@ -130,14 +131,7 @@ def worker_processes(driver: subprocess.Popen) -> list[psutil.Process]:
 
 def tagged_processes(tag: str) -> list[psutil.Process]:
     """Live processes whose environment carries `tag` (every process of that run: Ray's too)."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get(TAG_ENV) == tag and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
+    return processes_with_tag(tag, TAG_ENV)
 
 
 def describe(proc: psutil.Process) -> tuple[int, str, str]:
