@@ -8,8 +8,9 @@ worker processes x 1 thread, TP=2; TRL: 1 process x 2 threads). Two sizes (`--si
 
 - quickstart: the quickstart's model (4 layers, hidden 256; 2.4M parameters), up to 4 response
   tokens, lr 1e-4;
-- 25m: hidden 512, 8 layers, intermediate 1536, 8/4 heads (~25M parameters), up to 64 response
-  tokens, lr 1e-5.
+- 25m: hidden 512, 8 layers, intermediate 1536, 8/4 heads (~25M parameters), 64 response tokens
+  every time (megarl `rollout.ignore_eos`, TRL `min_new_tokens`: the two sample differently from the
+  same model, and at equal lengths their throughputs compare), lr 1e-5.
 
     python benchmarks/e2e.py [--size quickstart|25m] [--steps N] [--quick] [--out PATH]
 
@@ -55,11 +56,11 @@ BENCH_PYTHON = REPO_ROOT / ".venv-bench" / "bin" / "python"
 PROMPTS, N, THREADS = 8, 8, 2
 # Per size: the model (HF config keys over the quickstart's), response tokens, learning rate, steps.
 SIZES: dict[str, dict[str, Any]] = {
-    "quickstart": {"hf_config": {}, "response_length": 4, "lr": 1e-4, "steps": 120,
+    "quickstart": {"hf_config": {}, "response_length": 4, "lr": 1e-4, "steps": 120, "full_length": False,
                    "model": "random-init Qwen2, 4 layers, hidden 256, head_dim 64, character vocabulary"},
     "25m": {"hf_config": {"hidden_size": 512, "num_hidden_layers": 8, "intermediate_size": 1536,
                           "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 128},
-            "response_length": 64, "lr": 1e-5, "steps": 8,
+            "response_length": 64, "lr": 1e-5, "steps": 8, "full_length": True,
             "model": "random-init Qwen2, 8 layers, hidden 512, intermediate 1536, 8/4 heads, character vocabulary"},
 }
 # TRL also runs with 1 thread: a 2-thread OpenMP process slows down badly when the machine's
@@ -89,7 +90,8 @@ def size_overrides(size: str) -> list[str]:
     """megarl overrides of one size over the quickstart config."""
     spec = SIZES[size]
     return ([f"model.hf_config.{key}={value}" for key, value in spec["hf_config"].items()]
-            + [f"data.max_response_length={spec['response_length']}", f"actor.optim.lr={spec['lr']}"])
+            + [f"data.max_response_length={spec['response_length']}", f"actor.optim.lr={spec['lr']}"]
+            + (["rollout.ignore_eos=true"] if spec["full_length"] else []))
 
 
 def useful_params(model_dir: Path) -> int:
@@ -130,7 +132,7 @@ def useful_mfu(megarl: dict[str, Any], trl: dict[str, Any], params: int, rate: f
 
 
 def run_trl(python: Path, model_dir: Path, tokenizer: Path, prompts_file: Path, steps: int,
-            work_dir: Path, timeout_s: float, response_length: int, lr: float,
+            work_dir: Path, timeout_s: float, response_length: int, lr: float, full_length: bool,
             threads: int = THREADS) -> dict[str, Any]:
     """Run benchmarks/trl_grpo.py in the benchmark environment, sampling its memory."""
     out = work_dir / f"e2e_trl_t{threads}.json"
@@ -138,7 +140,7 @@ def run_trl(python: Path, model_dir: Path, tokenizer: Path, prompts_file: Path, 
            "--tokenizer", str(tokenizer), "--prompts", str(prompts_file), "--steps", str(steps),
            "--prompts-per-step", str(PROMPTS), "--num-generations", str(N),
            "--max-completion-length", str(response_length), "--lr", str(lr), "--threads", str(threads),
-           "--work-dir", str(work_dir / "e2e_trl_output"), "--out", str(out)]
+           "--work-dir", str(work_dir / "e2e_trl_output"), "--out", str(out)] + (["--full-length"] if full_length else [])
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     log_path = work_dir / f"e2e_trl_t{threads}.log"
     load_before = load_average()
@@ -220,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                         n=N, timeout_s=args.timeout)
     prompts_file = work / "e2e_prompts.json"
     prompts_file.write_text(json.dumps(megarl_prompt_order(run_dir, steps)))
-    trl_args = dict(response_length=size["response_length"], lr=size["lr"])
+    trl_args = dict(response_length=size["response_length"], lr=size["lr"], full_length=size["full_length"])
     trl = run_trl(args.bench_python, run_dir / "initial_model", task["tokenizer"], prompts_file, steps, work, args.timeout,
                   **trl_args)
     variants = {}
@@ -239,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             "task": "single-digit addition (a+b=), reward 1 when the completion starts with the sum",
             "size": args.size,
             "model": f"{size['model']} (same weights both sides)",
-            "prompts_per_step": PROMPTS, "responses_per_prompt": N, "max_response_tokens": size["response_length"],
+            "prompts_per_step": PROMPTS, "responses_per_prompt": N, "max_response_tokens": size["response_length"], "full_length": size["full_length"],
             "steps": steps, "lr": size["lr"], "precision": "fp32", "kl": "none (beta 0)", "loss": "token-mean",
             "megarl": "2 Ray workers x 1 thread, Megatron TP=2 on gloo, HF rollout engine, separate old-log-prob pass",
             "trl": f"1 process x {THREADS} threads, model.generate rollout, on-policy (no old-log-prob pass)",

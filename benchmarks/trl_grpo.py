@@ -10,7 +10,9 @@ Setup (TRL's documented single-process CPU path): fp32, `torch.set_num_threads(-
 vLLM, beta = 0 (no reference model), one optimizer step per generation batch (fully on-policy, so
 TRL reuses the current log-probs as the old ones instead of a second forward pass), token-mean
 loss ("dapo" in TRL's terms), per-group std scaling, clip epsilon 0.2, AdamW with the constant
-learning rate, weight decay 0, gradient clipping 1.0, temperature 1.0.
+learning rate, weight decay 0, gradient clipping 1.0, temperature 1.0. With `--full-length` every
+completion has `--max-completion-length` tokens (transformers' `min_new_tokens`), to compare with
+megarl's `rollout.ignore_eos` at equal lengths.
 
 Writes JSON to `--out`: per step the wall time (callback from step begin to step end), the time in
 generation + scoring, prompt and completion tokens, and the mean reward.
@@ -35,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts-per-step", type=int, default=8)
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--max-completion-length", type=int, default=4)
+    p.add_argument("--full-length", action="store_true",
+                   help="every completion runs to --max-completion-length (EOS suppressed until then)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1)
@@ -130,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         report_to="none",
         disable_tqdm=True,
         dataloader_num_workers=0,
+        generation_kwargs={"min_new_tokens": args.max_completion_length} if args.full_length else None,
     )
     tokenizer = load_tokenizer(args.tokenizer)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)

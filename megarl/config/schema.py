@@ -262,6 +262,9 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     response_length: Optional[int] = None  # null: data.max_response_length
+    # Every response (training and validation) runs to the full length: EOS and stop tokens do not
+    # end it (verl's rollout.ignore_eos; benchmarks comparing at equal lengths).
+    ignore_eos: bool = False
     tensor_model_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5
     kv_cache_memory_gb: float = 1.0  # CPU engines: KV cache size

@@ -108,3 +108,6 @@ def test_rollout_options_and_sampling(tmp_path: Path) -> None:
     assert with_seed(train, 11).seed == 11 and train.seed is None
     greedy = resolve(tmp_path).val_sampling
     assert greedy.greedy and greedy.n == 1
+    assert not train.ignore_eos and not greedy.ignore_eos
+    full = resolve(tmp_path, "rollout.ignore_eos=true")
+    assert full.train_sampling.ignore_eos and full.val_sampling.ignore_eos
