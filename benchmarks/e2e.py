@@ -205,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="3 steps: a smoke test of both sides")
     p.add_argument("--work-dir", type=Path, default=None, help="runs and data (default: a temporary folder)")
     p.add_argument("--bench-python", type=Path, default=BENCH_PYTHON, help="python of the TRL environment")
+    p.add_argument("--megarl-python", type=Path, default=Path(sys.executable),
+                   help="python megarl runs with (e.g. .venv-vllm/bin/python: rollout.engine auto then picks vLLM)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per side")
     p.add_argument("--out", type=Path, default=None, help="default: results/sections/e2e.json (e2e_25m.json)")
     args = p.parse_args(argv)
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rate = matmul_flops(1024, threads=THREADS)
     megarl = run_megarl(run_dir, base_overrides(task, run_dir, steps) + size_overrides(args.size), prompts=PROMPTS,
-                        n=N, timeout_s=args.timeout)
+                        n=N, timeout_s=args.timeout, python=str(args.megarl_python))
     prompts_file = work / "e2e_prompts.json"
     prompts_file.write_text(json.dumps(megarl_prompt_order(run_dir, steps)))
     trl_args = dict(response_length=size["response_length"], lr=size["lr"], full_length=size["full_length"])
