@@ -93,6 +93,13 @@ class VLLMRolloutEngine(RolloutEngine):
             # Per-request seeds crash the CPU engine when chunked prefill is on.
             kwargs["enable_chunked_prefill"] = False
             kwargs["kv_cache_memory_bytes"] = int(options.kv_cache_memory_gb * 2**30)
+            if options.tensor_parallel_size > 1:
+                import torch.distributed as dist
+
+                removed = remove_stale_cpu_shm(dist.get_rank() % options.tensor_parallel_size)
+                if removed:
+                    logger.warning("vllm rollout: removed shared-memory segments no process maps, left by a "
+                                   "killed tensor-parallel job on this host: %s", ", ".join(removed))
             if options.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 cores = os.cpu_count() or 1
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
@@ -332,6 +339,41 @@ def _eager_token_ranks() -> None:
     original = getattr(sampler.batched_count_greater_than, "_torchdynamo_orig_callable", None)
     if original is not None:
         sampler.batched_count_greater_than = original
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+def remove_stale_cpu_shm(tp_rank: int, shm_dir: Path = SHM_DIR) -> list[str]:
+    """Remove this tensor-parallel rank's shared-memory segments of vLLM's CPU all-reduce that no
+    live process maps; returns their names.
+
+    vLLM's CPU build names them after the launcher's init method, which is `env://` under the
+    external launcher, so every such job on a host uses the same names
+    (`<shm_dir>/-tp:0-[0-1]-cpushm_<rank>` at TP=2). A job whose processes are killed without vLLM's
+    cleanup (Ray's workers at shutdown) leaves them, and the next job's rank fails to create its own
+    (`create shm in SHMManager failed. errno: 17`). Only this rank creates segments ending in its
+    rank, and a segment of a job that runs is mapped by its processes (seen in /proc/<pid>/maps), so
+    removing the unmapped ones touches no running job."""
+    candidates = sorted(shm_dir.glob(f"*-cpushm_{tp_rank}"))
+    if not candidates:
+        return []
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # gone, or another user's process
+            continue
+        mapped.update(str(path) for path in candidates if str(path) in text)
+    removed = []
+    for path in candidates:
+        if str(path) not in mapped:
+            try:
+                path.unlink()
+            except OSError:  # removed meanwhile, or not ours to remove
+                continue
+            removed.append(path.name)
+    return removed
 
 
 def _check_spmd_group(tensor_parallel_size: int) -> None:
