@@ -208,11 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--megarl-python", type=Path, default=Path(sys.executable),
                    help="python megarl runs with (e.g. .venv-vllm/bin/python: rollout.engine auto then picks vLLM)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per side")
-    p.add_argument("--out", type=Path, default=None, help="default: results/sections/e2e.json (e2e_25m.json)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default: results/sections/e2e.json (quickstart, a section of megarl bench), results/e2e_25m.json")
     args = p.parse_args(argv)
     size = SIZES[args.size]
     steps = 3 if args.quick else (args.steps or size["steps"])
-    out = args.out or RESULTS_DIR / "sections" / ("e2e.json" if args.size == "quickstart" else f"e2e_{args.size}.json")
+    default_out = RESULTS_DIR / "sections" / "e2e.json" if args.size == "quickstart" else RESULTS_DIR / f"e2e_{args.size}.json"
+    out = args.out or default_out
     if not args.bench_python.is_file():
         raise SystemExit(f"{args.bench_python} not found: run benchmarks/make_bench_env.sh first (TRL lives there)")
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="megarl-bench-e2e-"))

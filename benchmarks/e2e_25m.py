@@ -1,7 +1,7 @@
 """The end-to-end comparison with TRL (benchmarks/e2e.py) at the ~25M size: hidden 512, 8 layers,
 up to 64 response tokens, with the useful-token MFU of the update and log-prob phases.
 
-    python benchmarks/e2e_25m.py [--steps 8] [--quick] [--out benchmarks/results/sections/e2e_25m.json]
+    python benchmarks/e2e_25m.py [--steps 8] [--quick] [--out benchmarks/results/e2e_25m.json]
 """
 
 from __future__ import annotations
