@@ -18,8 +18,10 @@ both are measured the same way. Peaks shorter than the interval can be missed.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import struct
 import threading
 import time
 from pathlib import Path
@@ -178,6 +180,19 @@ def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None
     return a / b
+
+
+def parameter_count(model_dir: Path, skip: tuple[str, ...] = ()) -> int | None:
+    """Parameters of a saved HF model, from its safetensors headers (no weights loaded), leaving out
+    the tensors whose name ends with one of `skip`; None when the folder holds no weights."""
+    total = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        for name, info in header.items():
+            if name != "__metadata__" and not name.endswith(skip):
+                total += math.prod(info["shape"])
+    return total or None
 
 
 def matmul_flops(size: int, repeats: int = 10, threads: Optional[int] = None) -> float:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -47,6 +46,7 @@ from common import (  # noqa: E402
     machine_info,
     matmul_flops,
     mean,
+    parameter_count,
     ratio,
     write_json,
 )
@@ -92,18 +92,6 @@ def size_overrides(size: str) -> list[str]:
     return ([f"model.hf_config.{key}={value}" for key, value in spec["hf_config"].items()]
             + [f"data.max_response_length={spec['response_length']}", f"actor.optim.lr={spec['lr']}"]
             + (["rollout.ignore_eos=true"] if spec["full_length"] else []))
-
-
-def useful_params(model_dir: Path) -> int:
-    """Parameters that multiply each token (all but the input embedding table), from the checkpoint."""
-    from safetensors import safe_open
-
-    total = 0
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        for name in f.keys():
-            if not name.endswith("embed_tokens.weight"):
-                total += math.prod(f.get_slice(name).get_shape())
-    return total
 
 
 def useful_mfu(megarl: dict[str, Any], trl: dict[str, Any], params: int, rate: float) -> dict[str, Any]:
@@ -248,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
             "prompts_per_step": PROMPTS, "responses_per_prompt": N, "max_response_tokens": size["response_length"],
             "full_length": size["full_length"],
             "steps": steps, "lr": size["lr"], "precision": "fp32", "kl": "none (beta 0)", "loss": "token-mean",
-            "megarl": "2 Ray workers x 1 thread, Megatron TP=2 on gloo, HF rollout engine, separate old-log-prob pass",
+            "megarl": "2 Ray workers x 1 thread, Megatron TP=2 on gloo, rollout.engine auto (HF unless the python given "
+                      "has vLLM), actor.old_log_prob_source auto (no separate old-log-prob pass: one epoch, one "
+                      "mini-batch, the update's own log-probs)",
             "trl": f"1 process x {THREADS} threads, model.generate rollout, on-policy (no old-log-prob pass)",
             "trl_variants": f"TRL again with {', '.join(map(str, TRL_THREAD_VARIANTS))} thread(s): 2-thread OpenMP "
                             "slows down sharply on an oversubscribed machine, 1-thread processes do not",
@@ -258,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         "megarl": megarl,
         "trl": trl,
         "ratios_megarl_over_trl": compare(megarl, trl),
-        "mfu": useful_mfu(megarl, trl, useful_params(run_dir / "initial_model"), rate),
+        # Parameters that multiply each token: all but the input embedding table.
+        "mfu": useful_mfu(megarl, trl, parameter_count(run_dir / "initial_model", skip=("embed_tokens.weight",)), rate),
         "trl_variants": variants,
         "ratios_megarl_over_trl_variants": {k: compare(megarl, v) for k, v in variants.items() if "summary" in v},
         "load_average_end": load_average(),

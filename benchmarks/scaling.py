@@ -20,28 +20,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, load_average, machine_info, ratio, write_json  # noqa: E402
+from common import RESULTS_DIR, load_average, machine_info, parameter_count, ratio, write_json  # noqa: E402
 from megarl_run import base_overrides, one_worker_overrides, prepare_task, run_megarl  # noqa: E402
 
 PROMPTS, N, BASE_LAYERS = 8, 8, 4
-
-
-def parameter_count(model_dir: Path) -> int | None:
-    """Parameters of a saved HF model, from the safetensors headers (no weights loaded)."""
-    import struct
-
-    total = 0
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    for path in files:
-        with open(path, "rb") as f:
-            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        for name, info in header.items():
-            if name != "__metadata__":
-                count = 1
-                for dim in info["shape"]:
-                    count *= dim
-                total += count
-    return total or None
 
 
 def plan() -> list[tuple[str, int, int]]:

@@ -81,7 +81,7 @@ def test_trl_summary_and_ratios():
 
 def test_parameter_count_matches_the_model(tmp_path):
     import torch
-    from scaling import parameter_count
+    from common import parameter_count
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -90,6 +90,8 @@ def test_parameter_count_matches_the_model(tmp_path):
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(tmp_path)
     assert parameter_count(tmp_path) == sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
+    assert parameter_count(tmp_path, skip=("embed_tokens.weight",)) == sum(p.numel() for p in model.parameters()) - embedding
     assert parameter_count(tmp_path / "missing") is None
 
 
