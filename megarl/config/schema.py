@@ -394,6 +394,15 @@ class TrainerConfig:
     # would otherwise be more than max_staleness versions older than the weights it trains with.
     async_mode: str = "sync"
     max_staleness: int = 1  # bounded_staleness: the bound, >= 1
+    # Partial rollout (one_step_off / bounded_staleness): the next step's generation runs in chunks
+    # of partial_rollout_chunk_tokens and stops between two of them once the update has made newer
+    # weights; after the weight sync its unfinished rows go on from their tokens (continue) or are
+    # sampled again from their prompts (drop). Every token records its weight version. off: each
+    # row is generated whole with one version. partial_rollout_interrupt_after: k stops the
+    # generation after k chunks whatever the timing (reproducible); null: when the update is done.
+    partial_rollout: str = "off"  # off | continue | drop
+    partial_rollout_chunk_tokens: int = 16
+    partial_rollout_interrupt_after: Optional[int] = None
     log_freq: int = 1
     progress_bar: bool = True
 

@@ -146,14 +146,15 @@ def ref_enabled(cfg: DictConfig) -> bool:
 
 
 ASYNC_MODES = ("sync", "one_step_off", "bounded_staleness")
+PARTIAL_MODES = ("off", "continue", "drop")  # trainer.partial_rollout
 
 
 def _check_async(r: Any, cfg: Any, world: int) -> None:
     """trainer.async_mode and resources.rollout_pool: what the separate placement supports."""
     mode, pool = cfg.trainer.async_mode, cfg.resources.rollout_pool
     if mode not in ASYNC_MODES:
-        extra = (" (a fully asynchronous producer/consumer with partial rollouts is not built; "
-                 "bounded_staleness bounds the staleness of pipelined generation)"
+        extra = (" (for asynchronous generation with partial rollouts: bounded_staleness with "
+                 "trainer.partial_rollout; a producer with more than one batch in flight is not built)"
                  if mode in ("fully_async", "async") else "")
         r.err(f"trainer.async_mode = {mode!r}: valid: {', '.join(ASYNC_MODES)}{extra}")
     if pool is not None:
@@ -170,6 +171,7 @@ def _check_async(r: Any, cfg: Any, world: int) -> None:
     elif cfg.trainer.max_staleness != 1 and mode != "bounded_staleness":
         r.err(f"trainer.max_staleness = {cfg.trainer.max_staleness} is used only by trainer.async_mode "
               f"bounded_staleness (async_mode is {mode!r}); remove it or set that mode")
+    _check_partial_rollout(r, cfg)
     if mode in ("one_step_off", "bounded_staleness"):
         if pool is None:
             r.err(f"trainer.async_mode = {mode!r} needs resources.rollout_pool: generation can overlap the "
@@ -181,6 +183,27 @@ def _check_async(r: Any, cfg: Any, world: int) -> None:
             r.err(f"trainer.async_mode = {mode!r} needs rollout.calculate_log_probs: true: the rows are generated "
                   "with older weights, and their rollout log-probs are what the off-policy correction and the "
                   "mismatch metrics compare against")
+
+
+def _check_partial_rollout(r: Any, cfg: Any) -> None:
+    """trainer.partial_rollout*: a chunked generation of the pipelined modes, single-turn."""
+    t = cfg.trainer
+    if t.partial_rollout not in PARTIAL_MODES:
+        r.err(f"trainer.partial_rollout = {t.partial_rollout!r}: valid: {', '.join(PARTIAL_MODES)}")
+        return
+    if t.partial_rollout_chunk_tokens < 1:
+        r.err(f"trainer.partial_rollout_chunk_tokens = {t.partial_rollout_chunk_tokens}: must be >= 1")
+    if t.partial_rollout_interrupt_after is not None and t.partial_rollout_interrupt_after < 1:
+        r.err(f"trainer.partial_rollout_interrupt_after = {t.partial_rollout_interrupt_after}: must be >= 1 chunk, "
+              "or null (interrupt when the update is done)")
+    if t.partial_rollout == "off":
+        return
+    if t.async_mode == "sync":
+        r.err(f"trainer.partial_rollout = {t.partial_rollout!r} with trainer.async_mode = 'sync': only a generation "
+              "that overlaps an update can be interrupted by it; set async_mode one_step_off or bounded_staleness")
+    if cfg.rollout.multi_turn.enable:
+        r.err(f"trainer.partial_rollout = {t.partial_rollout!r} with rollout.multi_turn.enable: multi-turn episodes "
+              "are not interrupted by new weights (not built); set partial_rollout off")
 
 
 def _check_layout(r: _Rules, role: str, par: Any, world: int, pool_key: str, hf: Optional[dict]) -> int:

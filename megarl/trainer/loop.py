@@ -51,12 +51,14 @@ from megarl.algorithms import (
     sequence_metric,
 )
 from megarl.cluster.dispatch import plan_dispatch
+from megarl.cluster.rendezvous import address_and_free_port
 from megarl.cluster.host_worker import HostWorker
 from megarl.cluster.worker_group import RoleView
 from megarl.protocol import Batch
 from megarl.protocol.balance import balance_applies, balance_order
 from megarl.rewards.model_scores import combine_scores, reward_model_inputs, reward_model_tokenizer, row_styles
 from megarl.rollout.base import SamplingParams
+from megarl.rollout.partial import OPEN, WeightSignal, oldest_versions, open_rows, partial_metrics
 from megarl.trainer.checkpoint_dirs import CheckpointDirs, capture_rng_state, restore_rng_state
 from megarl.trainer.checkpointing import TrainerCheckpointer, check_driver_state_restored
 from megarl.trainer.rollout_dump import dump_rollouts, dump_validation
@@ -97,14 +99,22 @@ class RLTrainer:
         self.probe_metrics: dict[str, float] = {}  # probe/*: the weight-sync probe run in this step
         self.probed_version = -1  # the last weight version the probe checked (rollout.probe_freq)
         # trainer.async_mode one_step_off / bounded_staleness: the next step's generation, launched
-        # during this step, as (step, call handle, weight version it generates with); None when
-        # nothing is in flight. A row may be at most `max_staleness` versions older than the weights
+        # during this step, as (step, call handle, weight version it generates with, sampling); None
+        # when nothing is in flight. A row may be at most `max_staleness` versions older than the weights
         # it is trained from: one_step_off syncs before every launch (1), bounded_staleness only
         # when the bound requires it (trainer.max_staleness).
         mode = self.cfg.trainer.async_mode
         self.pipelined = mode != "sync"
         self.max_staleness = int(self.cfg.trainer.max_staleness) if mode == "bounded_staleness" else 1
-        self.prefetch: Optional[tuple[int, Any, int]] = None
+        self.prefetch: Optional[tuple[int, Any, int, SamplingParams]] = None
+        # trainer.partial_rollout: that generation runs in chunks and stops once newer weights exist,
+        # which the driver announces over `weight_signal` (unless it stops after a fixed number of
+        # chunks); the step that trains on it syncs them and has the unfinished rows finished.
+        self.partial = spec.rollout.partial if self.pipelined else None
+        self.weight_signal: Optional[WeightSignal] = None
+        if self.partial is not None and self.partial.interrupt_after is None:
+            self.weight_signal = WeightSignal.serve(address_and_free_port()[0])
+            workers.rollout.call_all(RolloutRole.connect_weight_signal, *self.weight_signal.address)
         self.synced_in_step = False
         self.rollout_busy_s = 0.0  # how long the slowest rollout rank generated the last batch
         self.step_version = 0  # weights_version at the start of the running step
@@ -195,6 +205,7 @@ class RLTrainer:
             batch, gen_metrics = self.collect_scored_batch(step, score=not self.score_beside_pass)
             metrics.update(gen_metrics)
             metrics.update(self.staleness_metrics(batch))
+            metrics.update(partial_metrics(batch, self.step_version))
             metrics["sync/synced"] = float(self.synced_in_step)  # a weight sync ran while this step generated
             # The rollout pool's own time on this step's rows (in the pipelined modes it overlaps the
             # previous step; timing_s/gen is then only the wait for it). Not a timing_s/ phase: the
@@ -250,6 +261,8 @@ class RLTrainer:
                         update_log_probs = actor.call_dp(ActorRole.update_log_probs,
                                                          batch.select("response_mask"))["update_log_probs"]
                 self.weights_version += 1
+                if self.weight_signal is not None:  # a partial rollout in flight stops at its next chunk
+                    self.weight_signal.raise_to(self.weights_version)
                 if source != "recompute":
                     if source == "update":
                         batch["old_log_probs"] = update_log_probs
@@ -421,15 +434,19 @@ class RLTrainer:
         with weights from before this step's update, so that it runs while this step trains: the
         latest (one_step_off), or those the rollout has while they are within `max_staleness`
         versions of the weights that will train on the rows (bounded_staleness)."""
+        rollout = self.workers.rollout
         if self.prefetch is not None:
-            launched_for, handle, version = self.prefetch
+            launched_for, handle, version, sampling = self.prefetch
             if launched_for != step or attempt != 0:
                 raise RuntimeError(f"generation in flight for step {launched_for}, asked for step {step}")
             with self.phase("gen"):  # here only the wait: what the training pool idles for
-                out = handle.result(self.workers.rollout.group.call_timeout_s)
+                out = handle.result(rollout.group.call_timeout_s)
             self.prefetch = None
-            out["rollout_weights_version"] = torch.full((len(out),), version, dtype=torch.int64)
             out = self.take_busy_time(out)
+            if OPEN in out:
+                out = self.finish_partial(out, sampling)
+            else:
+                out["rollout_weights_version"] = torch.full((len(out),), version, dtype=torch.int64)
         else:
             out = self.generate(self.run.train_loader.next_batch(), self.sampling(step * 1000 + attempt))
         if self.pipelined and self.may_prefetch(step):
@@ -437,11 +454,33 @@ class RLTrainer:
             trained_with = self.weights_version + int(step > self.cfg.trainer.critic_warmup)
             if trained_with - self.rollout_version > self.max_staleness:
                 self.sync_rollout()
-            prompts = self.run.train_loader.next_batch()
-            handle = self.workers.rollout.call_dp_async(RolloutRole.generate, prompts, self.sampling((step + 1) * 1000),
-                                                        dispatch_coords=self.workers.rollout_coords)
-            self.prefetch = (step + 1, handle, self.rollout_version)
+            prompts, sampling = self.run.train_loader.next_batch(), self.sampling((step + 1) * 1000)
+            if self.partial is None:
+                handle = rollout.call_dp_async(RolloutRole.generate, prompts, sampling,
+                                               dispatch_coords=self.workers.rollout_coords)
+            else:  # interruptible once weights newer than today's exist
+                rows = open_rows(prompts, sampling.n, self.response_length, self.spec.rollout.options.pad_token_id)
+                handle = rollout.call_dp_async(RolloutRole.generate_partial, rows, sampling, self.rollout_version,
+                                               self.weights_version, dispatch_coords=self.workers.rollout_coords)
+            self.prefetch = (step + 1, handle, self.rollout_version, sampling)
         return out
+
+    def finish_partial(self, rows: Batch, sampling: SamplingParams) -> Batch:
+        """A partial rollout's rows (`trainer.partial_rollout`) once it stopped: when rows are
+        unfinished, the rollout takes the actor's newest weights and generates them to their end
+        (from their tokens, or again from the prompt with `drop`). A row's `rollout_weights_version`
+        is its oldest token's."""
+        if bool(rows[OPEN].any()):
+            first_part_s = self.rollout_busy_s
+            self.sync_rollout()
+            with self.phase("gen"):
+                rows = self.workers.rollout.call_dp(RolloutRole.generate_partial, rows, sampling, self.rollout_version,
+                                                    None, dispatch_coords=self.workers.rollout_coords)
+            rows = self.take_busy_time(rows)
+            self.rollout_busy_s += first_part_s
+        rows.pop(OPEN)
+        rows["rollout_weights_version"] = oldest_versions(rows)
+        return rows
 
     def may_prefetch(self, step: int) -> bool:
         """Whether step `step` may launch the generation of the next one: not at the last step, and

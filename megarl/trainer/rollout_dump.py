@@ -14,7 +14,8 @@
   advantage; for GAE it is the first token's. ``null`` for an empty response;
 - ``response_length``: response tokens (int);
 - ``rollout_weights_version``: how many actor updates the weights that generated the row had had
-  (training at step ``s`` uses version ``s - 1``: a row with version ``s - 1`` is on-policy);
+  (training at step ``s`` uses version ``s - 1``: a row with version ``s - 1`` is on-policy); with
+  partial rollout the oldest of its tokens' versions, and ``token_versions``: each response token's;
 - ``<key>`` for each ``reward_info/<key>`` column (``reward_info/<key>`` when ``<key>`` is already a
   field above, e.g. the scorer's own ``score`` before overlong shaping).
 
@@ -36,13 +37,14 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from megarl.protocol import Batch
+from megarl.rollout.partial import TOKEN_VERSIONS  # partial rollout: each response token's version
 
 _OPTIONAL_OBJECT_COLUMNS = ("uid", "data_source", "ground_truth")
 _SUMMED_COLUMNS = {"score": "token_level_scores", "reward": "token_level_rewards"}
 # The weight version (actor updates before it) each row was generated under; `step - 1` was trained on.
 _VERSION_COLUMN = "rollout_weights_version"
-_FIELDS = {"step", "input", "output", "advantage", "response_length", _VERSION_COLUMN, *_OPTIONAL_OBJECT_COLUMNS,
-           *_SUMMED_COLUMNS}
+_FIELDS = {"step", "input", "output", "advantage", "response_length", _VERSION_COLUMN, "token_versions",
+           *_OPTIONAL_OBJECT_COLUMNS, *_SUMMED_COLUMNS}
 
 
 def json_safe(value: Any) -> Any:
@@ -86,6 +88,8 @@ def generation_records(batch: Batch, tokenizer: PreTrainedTokenizerBase, step: i
             columns[field] = batch[key].detach().float().cpu().sum(dim=-1).tolist()
     if _VERSION_COLUMN in batch:
         columns[_VERSION_COLUMN] = batch[_VERSION_COLUMN].tolist()
+    if TOKEN_VERSIONS in batch:
+        columns["token_versions"] = [row[m].tolist() for row, m in zip(batch[TOKEN_VERSIONS].cpu(), response_mask)]
     if "advantages" in batch:
         # Right-padded responses start at column 0: that is the first response token.
         first = batch["advantages"].detach().float().cpu()[:, 0].tolist()

@@ -21,6 +21,7 @@ from megarl.layout import ParallelLayout
 from megarl.megatron.optim import EngineConfig
 from megarl.rewards.model_scores import RewardCombine
 from megarl.rollout.base import EngineOptions, SamplingParams
+from megarl.rollout.partial import PartialRollout
 from megarl.workers.losses import ActorLossSpec, CriticLossSpec
 from megarl.workers.specs import EngineRoleSpec, OffloadSpec, RolloutSpec, UpdateSpec
 
@@ -206,6 +207,7 @@ def resolve_run_spec(cfg: DictConfig, model_dir: str, pad_token_id: int, eos_tok
         sync_verify_freq=int(ro.sync_verify_freq),
         calculate_log_probs=bool(ro.calculate_log_probs),
         multi_turn=multi_turn_settings(cfg.rollout.multi_turn, resp),
+        partial=partial_rollout_settings(cfg.trainer),
     )
 
     val = ro.val_kwargs
@@ -244,6 +246,15 @@ def rollout_correction_settings(rollout_correction: Any) -> RolloutCorrectionSet
     return RolloutCorrectionSettings(mode=str(rollout_correction.mode), level=str(rollout_correction.level),
                                      threshold=float(rollout_correction.threshold),
                                      lower=float(rollout_correction.lower), upper=float(rollout_correction.upper))
+
+
+def partial_rollout_settings(trainer: Any) -> Optional[PartialRollout]:
+    """`trainer.partial_rollout*` as the rollout's chunked-generation settings (None when off)."""
+    if trainer.partial_rollout == "off":
+        return None
+    after = trainer.partial_rollout_interrupt_after
+    return PartialRollout(mode=str(trainer.partial_rollout), chunk_tokens=int(trainer.partial_rollout_chunk_tokens),
+                          interrupt_after=None if after is None else int(after))
 
 
 def multi_turn_settings(multi_turn: Any, response_length: int) -> Optional[AgentSettings]:

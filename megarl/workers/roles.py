@@ -39,6 +39,7 @@ from megarl.protocol import Batch
 from megarl.rewards.model_checkpoint import hf_files_dir, is_converted
 from megarl.rollout.base import EngineState, SamplingParams
 from megarl.rollout.factory import create_rollout_engine
+from megarl.rollout.partial import WeightSignal, advance_rows
 from megarl.workers.losses import make_actor_loss, make_critic_loss
 from megarl.workers.specs import EngineRoleSpec, RolloutSpec
 
@@ -255,6 +256,7 @@ class RolloutRole:
         self.weights_version = -1
         self.agent: AgentLoop | None = None  # the multi-turn loop, built on first use
         self.agent_group: Any = None  # the gloo group of this rank's rollout TP group (multi-turn, TP > 1)
+        self.weight_signal: WeightSignal | None = None  # partial rollout: the driver's newest weight version
 
     def connect_roles(self, roles: dict[str, Any]) -> None:
         self.actor = roles.get("actor")
@@ -309,6 +311,34 @@ class RolloutRole:
         if not self.spec.calculate_log_probs and "rollout_log_probs" in out:
             out.pop("rollout_log_probs")
         # How long this rank generated, on every row (the driver takes it off: async/rollout_busy_s).
+        out[ROLLOUT_BUSY] = torch.full((len(out),), time.perf_counter() - start, dtype=torch.float64)
+        return out
+
+    def connect_weight_signal(self, host: str, port: int) -> None:
+        """Partial rollout: read the driver's newest weight version between chunks (rank 0 of each
+        rollout TP group reads it and tells the others)."""
+        if self._drives_agent():
+            self.weight_signal = WeightSignal.connect(host, port)
+
+    def generate_partial(self, rows: Batch, sampling: SamplingParams, version: int,
+                         interrupt_above: int | None) -> Batch:
+        """Go on generating this rank's open rows (`megarl.rollout.partial`) with the weights of
+        `version`, chunk by chunk. `interrupt_above`: stop after a chunk once the driver's weight
+        signal exceeds it, or after `spec.partial.interrupt_after` chunks when that is set; None:
+        run every row to its end."""
+        start = time.perf_counter()
+        settings = self.spec.partial
+
+        def interrupted(chunks: int) -> bool:
+            if interrupt_above is None:
+                return False
+            if settings.interrupt_after is not None:
+                return chunks >= settings.interrupt_after
+            newer = self.weight_signal.newest() > interrupt_above if self.weight_signal is not None else False
+            return bool(self._share_in_rollout_group(newer))  # the ranks of one engine stop together
+
+        out = advance_rows(self.engine, rows, sampling, version, settings.chunk_tokens, interrupted,
+                           restart_stale=settings.mode == "drop")
         out[ROLLOUT_BUSY] = torch.full((len(out),), time.perf_counter() - start, dtype=torch.float64)
         return out
 

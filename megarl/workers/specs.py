@@ -13,6 +13,7 @@ from megarl.agent.loop import AgentSettings
 from megarl.layout import ParallelLayout
 from megarl.megatron.optim import EngineConfig
 from megarl.rollout.base import EngineOptions
+from megarl.rollout.partial import PartialRollout
 from megarl.workers.losses import ActorLossSpec, CriticLossSpec
 
 
@@ -87,3 +88,4 @@ class RolloutSpec:
     sync_verify_freq: int = 1  # verify every k-th weight sync (0: never)
     calculate_log_probs: bool = True
     multi_turn: Optional[AgentSettings] = None  # set: multi-turn rollouts with tools (megarl.agent)
+    partial: Optional[PartialRollout] = None  # set: generation in chunks that new weights interrupt

@@ -4,7 +4,10 @@ pool of their own (`resources.rollout_pool`), end to end on a local Ray cluster:
 - every trained row was generated with the weights of one update before (or, after a checkpoint,
   which drains the pipeline, with the current ones): checked row by row in the rollout dumps;
 - every rollout rank receives exactly the bytes of its shard over the bridge between the pools;
-- a run killed while a generation is in flight resumes to the metrics of an uninterrupted run.
+- a run killed while a generation is in flight resumes to the metrics of an uninterrupted run;
+- partial rollout (`trainer.partial_rollout`): a generation in flight is interrupted, the new
+  weights are synced, and it continues (or its unfinished rows start again), every token dumped
+  with the weight version that sampled it.
 """
 
 from __future__ import annotations
@@ -97,10 +100,75 @@ def test_bounded_staleness_syncs_only_when_a_row_would_be_too_old(tmp_path: Path
         assert metrics[step]["sync/synced"] == synced[step], step
 
 
-@pytest.mark.parametrize("mode", ["one_step_off", "bounded_staleness"])
+# Partial rollout at a fixed interruption point: one chunk of 2 tokens (of at most 4) with the weights
+# of the launch, the rest with the weights after the update.
+PARTIAL = ("trainer.partial_rollout_chunk_tokens=2", "trainer.partial_rollout_interrupt_after=1")
+
+
+def dumped_rows(dumps: Path, step: int) -> list[dict]:
+    return [json.loads(line) for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("partial", ["continue", "drop"])
+def test_partial_rollout_goes_on_with_the_new_weights(tmp_path: Path, task_dir: Path, partial: str) -> None:  # noqa: F811
+    dumps = tmp_path / "rollouts"
+    config = write_config(tmp_path, task_dir, **ASYNC)
+    proc = run_train(config, "trainer.total_training_steps=5", "trainer.save_freq=3", f"trainer.partial_rollout={partial}",
+                     *PARTIAL, f"trainer.rollout_data_dir={dumps}")
+    assert proc.returncode == 0
+    metrics = read_metrics(tmp_path / "run")
+    full = model_bytes(tmp_path / "run" / "initial_model")
+    continued = 0
+    for step in range(1, 6):
+        v = expected_version(step, 3)
+        for row in dumped_rows(dumps, step):
+            n = row["response_length"]
+            if v == step - 1:  # generated whole with the current weights (first step, after a checkpoint)
+                assert "token_versions" not in row and row["rollout_weights_version"] == v, (step, row)
+                continue
+            # Launched during the previous step with v, interrupted after 2 tokens, synced to v + 1.
+            tokens = row["token_versions"]
+            if partial == "continue":
+                assert tokens == [v] * min(n, 2) + [v + 1] * max(n - 2, 0), (step, row)
+            else:  # an unfinished row starts again: all of one version
+                assert tokens in ([v] * n, [v + 1] * n) and (n <= 2 or tokens == [v + 1] * n), (step, row)
+            assert row["rollout_weights_version"] == tokens[0], (step, row)
+            continued += n > 2
+        m = metrics[step]
+        if v != step - 1:
+            assert m["async/token_staleness_max"] <= 1 and m["sync/synced"] == 1.0, step
+            if partial == "continue":
+                assert m["async/partial_rows"] > 0, step
+        # Every sync, those that interrupt a generation included, moves exactly each rank's minimum.
+        assert m["sync/bytes_received"] == m["sync/bytes_minimum"] == 2 * full and m["sync/bytes_excess_max"] == 0, step
+    assert continued > 0  # the tiny model writes responses longer than the first chunk
+
+
+def test_partial_rollout_interrupted_by_the_update_keeps_the_staleness_bound(tmp_path: Path, task_dir: Path) -> None:  # noqa: F811
+    """Asynchronous mode: bounded staleness with partial rollouts stopped by the driver's signal once the
+    update is done (no fixed interruption point: which tokens get which version depends on timing)."""
+    dumps = tmp_path / "rollouts"
+    config = write_config(tmp_path, task_dir, **ASYNC)
+    proc = run_train(config, "trainer.total_training_steps=5", "trainer.async_mode=bounded_staleness",
+                     "trainer.max_staleness=2", "trainer.partial_rollout=continue",
+                     "trainer.partial_rollout_chunk_tokens=1", "data.max_response_length=8",
+                     f"trainer.rollout_data_dir={dumps}")
+    assert proc.returncode == 0
+    metrics = read_metrics(tmp_path / "run")
+    for step in range(1, 6):
+        for row in dumped_rows(dumps, step):
+            tokens = row.get("token_versions", [row["rollout_weights_version"]] * row["response_length"])
+            assert tokens == sorted(tokens) and row["rollout_weights_version"] == min(tokens), (step, row)
+            assert all(0 <= step - 1 - t <= 2 for t in tokens), (step, row)  # the bound, token by token
+        assert metrics[step]["async/staleness_max"] <= 2, step
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "bounded_staleness", "partial_rollout"])
 def test_killed_pipelined_run_resumes_with_the_same_metrics(tmp_path: Path, task_dir: Path, mode: str) -> None:  # noqa: F811
-    common = ("trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.max_ckpt_to_keep=3",
-              f"trainer.async_mode={mode}", *(("trainer.max_staleness=2",) if mode == "bounded_staleness" else ()))
+    pipelined = {"one_step_off": ("trainer.async_mode=one_step_off",),
+                 "bounded_staleness": ("trainer.async_mode=bounded_staleness", "trainer.max_staleness=2"),
+                 "partial_rollout": ("trainer.async_mode=one_step_off", "trainer.partial_rollout=continue", *PARTIAL)}
+    common = ("trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.max_ckpt_to_keep=3", *pipelined[mode])
     straight = tmp_path / "straight"
     straight.mkdir()
     assert run_train(write_config(straight, task_dir, **ASYNC), *common).returncode == 0
@@ -129,5 +197,6 @@ def test_killed_pipelined_run_resumes_with_the_same_metrics(tmp_path: Path, task
     resumed = read_metrics(killed / "run")
     assert sorted(resumed) == [1, 2, 3, 4]
     for step in (3, 4):
-        for key in COMPARED:
+        partial = ("async/partial_rows", "async/token_staleness_mean") if mode == "partial_rollout" and step == 4 else ()
+        for key in COMPARED + partial:  # step 4 is the one generated across the update
             assert resumed[step][key] == pytest.approx(expected[step][key], rel=1e-5, abs=1e-7), (step, key)

@@ -59,7 +59,7 @@ def test_one_step_off_without_a_rollout_pool_is_refused(tmp_path: Path) -> None:
 def test_unknown_mode_names_the_valid_ones_and_what_is_not_built(tmp_path: Path) -> None:
     message = _errors(_experiment(tmp_path, {"async_mode": "fully_async"}, {}))
     assert "trainer.async_mode = 'fully_async': valid: sync, one_step_off, bounded_staleness" in message
-    assert "not built" in message
+    assert "bounded_staleness with trainer.partial_rollout" in message and "not built" in message
 
 
 def test_rollout_pool_of_another_size_is_refused(tmp_path: Path) -> None:
@@ -89,3 +89,25 @@ def test_max_staleness_is_checked_and_belongs_to_bounded_staleness(tmp_path: Pat
     cfg = load_config(_experiment(tmp_path, {"async_mode": "bounded_staleness", "max_staleness": 3}, POOL2,
                                   {"free_cache_engine": False}))
     assert cfg.trainer.max_staleness == 3
+
+
+def test_partial_rollout_keys_are_checked(tmp_path: Path) -> None:
+    pipelined = {"async_mode": "one_step_off"}
+    rollout = {"free_cache_engine": False}
+    message = _errors(_experiment(tmp_path, {**pipelined, "partial_rollout": "resume"}, POOL2, rollout))
+    assert "trainer.partial_rollout = 'resume': valid: off, continue, drop" in message
+    message = _errors(_experiment(tmp_path, {**pipelined, "partial_rollout": "continue",
+                                             "partial_rollout_chunk_tokens": 0,
+                                             "partial_rollout_interrupt_after": 0}, POOL2, rollout))
+    assert "trainer.partial_rollout_chunk_tokens = 0: must be >= 1" in message
+    assert "trainer.partial_rollout_interrupt_after = 0: must be >= 1 chunk" in message
+    message = _errors(_experiment(tmp_path, {"partial_rollout": "drop"}, {}))
+    assert "trainer.partial_rollout = 'drop' with trainer.async_mode = 'sync'" in message
+    message = _errors(_experiment(tmp_path, {**pipelined, "partial_rollout": "continue"}, POOL2,
+                                  {**rollout, "multi_turn": {"enable": True, "tools": ["calculator"]}}))
+    assert "with rollout.multi_turn.enable" in message
+    cfg = load_config(_experiment(tmp_path, {"async_mode": "bounded_staleness", "max_staleness": 2,
+                                             "partial_rollout": "continue", "partial_rollout_chunk_tokens": 4,
+                                             "partial_rollout_interrupt_after": 1}, POOL2, rollout))
+    assert (cfg.trainer.partial_rollout, cfg.trainer.partial_rollout_chunk_tokens,
+            cfg.trainer.partial_rollout_interrupt_after) == ("continue", 4, 1)

@@ -11,6 +11,7 @@ import torch
 from rollout_helpers import prompt_batch, reference_log_softmax, tiny_model
 
 from megarl.rollout.base import EngineOptions, EngineState, SamplingParams
+from megarl.rollout.partial import OPEN, TOKEN_VERSIONS, PartialRollout, WeightSignal, open_rows
 from megarl.workers.roles import RolloutRole
 from megarl.workers.specs import RolloutSpec
 
@@ -58,3 +59,24 @@ def test_sleep_follows_free_cache_engine(model_dir: tuple[torch.nn.Module, Path]
     resident = make_role(path, free_cache_engine=False)
     resident.sleep()
     assert resident.engine.state is EngineState.AWAKE
+
+
+def test_partial_generation_stops_when_the_driver_announces_newer_weights(
+        model_dir: tuple[torch.nn.Module, Path]) -> None:
+    _, path = model_dir
+    signal = WeightSignal.serve("127.0.0.1")
+    role = make_role(path, partial=PartialRollout(mode="continue", chunk_tokens=2))
+    role.connect_weight_signal(*signal.address)
+    params = SamplingParams(n=2, max_new_tokens=6, seed=1)
+    rows = open_rows(prompt_batch([[3, 4, 5], [6, 7]]), 2, 6, 0)
+    # No newer weights than version 3: the rows run to their end.
+    whole = role.generate_partial(rows, params, 3, interrupt_above=3)
+    assert whole[OPEN].tolist() == [0] * 4 and whole["response_mask"].sum().item() == 24
+    # Version 4 announced: the generation stops after its first chunk, 2 tokens a row.
+    signal.raise_to(4)
+    cut = role.generate_partial(rows, params, 3, interrupt_above=3)
+    assert cut[OPEN].tolist() == [1] * 4 and cut["response_mask"].sum(-1).tolist() == [2] * 4
+    # The continuation (interrupt_above None) is not interrupted, and records the new version.
+    done = role.generate_partial(cut, params, 4, interrupt_above=None)
+    assert done[OPEN].tolist() == [0] * 4 and done[TOKEN_VERSIONS].tolist() == [[3, 3, 4, 4, 4, 4]] * 4
+    assert torch.equal(done["responses"][:, :2], cut["responses"][:, :2])
