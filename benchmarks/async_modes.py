@@ -1,4 +1,4 @@
-"""The quickstart task in synchronous, one-step-off and bounded-staleness mode, side by side.
+"""The quickstart task in synchronous, one-step-off, bounded-staleness and asynchronous mode, side by side.
 
 Every mode runs `megarl train configs/async_cpu.yaml` (1 training process, 1 rollout process, the
 quickstart's model and task, same seed) for `--steps` GRPO steps without validation or checkpoints,
@@ -10,11 +10,14 @@ in turn within each round so that a busy machine slows them alike. Per mode, fro
 - idle shares: the training pool idles while it waits for generation (`timing_s/gen`); the rollout
   pool is busy generating (`async/rollout_busy_s`, its own measure) and in the weight sync
   (`timing_s/sync_weights`), idle the rest of the step;
-- staleness of the trained rows (`async/staleness_mean`) and the rollout/trainer mismatch
-  (`rollout_corr/kl_k3`).
+- staleness of the trained rows (`async/staleness_mean`, a row's oldest token) and of their tokens
+  (`async/token_staleness_mean`), the share of rows sampled across an update (`async/partial_rows`),
+  and the rollout/trainer mismatch (`rollout_corr/kl_k3`).
 
 Modes: sync (`trainer.async_mode=sync`, still the two pools), one_step_off, bounded_staleness with
-`trainer.max_staleness=2`; plus hybrid_1w, today's colocated layout (1 process, 2 threads, rollout
+`trainer.max_staleness=2`; async_partial, the same with partial rollout (a generation still running
+when the update is done stops at its next token, takes the new weights and goes on:
+`trainer.partial_rollout=continue`, one token a chunk); plus hybrid_1w, today's colocated layout (1 process, 2 threads, rollout
 in the actor's process) as the reference.
 
     python benchmarks/async_modes.py                 # about 10 minutes on 2 CPU cores
@@ -45,6 +48,8 @@ MODES: dict[str, tuple[list[str], int]] = {  # overrides, threads per process
     "sync": (["trainer.async_mode=sync"], 1),
     "one_step_off": (["trainer.async_mode=one_step_off"], 1),
     "bounded_staleness": (["trainer.async_mode=bounded_staleness", "trainer.max_staleness=2"], 1),
+    "async_partial": (["trainer.async_mode=bounded_staleness", "trainer.max_staleness=2",
+                       "trainer.partial_rollout=continue", "trainer.partial_rollout_chunk_tokens=1"], 1),
     "hybrid_1w": (["trainer.async_mode=sync", "resources.rollout_pool=null", "rollout.free_cache_engine=true",
                    "resources.num_cpus_per_worker=2"], 2),
 }
@@ -86,6 +91,8 @@ def summarise_run(rows: list[dict[str, Any]], level: float, window: int) -> dict
         "training_idle_share": round(total_of("timing_s/gen") / total, 3),
         "rollout_idle_share": round(max(0.0, 1.0 - rollout_busy / total), 3),
         "staleness_mean": round(total_of("async/staleness_mean") / len(timed), 3),
+        "token_staleness_mean": round(total_of("async/token_staleness_mean") / len(timed), 3),
+        "partial_rows_mean": round(total_of("async/partial_rows") / len(timed), 3),
         "mismatch_kl_k3_mean": round(total_of("rollout_corr/kl_k3") / len(timed), 6),
         "time_to_level_s": time_to_level(rows, level, window),
         "score_first10_mean": round(statistics.mean(r["metrics"]["critic/score/mean"] for r in rows[:10]), 3),
@@ -143,8 +150,8 @@ def main() -> int:
                   f"staleness {s['staleness_mean']:.2f}  to {args.level} in {s['time_to_level_s']} s  "
                   f"score {s['score_first10_mean']:.2f} -> {s['score_last10_mean']:.2f}", flush=True)
     keys = ("step_s_mean", "generated_tokens_per_s", "training_idle_share", "rollout_idle_share", "time_to_level_s",
-            "staleness_mean", "mismatch_kl_k3_mean", "gen_wait_s_mean", "rollout_busy_s_mean", "update_actor_s_mean",
-            "sync_weights_s_mean", "score_last10_mean")
+            "staleness_mean", "token_staleness_mean", "partial_rows_mean", "mismatch_kl_k3_mean", "gen_wait_s_mean",
+            "rollout_busy_s_mean", "update_actor_s_mean", "sync_weights_s_mean", "score_last10_mean")
     summary = {name: {key: median_of(results, key) for key in keys} for name, results in per_mode.items()}
     if "sync" in summary:
         base = summary["sync"]["step_s_mean"]

@@ -21,7 +21,8 @@ SECTION_TITLES = {
     "phases": "Phase breakdown of a megarl step",
     "scaling": "Scaling: workers and model size",
     "components": "Component benchmarks",
-    "async_modes": "Synchronous, one-step-off and bounded-staleness training (separate rollout pool)",
+    "async_modes": ("Synchronous, one-step-off, bounded-staleness and asynchronous (partial rollout) training "
+                    "(separate rollout pool)"),
     "gpu": "GPU",
 }
 
@@ -279,12 +280,14 @@ def _async_modes(result: dict[str, Any]) -> list[str]:
     level = result.get("reward_level", {})
     rows = [[name, fmt(s.get("step_s_mean")), fmt(s.get("step_time_vs_sync")), fmt(s.get("generated_tokens_per_s")),
              fmt(s.get("training_idle_share")), fmt(s.get("rollout_idle_share")), fmt(s.get("staleness_mean")),
-             fmt(s.get("mismatch_kl_k3_mean")), fmt(s.get("time_to_level_s")), fmt(s.get("score_last10_mean"))]
+             fmt(s.get("token_staleness_mean")), fmt(s.get("partial_rows_mean")), fmt(s.get("mismatch_kl_k3_mean")),
+             fmt(s.get("time_to_level_s")), fmt(s.get("score_last10_mean"))]
             for name, s in result.get("summary", {}).items()]
     return [f"{result.get('steps')} steps x {result.get('rounds')} rounds, {result.get('engine')} engine, medians; "
             f"time to a mean score of {level.get('level')} over {level.get('window')} steps "
             "(`benchmarks/async_modes.py`).", ""] + table(
-        ["mode", "step s", "vs sync", "gen tok/s", "training idle", "rollout idle", "staleness", "KL k3",
+        ["mode", "step s", "vs sync", "gen tok/s", "training idle", "rollout idle", "staleness", "token staleness",
+         "rows across an update", "KL k3",
          f"s to {level.get('level')}", "score last 10"], rows)
 
 

@@ -58,7 +58,7 @@ from megarl.protocol import Batch
 from megarl.protocol.balance import balance_applies, balance_order
 from megarl.rewards.model_scores import combine_scores, reward_model_inputs, reward_model_tokenizer, row_styles
 from megarl.rollout.base import SamplingParams
-from megarl.rollout.partial import OPEN, WeightSignal, oldest_versions, open_rows, partial_metrics
+from megarl.rollout.partial import OPEN, TOKEN_VERSIONS, WeightSignal, oldest_versions, open_rows, partial_metrics
 from megarl.trainer.checkpoint_dirs import CheckpointDirs, capture_rng_state, restore_rng_state
 from megarl.trainer.checkpointing import TrainerCheckpointer, check_driver_state_restored
 from megarl.trainer.rollout_dump import dump_rollouts, dump_validation
@@ -607,7 +607,9 @@ class RLTrainer:
     def rollout_mismatch(self, batch: Batch, trainer_log_probs: torch.Tensor, step: int) -> dict[str, float]:
         """How far the rollout engine's log-probs are from the trainer's (B, R) for the same tokens and
         weights (a weight-sync or numerics problem shows here first): `training/rollout_logprob_abs_diff_*`,
-        `training/rollout_probs_diff_*`, `rollout_corr/*`. Stops the run above `rollout.max_logprob_gap`."""
+        `training/rollout_probs_diff_*`, `rollout_corr/*`. Stops the run above `rollout.max_logprob_gap`;
+        in a partial rollout's batch, over the tokens sampled with the weights being trained
+        (`async/fresh_tokens_logprob_abs_diff_*`, `async/fresh_tokens_probs_diff_*`)."""
         if "rollout_log_probs" not in batch:
             return {}
         metrics = rollout_mismatch_metrics(trainer_log_probs, batch["rollout_log_probs"], batch["response_mask"],
@@ -618,6 +620,13 @@ class RLTrainer:
             (batch["rollout_weights_version"] == self.step_version).all())
         if "training/rollout_logprob_abs_diff_mean" in metrics and fresh:
             check_logprob_gap(step, metrics["training/rollout_logprob_abs_diff_mean"], self.spec.max_logprob_gap)
+        elif TOKEN_VERSIONS in batch:  # partial rollout: the tokens sampled after the sync are checked
+            tokens = batch["response_mask"].bool() & (batch[TOKEN_VERSIONS] == self.step_version)
+            gap = logprob_gap(trainer_log_probs, batch["rollout_log_probs"], tokens)
+            metrics.update({"async/fresh_tokens_" + k.removeprefix("training/rollout_"): v for k, v in gap.items()})
+            if gap:
+                check_logprob_gap(step, gap["training/rollout_logprob_abs_diff_mean"], self.spec.max_logprob_gap,
+                                  "the tokens a partial rollout sampled with the weights being trained")
         return metrics
 
     def staleness_metrics(self, batch: Batch) -> dict[str, float]:

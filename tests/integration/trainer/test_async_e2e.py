@@ -139,6 +139,13 @@ def test_partial_rollout_goes_on_with_the_new_weights(tmp_path: Path, task_dir: 
             assert m["async/token_staleness_max"] <= 1 and m["sync/synced"] == 1.0, step
             if partial == "continue":
                 assert m["async/partial_rows"] > 0, step
+            # Tokens sampled after the sync carry the trained weights' log-probs (fp32 both sides; one
+            # update apart, as the tokens before the sync are, they differ by ~1e-2).
+            fresh_gap = m.get("async/fresh_tokens_logprob_abs_diff_max")
+            if fresh_gap is None:  # drop: every row was sampled again after the sync, the batch is fresh
+                assert partial == "drop" and m["async/staleness_max"] == 0, step
+                fresh_gap = m["training/rollout_logprob_abs_diff_max"]
+            assert 0 <= fresh_gap < 1e-4, step
         # Every sync, those that interrupt a generation included, moves exactly each rank's minimum.
         assert m["sync/bytes_received"] == m["sync/bytes_minimum"] == 2 * full and m["sync/bytes_excess_max"] == 0, step
     assert continued > 0  # the tiny model writes responses longer than the first chunk
@@ -146,12 +153,15 @@ def test_partial_rollout_goes_on_with_the_new_weights(tmp_path: Path, task_dir: 
 
 def test_partial_rollout_interrupted_by_the_update_keeps_the_staleness_bound(tmp_path: Path, task_dir: Path) -> None:  # noqa: F811
     """Asynchronous mode: bounded staleness with partial rollouts stopped by the driver's signal once the
-    update is done (no fixed interruption point: which tokens get which version depends on timing)."""
+    update is done (no fixed interruption point: which tokens get which version depends on timing).
+    Responses of 40 tokens (EOS ignored), one per chunk, take longer than the tiny model's update,
+    so generations are still running when the signal rises."""
     dumps = tmp_path / "rollouts"
     config = write_config(tmp_path, task_dir, **ASYNC)
     proc = run_train(config, "trainer.total_training_steps=5", "trainer.async_mode=bounded_staleness",
                      "trainer.max_staleness=2", "trainer.partial_rollout=continue",
-                     "trainer.partial_rollout_chunk_tokens=1", "data.max_response_length=8",
+                     "trainer.partial_rollout_chunk_tokens=1", "data.max_response_length=40", "rollout.ignore_eos=true",
+                     "model.hf_config.max_position_embeddings=64",
                      f"trainer.rollout_data_dir={dumps}")
     assert proc.returncode == 0
     metrics = read_metrics(tmp_path / "run")
@@ -161,6 +171,8 @@ def test_partial_rollout_interrupted_by_the_update_keeps_the_staleness_bound(tmp
             assert tokens == sorted(tokens) and row["rollout_weights_version"] == min(tokens), (step, row)
             assert all(0 <= step - 1 - t <= 2 for t in tokens), (step, row)  # the bound, token by token
         assert metrics[step]["async/staleness_max"] <= 2, step
+    # Some generation was interrupted by an update and went on with the newer weights.
+    assert max(metrics[step].get("async/partial_rows", 0.0) for step in range(2, 6)) > 0
 
 
 @pytest.mark.parametrize("mode", ["one_step_off", "bounded_staleness", "partial_rollout"])
