@@ -22,6 +22,10 @@ in the actor's process) as the reference.
 
     python benchmarks/async_modes.py                 # about 10 minutes on 2 CPU cores
     python benchmarks/async_modes.py --rounds 1 --steps 40 --modes sync,one_step_off
+    python benchmarks/async_modes.py --long-responses 32 --out benchmarks/results/async_modes_long.json
+
+`--long-responses R`: every response R tokens long (EOS ignored; the reward still reads the first
+number), so that generation outlasts the update and partial rollouts get interrupted.
 
 Writes JSON to --out (default benchmarks/results/async_modes.json).
 """
@@ -117,6 +121,8 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=900)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "async_modes.json")
     parser.add_argument("--quick", action="store_true", help="1 round of 20 steps (a smoke run)")
+    parser.add_argument("--long-responses", type=int, default=0,
+                        help="responses of exactly this many tokens (rollout.ignore_eos); 0: the task's own")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps = 1, 20
@@ -137,6 +143,8 @@ def main() -> int:
             extra, threads = MODES[name]
             run_dir = args.work_dir / f"{name}_r{round_index}"
             overrides = [*base_overrides(task, run_dir, args.steps), f"rollout.engine={args.engine}", *extra]
+            if args.long_responses:
+                overrides += [f"data.max_response_length={args.long_responses}", "rollout.ignore_eos=true"]
             result = run_megarl(run_dir, overrides, prompts=PROMPTS, n=N, timeout_s=args.timeout_s,
                                 threads_per_worker=threads, python=str(python), config=CONFIG)
             commands[name] = [f"OMP_NUM_THREADS={threads}", str(python.relative_to(REPO_ROOT)), "-m", "megarl.cli",
@@ -163,6 +171,7 @@ def main() -> int:
         "steps": args.steps,
         "rounds": args.rounds,
         "engine": args.engine,
+        "long_responses": args.long_responses,
         "reward_level": {"level": args.level, "window": args.window},
         "machine": machine_info(),
         "load_average_end": load_average(),

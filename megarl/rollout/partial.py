@@ -79,7 +79,6 @@ def advance_rows(engine: Any, rows: Batch, params: SamplingParams, version: int,
     for i in range(len(rows)):
         if open_[i] and restart_stale and any(v != version for v in versions[i]):
             tokens[i], log_probs[i], versions[i] = [], [], []
-    stops = set(engine.options.eos_token_ids) | set(params.stop_token_ids)
     chunk = 0
     while any(open_):
         todo = [i for i, o in enumerate(open_) if o]
@@ -90,8 +89,7 @@ def advance_rows(engine: Any, rows: Batch, params: SamplingParams, version: int,
             tokens[i] += new.token_ids
             log_probs[i] += new.log_probs
             versions[i] += [version] * len(new.token_ids)
-            ended = new.stopped or (bool(new.token_ids) and new.token_ids[-1] in stops and not params.ignore_eos)
-            open_[i] = not ended and len(tokens[i]) < width
+            open_[i] = not new.stopped and len(tokens[i]) < width
         chunk += 1
         if any(open_) and interrupted(chunk):
             break

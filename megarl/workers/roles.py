@@ -306,7 +306,7 @@ class RolloutRole:
         if self.spec.multi_turn is None:
             out = self.engine.generate(prompts, sampling)
         else:
-            out = multi_turn_generate(self._agent_loop(), prompts, sampling, driver=self._drives_agent(),
+            out = multi_turn_generate(self._agent_loop(), prompts, sampling, driver=self._leads_rollout_group(),
                                       share=self._share_in_rollout_group)
         if not self.spec.calculate_log_probs and "rollout_log_probs" in out:
             out.pop("rollout_log_probs")
@@ -317,7 +317,7 @@ class RolloutRole:
     def connect_weight_signal(self, host: str, port: int) -> None:
         """Partial rollout: read the driver's newest weight version between chunks (rank 0 of each
         rollout TP group reads it and tells the others)."""
-        if self._drives_agent():
+        if self._leads_rollout_group():
             self.weight_signal = WeightSignal.connect(host, port)
 
     def generate_partial(self, rows: Batch, sampling: SamplingParams, version: int,
@@ -355,7 +355,8 @@ class RolloutRole:
                                    ToolSet.from_names(settings.tools, settings.tool_timeout_s), settings)
         return self.agent
 
-    def _drives_agent(self) -> bool:
+    def _leads_rollout_group(self) -> bool:
+        """The first rank of this rank's rollout TP group (it drives the agent loop, reads the weight signal)."""
         return self.context.rank % self.spec.tensor_parallel_size == 0
 
     def _share_in_rollout_group(self, obj: Any) -> Any:
