@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -237,9 +237,7 @@ class RolloutEngine(abc.ABC):
         Returns:
             a ``Batch`` of B * n rows; see :func:`megarl.rollout.output.assemble_rollout_batch`.
         """
-        self._require(EngineState.AWAKE, "generate")
-        if self._weights_discarded:
-            raise RolloutStateError(self._discarded_weights_message())
+        self._require_generate()
         return self._generate(prompts, params)
 
     def generate_tokens(
@@ -258,14 +256,54 @@ class RolloutEngine(abc.ABC):
         budgets = token_budgets(contexts, params, max_new_tokens)
         if not contexts:
             return []
+        one = dataclasses.replace(params, n=1, max_new_tokens=max(budgets))
+        return self._continuations(self.generate(self._context_batch(contexts), one), params, budgets)
+
+    def generate_interruptible(
+        self, contexts: Sequence[Sequence[int]], params: SamplingParams, max_new_tokens: Sequence[int],
+        every: int, interrupted: Callable[[int], bool],
+    ) -> list[TokenContinuation]:
+        """`generate_tokens`, but after every `every` new tokens `interrupted(checks_done)` may stop
+        it: the requests not finished by then come back with the tokens they have (`stopped`
+        False), to be continued later, maybe with other weights (partial rollout).
+
+        This default generates chunks of `every` tokens through `generate_tokens`, each chunk
+        prefilling its context again and sampling with a seed of its own (`params.seed` + chunk
+        index); the HF engine stops its decoding loop instead, keeping its KV cache between checks.
+        """
+        budgets = token_budgets(contexts, params, max_new_tokens)
+        tokens: list[list[int]] = [[] for _ in contexts]
+        log_probs: list[list[float]] = [[] for _ in contexts]
+        stopped = [False] * len(contexts)
+        checks = 0
+        while True:
+            todo = [i for i in range(len(contexts)) if not stopped[i] and len(tokens[i]) < budgets[i]]
+            if not todo:
+                break
+            chunk = dataclasses.replace(params, seed=None if params.seed is None else params.seed + 7_919 * checks)
+            new = self.generate_tokens([list(contexts[i]) + tokens[i] for i in todo], chunk,
+                                       [min(every, budgets[i] - len(tokens[i])) for i in todo])
+            for i, cont in zip(todo, new):
+                tokens[i] += cont.token_ids
+                log_probs[i] += cont.log_probs
+                stopped[i] = cont.stopped
+            checks += 1
+            if any(not stopped[i] and len(tokens[i]) < budgets[i] for i in todo) and interrupted(checks):
+                break
+        return [TokenContinuation(t, lp, s) for t, lp, s in zip(tokens, log_probs, stopped)]
+
+    def _context_batch(self, contexts: Sequence[Sequence[int]]) -> Batch:
+        """Token lists as a left-padded prompt batch."""
         width = max(len(c) for c in contexts)
         ids = torch.full((len(contexts), width), self.options.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(contexts), width), dtype=torch.long)
         for row, context in enumerate(contexts):
             ids[row, width - len(context):] = torch.as_tensor(list(context), dtype=torch.long)
             mask[row, width - len(context):] = 1
-        one = dataclasses.replace(params, n=1, max_new_tokens=max(budgets))
-        out = self.generate(Batch.from_dict({"input_ids": ids, "attention_mask": mask}), one)
+        return Batch.from_dict({"input_ids": ids, "attention_mask": mask})
+
+    def _continuations(self, out: Batch, params: SamplingParams, budgets: Sequence[int]) -> list[TokenContinuation]:
+        """The rows of a one-sample-per-context rollout batch as continuations, cut to their budgets."""
         stops = set(self.options.eos_token_ids) | set(params.stop_token_ids)
         lengths = out["response_mask"].sum(-1).tolist()
         log_probs = out["rollout_log_probs"]
@@ -380,6 +418,11 @@ class RolloutEngine(abc.ABC):
                 f"{self.name} engine cannot {action} while {self._state.value}; it must be {state.value}"
                 + (" (call wake_up())" if self._state is not EngineState.RELEASED else "")
             )
+
+    def _require_generate(self) -> None:
+        self._require(EngineState.AWAKE, "generate")
+        if self._weights_discarded:
+            raise RolloutStateError(self._discarded_weights_message())
 
     def _discarded_weights_message(self) -> str:
         missing = self._missing_weights()

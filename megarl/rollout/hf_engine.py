@@ -10,7 +10,8 @@ import ctypes
 import difflib
 import logging
 import re
-from collections.abc import Iterable, Mapping
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,10 @@ import torch
 
 from megarl.errors import ConfigError
 from megarl.protocol import Batch
-from megarl.rollout.base import EngineOptions, RolloutEngine, SamplingParams, WeightUpdateError
+from megarl.rollout.base import (
+    EngineOptions, RolloutEngine, SamplingParams, TokenContinuation, WeightUpdateError,
+    token_budgets,
+)
 from megarl.rollout.output import assemble_rollout_batch, check_prompt_tensors, prompt_position_ids
 from megarl.rollout.sampling import sample_next_tokens
 
@@ -95,8 +99,29 @@ class HFRolloutEngine(RolloutEngine):
         return self.options.sleep_level == 2
 
     # -- generation -----------------------------------------------------------------------------
-    @torch.inference_mode()
     def _generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        return self._decode(prompts, params)
+
+    def generate_interruptible(
+        self, contexts: Sequence[Sequence[int]], params: SamplingParams, max_new_tokens: Sequence[int],
+        every: int, interrupted: Callable[[int], bool],
+    ) -> list[TokenContinuation]:
+        """`RolloutEngine.generate_interruptible` in one decoding loop: its KV cache stays between two
+        checks, and a stop ends the loop (one random stream, `params.seed`, for the whole call)."""
+        self._require_generate()
+        budgets = token_budgets(contexts, params, max_new_tokens)
+        if not contexts:
+            return []
+        one = dataclasses.replace(params, n=1, max_new_tokens=max(budgets))
+        out = self._decode(self._context_batch(contexts), one, budgets, (every, interrupted))
+        return self._continuations(out, params, budgets)
+
+    @torch.inference_mode()
+    def _decode(self, prompts: Batch, params: SamplingParams, budgets: Sequence[int] | None = None,
+                interrupt: tuple[int, Callable[[int], bool]] | None = None) -> Batch:
+        """Sample `params.n` responses per prompt row with a KV cache. `budgets` (one per row, n=1):
+        a row that reached its budget counts as finished. `interrupt` = (every, interrupted): after
+        every `every` tokens, `interrupted(checks_done)` true stops the loop, unfinished rows as they are."""
         from transformers import DynamicCache
 
         input_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
@@ -116,6 +141,7 @@ class HFRolloutEngine(RolloutEngine):
         log_probs = torch.zeros((rows, r), dtype=torch.float32, device=self.device)
         lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
         finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        row_budgets = None if budgets is None else torch.as_tensor(list(budgets), device=self.device)
 
         cache = DynamicCache(config=self.model.config)
         logits = self.model(
@@ -130,7 +156,11 @@ class HFRolloutEngine(RolloutEngine):
             lengths += (~finished).long()
             if not params.ignore_eos:
                 finished |= torch.isin(tokens, stop_ids)
+            if row_budgets is not None:
+                finished |= lengths >= row_budgets
             if step == r - 1 or bool(finished.all()):
+                break
+            if interrupt is not None and (step + 1) % interrupt[0] == 0 and interrupt[1]((step + 1) // interrupt[0]):
                 break
             # Finished rows keep decoding pad tokens; their outputs are masked out above.
             mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=self.device)], dim=1)

@@ -1,9 +1,10 @@
 """Partial rollout (`trainer.partial_rollout`): a generation that goes on across a weight update.
 
 In the pipelined modes (`trainer.async_mode`) the next step's rows are generated while the current
-step trains. With partial rollout that generation runs in chunks of `chunk_tokens` tokens through
-the engine's token-in, token-out call (`RolloutEngine.generate_tokens`), and between two chunks it
-stops when newer weights wait: as soon as the driver has raised the weight signal after the update
+step trains. With partial rollout that generation is checked every `chunk_tokens` tokens
+(`RolloutEngine.generate_interruptible`: the HF engine checks inside its decoding loop, other
+engines generate chunks through their token-in, token-out call), and it stops when newer weights
+wait: as soon as the driver has raised the weight signal after the update
 (`WeightSignal`), or, with `interrupt_after` set, after that many chunks whatever the timing (the
 reproducible schedule of tests and benchmarks). The driver then syncs the weights and hands the
 same rows back: `continue` goes on from the tokens already sampled (the KV cache is rebuilt with the
@@ -56,17 +57,17 @@ def open_rows(prompts: Batch, n: int, response_length: int, pad_token_id: int) -
     return out
 
 
-def chunk_seed(seed: Optional[int], version: int, chunk: int) -> Optional[int]:
-    """A seed of its own for each chunk of each call (one seed for all would draw the same random
-    numbers at the same offset of every chunk, correlating the positions of a response)."""
-    return None if seed is None else seed + 1_000_003 * (version + 1) + 7_919 * chunk
+def call_seed(seed: Optional[int], version: int) -> Optional[int]:
+    """The seed of the call that generates with weights `version`: the continuation after a sync
+    must not draw the random numbers the interrupted call drew."""
+    return None if seed is None else seed + 1_000_003 * (version + 1)
 
 
 def advance_rows(engine: Any, rows: Batch, params: SamplingParams, version: int, chunk_tokens: int,
                  interrupted: Callable[[int], bool], restart_stale: bool = False) -> Batch:
-    """Generate the open rows of `rows` with the engine's current weights (`version`), a chunk of
-    at most `chunk_tokens` tokens at a time, until every row is finished or, after a chunk,
-    `interrupted(chunks_done)` is true. With `restart_stale`, an open row holding tokens of another
+    """Generate the open rows of `rows` with the engine's current weights (`version`) until every
+    row is finished or, checked after every `chunk_tokens` tokens, `interrupted(checks_done)` is
+    true (`RolloutEngine.generate_interruptible`). With `restart_stale`, an open row holding tokens of another
     version starts again from its prompt (`drop`). Returns `rows` with the new tokens."""
     width = rows["responses"].shape[1]
     prompt_width = rows["prompts"].shape[1]
@@ -79,20 +80,15 @@ def advance_rows(engine: Any, rows: Batch, params: SamplingParams, version: int,
     for i in range(len(rows)):
         if open_[i] and restart_stale and any(v != version for v in versions[i]):
             tokens[i], log_probs[i], versions[i] = [], [], []
-    chunk = 0
-    while any(open_):
-        todo = [i for i, o in enumerate(open_) if o]
-        one = dataclasses.replace(params, n=1, seed=chunk_seed(params.seed, version, chunk))
-        continued = engine.generate_tokens([prompts[i] + tokens[i] for i in todo], one,
-                                           [min(chunk_tokens, width - len(tokens[i])) for i in todo])
-        for i, new in zip(todo, continued):
-            tokens[i] += new.token_ids
-            log_probs[i] += new.log_probs
-            versions[i] += [version] * len(new.token_ids)
-            open_[i] = not new.stopped and len(tokens[i]) < width
-        chunk += 1
-        if any(open_) and interrupted(chunk):
-            break
+    todo = [i for i, o in enumerate(open_) if o]
+    one = dataclasses.replace(params, n=1, seed=call_seed(params.seed, version))
+    continued = engine.generate_interruptible([prompts[i] + tokens[i] for i in todo], one,
+                                              [width - len(tokens[i]) for i in todo], chunk_tokens, interrupted)
+    for i, new in zip(todo, continued):
+        tokens[i] += new.token_ids
+        log_probs[i] += new.log_probs
+        versions[i] += [version] * len(new.token_ids)
+        open_[i] = not new.stopped and len(tokens[i]) < width
 
     responses, probs, kept = pad_responses(tokens, log_probs, width, engine.options.pad_token_id)
     mask = (torch.arange(width).unsqueeze(0) < kept.unsqueeze(1)).long()

@@ -31,7 +31,6 @@ from megarl.models.weight_map import split_fused_experts
 from megarl.protocol import Batch
 from megarl.rollout.base import (
     EngineOptions,
-    EngineState,
     RolloutEngine,
     RolloutStateError,
     SamplingParams,
@@ -139,9 +138,7 @@ class VLLMRolloutEngine(RolloutEngine):
     ) -> list[TokenContinuation]:
         """As `RolloutEngine.generate_tokens`, each request with its own budget as its vLLM `max_tokens`
         (the batch path would decode every request up to the largest budget)."""
-        self._require(EngineState.AWAKE, "generate")
-        if self._weights_discarded:
-            raise RolloutStateError(self._discarded_weights_message())
+        self._require_generate()
         budgets = token_budgets(contexts, params, max_new_tokens)
         if not contexts:
             return []

@@ -11,6 +11,7 @@ from rollout_helpers import PAD, PROMPTS, argmax_decode, kept_response, prompt_b
 
 from megarl.protocol import Batch
 from megarl.rollout import EngineOptions, SamplingParams
+from megarl.rollout.base import RolloutEngine
 from megarl.rollout.hf_engine import HFRolloutEngine
 from megarl.rollout.partial import (
     OPEN, TOKEN_VERSIONS, WeightSignal, advance_rows, oldest_versions, open_rows, partial_metrics,
@@ -120,15 +121,35 @@ def test_drop_samples_unfinished_rows_again_with_the_new_weights(models) -> None
         assert done[TOKEN_VERSIONS][row].tolist() == [1] * R
 
 
-def test_each_chunk_draws_its_own_random_numbers(models) -> None:
-    """Sampling at a temperature so high that every token is close to uniform: chunks seeded alike
-    would repeat the same tokens at the same offset of every chunk."""
+def test_default_chunks_draw_their_own_random_numbers(models) -> None:
+    """The default `generate_interruptible` (chunks through `generate_tokens`, as the vLLM engine
+    runs it), sampling at a temperature so high that every token is close to uniform: chunks seeded
+    alike would repeat the same tokens at the same offset of every chunk."""
     old, _ = models
     hot = SamplingParams(n=1, temperature=1e4, max_new_tokens=24, seed=11)
-    prompts = prompt_batch([[5, 6]] * 4)
-    out = advance_rows(engine_of(old), open_rows(prompts, 1, 24, PAD), hot, 0, chunk_tokens=6, interrupted=never)
-    chunks = out["responses"].reshape(4, 4, 6)
+    out = RolloutEngine.generate_interruptible(engine_of(old), [[5, 6]] * 4, hot, [24] * 4, 6, never)
+    chunks = torch.tensor([c.token_ids for c in out]).reshape(4, 4, 6)
     assert not all(torch.equal(chunks[:, 0], chunks[:, c]) for c in range(1, 4))
+
+
+@pytest.mark.parametrize("checks", [1, 2, None])
+def test_the_hf_decoding_loop_stops_where_the_default_chunks_do(models, checks) -> None:
+    """The HF engine checks inside its decoding loop (KV cache kept); the default generates chunks.
+    Greedy, both give the same tokens, budgets and stops, and log-probs equal within float32."""
+    old, _ = models
+    eos = argmax_decode(old, PROMPTS[0], 3)[2]  # row 0 ends at its third token
+    engine = engine_of(old, eos=(eos,))
+    contexts, budgets = PROMPTS, [R, 4, R]
+    stop = never if checks is None else after(checks)
+    loop = engine.generate_interruptible(contexts, SamplingParams.make_greedy(R), budgets, 2, stop)
+    chunked = RolloutEngine.generate_interruptible(engine, contexts, SamplingParams.make_greedy(R), budgets, 2, stop)
+    for row, (a, b) in enumerate(zip(loop, chunked)):
+        assert a.token_ids == b.token_ids and a.stopped == b.stopped, row
+        torch.testing.assert_close(torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-5, rtol=0)
+        whole = argmax_decode(old, contexts[row], budgets[row])
+        ended = whole.index(eos) + 1 if eos in whole else budgets[row]
+        expected = min(ended, budgets[row], 2 * checks if checks else R)
+        assert a.token_ids == whole[:expected] and a.stopped == (eos in whole[:expected]), row
 
 
 def test_partial_metrics_worked_by_hand() -> None:
