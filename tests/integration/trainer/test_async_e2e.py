@@ -154,14 +154,15 @@ def test_partial_rollout_goes_on_with_the_new_weights(tmp_path: Path, task_dir: 
 def test_partial_rollout_interrupted_by_the_update_keeps_the_staleness_bound(tmp_path: Path, task_dir: Path) -> None:  # noqa: F811
     """Asynchronous mode: bounded staleness with partial rollouts stopped by the driver's signal once the
     update is done (no fixed interruption point: which tokens get which version depends on timing).
-    Responses of 40 tokens (EOS ignored), one per chunk, take longer than the tiny model's update,
-    so generations are still running when the signal rises."""
+    Responses of 160 tokens (EOS ignored), 2 per prompt: the generation's cost is per token, the tiny
+    model's update costs little more for 8 rows than for 1, so generations are still running when
+    the signal rises (measured: generation ~0.3 s, update ~0.15 s)."""
     dumps = tmp_path / "rollouts"
     config = write_config(tmp_path, task_dir, **ASYNC)
     proc = run_train(config, "trainer.total_training_steps=5", "trainer.async_mode=bounded_staleness",
                      "trainer.max_staleness=2", "trainer.partial_rollout=continue",
-                     "trainer.partial_rollout_chunk_tokens=1", "data.max_response_length=40", "rollout.ignore_eos=true",
-                     "model.hf_config.max_position_embeddings=64",
+                     "trainer.partial_rollout_chunk_tokens=1", "data.max_response_length=160", "rollout.ignore_eos=true",
+                     "model.hf_config.max_position_embeddings=192", "rollout.n=2",
                      f"trainer.rollout_data_dir={dumps}")
     assert proc.returncode == 0
     metrics = read_metrics(tmp_path / "run")
