@@ -95,7 +95,9 @@ def summarise_run(rows: list[dict[str, Any]], level: float, window: int) -> dict
         "training_idle_share": round(total_of("timing_s/gen") / total, 3),
         "rollout_idle_share": round(max(0.0, 1.0 - rollout_busy / total), 3),
         "staleness_mean": round(total_of("async/staleness_mean") / len(timed), 3),
-        "token_staleness_mean": round(total_of("async/token_staleness_mean") / len(timed), 3),
+        # Without partial rollout every token of a row has the row's version.
+        "token_staleness_mean": round(sum(m.get("async/token_staleness_mean", m.get("async/staleness_mean", 0.0))
+                                          for m in timed) / len(timed), 3),
         "partial_rows_mean": round(total_of("async/partial_rows") / len(timed), 3),
         "mismatch_kl_k3_mean": round(total_of("rollout_corr/kl_k3") / len(timed), 6),
         "time_to_level_s": time_to_level(rows, level, window),
