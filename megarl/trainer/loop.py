@@ -51,8 +51,8 @@ from megarl.algorithms import (
     sequence_metric,
 )
 from megarl.cluster.dispatch import plan_dispatch
-from megarl.cluster.rendezvous import address_and_free_port
 from megarl.cluster.host_worker import HostWorker
+from megarl.cluster.rendezvous import address_and_free_port
 from megarl.cluster.worker_group import RoleView
 from megarl.protocol import Batch
 from megarl.protocol.balance import balance_applies, balance_order
@@ -100,8 +100,8 @@ class RLTrainer:
         self.probed_version = -1  # the last weight version the probe checked (rollout.probe_freq)
         # trainer.async_mode one_step_off / bounded_staleness: the next step's generation, launched
         # during this step, as (step, call handle, weight version it generates with, sampling); None
-        # when nothing is in flight. A row may be at most `max_staleness` versions older than the weights
-        # it is trained from: one_step_off syncs before every launch (1), bounded_staleness only
+        # when nothing is in flight. A row may be at most `max_staleness` versions older than the
+        # weights it is trained from: one_step_off syncs before every launch (1), bounded_staleness only
         # when the bound requires it (trainer.max_staleness).
         mode = self.cfg.trainer.async_mode
         self.pipelined = mode != "sync"
