@@ -7,7 +7,9 @@ of waiting, so that raylet is always starting a new worker process when the test
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 import time
 
@@ -30,6 +32,8 @@ class Shortlived:
 
 
 def main() -> None:
+    # The test sends SIGUSR1 to a driver that does not exit in time: every thread's stack, to stdout.
+    faulthandler.register(signal.SIGUSR1, file=sys.stdout, all_threads=True)
     with start_or_connect(num_cpus=2, object_store_memory_gb=0.1):
         pool = ResourcePool("idle", nnodes=1, devices_per_node=2).wait(timeout_s=120)
         group = WorkerGroup(pool, IdleWorker, "idle")

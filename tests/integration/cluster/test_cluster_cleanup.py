@@ -61,7 +61,14 @@ def test_interrupted_driver_cleans_up_cluster_and_workers(signum, exit_code):
         assert "raylet" in names and "gcs_server" in names
         assert set(worker_pids) <= {p.pid for p in processes}
         driver.send_signal(signum)
-        assert driver.wait(timeout=120) == exit_code
+        try:
+            code = driver.wait(timeout=120)
+        except subprocess.TimeoutExpired:  # say where it hangs: its output and every thread's stack
+            driver.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            driver.kill()
+            pytest.fail(f"driver still running 120 s after {signum.name}; its output:\n{driver.stdout.read()[-20000:]}")
+        assert code == exit_code
         assert "CLEANING UP" in driver.stdout.read()
         _, alive = psutil.wait_procs(processes, timeout=60)
         assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
