@@ -32,6 +32,9 @@ class Shortlived:
 
 
 def main() -> None:
+    # Ctrl-C raises KeyboardInterrupt even when this process inherited SIGINT ignored (a shell starts
+    # background jobs so, and Python then installs no handler): the test sends SIGINT.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # The test sends SIGUSR1 to a driver that does not exit in time: every thread's stack, to stdout.
     faulthandler.register(signal.SIGUSR1, file=sys.stdout, all_threads=True)
     with start_or_connect(num_cpus=2, object_store_memory_gb=0.1):
