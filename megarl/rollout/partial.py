@@ -67,8 +67,9 @@ def advance_rows(engine: Any, rows: Batch, params: SamplingParams, version: int,
                  interrupted: Callable[[int], bool], restart_stale: bool = False) -> Batch:
     """Generate the open rows of `rows` with the engine's current weights (`version`) until every
     row is finished or, checked after every `chunk_tokens` tokens, `interrupted(checks_done)` is
-    true (`RolloutEngine.generate_interruptible`). With `restart_stale`, an open row holding tokens of another
-    version starts again from its prompt (`drop`). Returns `rows` with the new tokens."""
+    true (`RolloutEngine.generate_interruptible`). With `restart_stale`, an open row holding tokens
+    of another version starts again from its prompt (`drop`). Returns a copy of `rows` with the new
+    tokens."""
     width = rows["responses"].shape[1]
     prompt_width = rows["prompts"].shape[1]
     prompts = unpad_prompts(rows["prompts"], rows["attention_mask"][:, :prompt_width])
@@ -114,11 +115,10 @@ def partial_metrics(batch: Batch, trained_with: int) -> dict[str, float]:
         return {}
     versions, mask = batch[TOKEN_VERSIONS], batch["response_mask"].bool()
     staleness = (trained_with - versions)[mask].float()
-    newest = versions.masked_fill(~mask, -1).max(-1).values
-    oldest = versions.masked_fill(~mask, 2**62).min(-1).values
+    newest = versions.masked_fill(~mask, -1).max(-1).values  # -1 for an empty row, as its oldest
     return {"async/token_staleness_mean": float(staleness.mean()) if staleness.numel() else 0.0,
             "async/token_staleness_max": float(staleness.max()) if staleness.numel() else 0.0,
-            "async/partial_rows": float(((newest != oldest) & mask.any(-1)).float().mean())}
+            "async/partial_rows": float((newest != oldest_versions(batch)).float().mean())}
 
 
 def oldest_versions(batch: Batch) -> torch.Tensor:
