@@ -265,15 +265,31 @@ def _gpu(result: dict[str, Any]) -> list[str]:
         return [f"Skipped: {result['skipped']}."]
     rows = []
     train = result.get("train_step", {})
-    rows.append(["train-step MFU (0.5B shape, bf16)", pct(train.get("mfu_train_step")) if train.get("status") == "ok"
-                 else train.get("status", "-")])
+    if train.get("status") == "ok":
+        r = train["result"]
+        for phase, key in (("log-prob pass", "log_prob_tokens_per_s"), ("train step", "train_step_tokens_per_s")):
+            tps = r[key]
+            rows.append([f"{phase} tokens/s (0.5B shape, bf16): Megatron engine / packed / HF",
+                         f"{fmt(tps['engine'])} / {fmt(tps['engine_packed'])} / {fmt(tps['hf'])} "
+                         f"({fmt(tps['engine'] / tps['hf'])}x HF)"])
+        rows.append(["train-step MFU: Megatron engine / HF", f"{pct(train.get('mfu_train_step'))} / "
+                     f"{pct(train.get('mfu_train_step_hf'))}"])
+    else:
+        rows.append(["train step", train.get("status", "-")])
     roll = result.get("rollout", {})
-    rows.append(["rollout vLLM / HF tokens/s", component_headline("rollout", roll["result"]) if roll.get("status") == "ok"
+    rows.append(["rollout tokens/s", component_headline("rollout", roll["result"]) if roll.get("status") == "ok"
                  else roll.get("status", "-")])
     sync = result.get("sync", {})
     rows.append(["weight sync", component_headline("reshard", sync["result"]) if sync.get("status") == "ok"
                  else sync.get("status", "-")])
-    return [f"Device: {result.get('device')}", ""] + table(["measure", "value"], rows)
+    check = result.get("gpu_check")
+    lines = [f"Device: {result.get('device')}", ""]
+    if check:
+        lines += [f"`tools/gpu_check.sh` from the offline bundle: {check['steps']}; colocated GRPO run "
+                  f"({check['train_steps']} steps, bf16, every actor offload key on): peak device memory "
+                  f"{fmt(check['colocated_peak_ratio_max'])}x the larger phase peak (limit 1.1). Raw files: "
+                  f"`{check['files']}`.", ""]
+    return lines + table(["measure", "value"], rows)
 
 
 def _async_modes(result: dict[str, Any]) -> list[str]:

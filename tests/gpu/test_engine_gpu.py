@@ -60,8 +60,6 @@ def _gpu_checks(rank: int, world: int, port: int, hf_dir: str, batch: dict, ckpt
     fp32 = _engine(rank, world, port, hf_dir, layout, CFG)
     assert dist.get_backend() == "nccl"
     out["lp"] = fp32.compute_log_prob(batch, calculate_entropy=True)
-    bf16 = _engine(rank, world, port, hf_dir, layout, {**CFG, "dtype": "bf16"})
-    out["lp_bf16"] = bf16.compute_log_prob(batch)["log_probs"]
     out["metrics"] = fp32.train_step(batch, pg_loss_fn, mini_batch_size=len(batch["responses"]),
                                      calculate_entropy=True)
     out["state"] = gather_hf_state(fp32)
@@ -74,6 +72,11 @@ def _gpu_checks(rank: int, world: int, port: int, hf_dir: str, batch: dict, ckpt
     out["state_after_onload"] = gather_hf_state(fp32)
     fp32.save_checkpoint(ckpt)
     step2 = fp32.train_step(batch, pg_loss_fn, mini_batch_size=len(batch["responses"]), calculate_entropy=True)
+    # Each _engine call re-initialises Megatron's process groups and destroys the previous ones, so an
+    # engine is used only until the next one is built (the distributed optimizer's checkpoint looks its
+    # data-parallel group up by handle).
+    bf16 = _engine(rank, world, port, hf_dir, layout, {**CFG, "dtype": "bf16"})
+    out["lp_bf16"] = bf16.compute_log_prob(batch)["log_probs"]
     resumed = _engine(rank, world, port, hf_dir, layout, CFG)
     resumed.load_checkpoint(ckpt)
     step2_resumed = resumed.train_step(batch, pg_loss_fn, mini_batch_size=len(batch["responses"]),
