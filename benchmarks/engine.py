@@ -103,8 +103,15 @@ def main() -> None:
     # siblings slow the many small kernels of both sides unevenly.
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
     parser.add_argument("--out", default="benchmarks/results/engine.json")
+    parser.add_argument("--core-attention", choices=["local", "megatron"], default="local",
+                        help="without TransformerEngine: megarl's LocalAttention (torch's fused kernel, the "
+                             "default) or Megatron's DotProductAttention, for a before/after comparison")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.core_attention == "megatron":
+        import megarl.megatron.model
+
+        megarl.megatron.model.with_local_attention = lambda layer_spec, config: layer_spec
 
     import transformers
 

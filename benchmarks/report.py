@@ -269,7 +269,7 @@ def _gpu(result: dict[str, Any]) -> list[str]:
         r = train["result"]
         for phase, key in (("log-prob pass", "log_prob_tokens_per_s"), ("train step", "train_step_tokens_per_s")):
             tps = r[key]
-            rows.append([f"{phase} tokens/s (0.5B shape, bf16): Megatron engine / packed / HF",
+            rows.append([f"{phase} tokens/s (benchmarks/gpu.py, 0.5B shape, bf16): engine / packed / HF",
                          f"{fmt(tps['engine'])} / {fmt(tps['engine_packed'])} / {fmt(tps['hf'])} "
                          f"({fmt(tps['engine'] / tps['hf'])}x HF)"])
         rows.append(["train-step MFU: Megatron engine / HF", f"{pct(train.get('mfu_train_step'))} / "
@@ -282,6 +282,11 @@ def _gpu(result: dict[str, Any]) -> list[str]:
     sync = result.get("sync", {})
     rows.append(["weight sync", component_headline("reshard", sync["result"]) if sync.get("status") == "ok"
                  else sync.get("status", "-")])
+    for variant in result.get("core_attention", []):  # benchmarks/engine.py --core-attention, one call
+        tps = variant["log_prob_tokens_per_s"], variant["train_step_tokens_per_s"]
+        rows.append([f"core attention {variant['name']}: log-prob / train-step tokens/s, engine (packed)",
+                     f"{fmt(tps[0]['engine'])} ({fmt(tps[0]['engine_packed'])}) / {fmt(tps[1]['engine'])} "
+                     f"({fmt(tps[1]['engine_packed'])}); HF {fmt(tps[0]['hf'])} / {fmt(tps[1]['hf'])}"])
     check = result.get("gpu_check")
     lines = [f"Device: {result.get('device')}", ""]
     if check:

@@ -9,9 +9,9 @@ each sequence of a packed (THD) row separately, which is what TE's THD context p
 
 Attention: with TransformerEngine (GPU) the layer spec's `TEDotProductAttention` does CP itself
 (`config.cp_comm_type`, p2p by default) on the same split. The local spec's `DotProductAttention`
-refuses cp > 1, so `with_context_parallel_attention` puts `ContextParallelAttention` in its place:
-keys and values of the whole group are all-gathered (backward: reduce-scatter), queries stay local,
-and the causal mask is computed from the global positions of the local queries and gathered keys.
+refuses cp > 1; its replacement `attention.LocalAttention` all-gathers the keys and values of the
+whole group (`gather_keys_values`; backward: reduce-scatter), keeps queries local, and computes the
+causal mask from the global positions of the local queries and gathered keys.
 
 Outputs: per-position results (log-probs, entropy, values) are computed on each rank for its own
 positions, then `SequenceShard.gather` all-gathers them back into global order. Its backward keeps
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -168,136 +168,3 @@ class SequenceShard:
             return x
         inverse = torch.argsort(self.gathered)
         return _GatherOutputs.apply(x, self.index, inverse, group)
-
-
-# ---------------------------------------------------------------------- attention
-class ContextParallelAttention(torch.nn.Module):
-    """Core attention for the local (non-TE) layer spec at cp > 1.
-
-    Drop-in for Megatron's `DotProductAttention` (same constructor and call; query [sq, b, np, hn],
-    key/value [sq, b, ng, hn] for this rank's positions; output [sq, b, np*hn]). Keys and values of
-    all CP ranks are gathered; the sequence axis this rank holds is the whole-axis split of
-    `shard_index` with width sq * cp. `attention_mask`, when given, is a bool tensor broadcastable
-    to [b, np, sq, cp*sq], True = masked, whose key axis is in gathered order (`gathered_positions`);
-    when None the mask is causal over global positions. Softmax, scaling and dropout follow
-    `DotProductAttention` (scores scaled by 1/sqrt(hn), masked with -10000, softmax in fp32 for
-    half-precision inputs when `attention_softmax_in_fp32`).
-    """
-
-    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
-                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection: Any = None) -> None:
-        super().__init__()
-        from megatron.core import parallel_state as ps
-        from megatron.core.transformer.enums import AttnMaskType
-
-        self.config = config
-        self.layer_number = max(1, layer_number)
-        self.attn_mask_type = attn_mask_type
-        self.causal = attn_mask_type == AttnMaskType.causal
-        if config.softmax_type != "vanilla":
-            raise ConfigError(
-                f"context parallel attention (local spec): softmax_type={config.softmax_type!r} is not "
-                "implemented; valid: 'vanilla' (or use TransformerEngine on GPU)"
-            )
-        if config.window_size is not None:
-            raise ConfigError(
-                "context parallel attention (local spec): sliding-window attention (window_size="
-                f"{config.window_size}) is not implemented; use context_parallel_size=1 or TransformerEngine"
-            )
-        tp_group = getattr(pg_collection, "tp", None) or ps.get_tensor_model_parallel_group()
-        self.cp_group = getattr(pg_collection, "cp", None) or ps.get_context_parallel_group()
-        tp = tp_group.size()
-        self.cp = self.cp_group.size()
-        self.cp_rank = self.cp_group.rank()
-        self.heads = config.num_attention_heads // tp
-        self.groups = config.num_query_groups // tp
-        head_dim = config.kv_channels
-        self.hidden_per_partition = head_dim * self.heads
-        self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
-        self.coeff = None
-        if config.apply_query_key_layer_scaling:
-            self.coeff = float(self.layer_number)
-            self.softmax_scale /= self.coeff
-        self.softmax_in_fp32 = bool(config.attention_softmax_in_fp32)
-        self.dropout = torch.nn.Dropout(config.attention_dropout if attention_dropout is None else attention_dropout)
-        self._positions: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def _causal_mask(self, sq: int, device: torch.device) -> torch.Tensor:
-        key = (sq, str(device))
-        if key not in self._positions:
-            width = sq * self.cp
-            self._positions[key] = (shard_index(width, self.cp, self.cp_rank, device),
-                                    gathered_positions(width, self.cp, device))
-        q_pos, k_pos = self._positions[key]
-        return k_pos.unsqueeze(0) > q_pos.unsqueeze(1)  # [sq, sk] True = masked
-
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: Optional[torch.Tensor], attn_mask_type: Any = None,
-                attention_bias: Optional[torch.Tensor] = None, packed_seq_params: Any = None) -> torch.Tensor:
-        from megatron.core import tensor_parallel
-
-        if packed_seq_params is not None:
-            raise ConfigError("context parallel attention (local spec) takes packed rows with an explicit "
-                              "attention mask, not packed_seq_params (THD needs TransformerEngine)")
-        if attention_bias is not None:
-            raise ConfigError("context parallel attention (local spec) does not take an attention bias")
-        sq, b, np_, hn = query.shape
-        # One collective for both: [sq, b, ng, 2*hn] -> [cp*sq, b, ng, 2*hn].
-        kv = gather_keys_values(torch.cat([key, value], dim=-1), self.cp_group)
-        key, value = kv[..., :hn], kv[..., hn:]
-        sk = key.shape[0]
-        if self.heads // self.groups > 1:  # GQA, as DotProductAttention: repeat each group's K/V
-            key = key.repeat_interleave(self.heads // self.groups, dim=2)
-            value = value.repeat_interleave(self.heads // self.groups, dim=2)
-
-        q = query.reshape(sq, b * np_, hn).transpose(0, 1)  # [b*np, sq, hn]
-        k = key.reshape(sk, b * np_, hn).transpose(0, 1)  # [b*np, sk, hn]
-        scores = torch.baddbmm(q.new_empty(b * np_, sq, sk), q, k.transpose(1, 2), beta=0.0,
-                               alpha=self.softmax_scale).view(b, np_, sq, sk)
-        half = scores.dtype in (torch.float16, torch.bfloat16)
-        if half and self.softmax_in_fp32:
-            scores = scores.float()
-        if self.coeff is not None:
-            scores = scores * self.coeff
-        mask = attention_mask
-        if mask is None and self.causal:
-            mask = self._causal_mask(sq, scores.device)
-        if mask is not None:
-            scores = scores.masked_fill(mask, -10000.0)
-        probs = torch.softmax(scores, dim=-1)
-        if half and self.softmax_in_fp32:
-            probs = probs.to(query.dtype)
-        if not self.config.sequence_parallel:
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                probs = self.dropout(probs)
-        else:
-            probs = self.dropout(probs)
-
-        v = value.reshape(sk, b * np_, hn).transpose(0, 1)  # [b*np, sk, hn]
-        context = torch.bmm(probs.reshape(b * np_, sq, sk), v)  # [b*np, sq, hn]
-        context = context.view(b, np_, sq, hn).permute(2, 0, 1, 3).contiguous()
-        return context.view(sq, b, self.hidden_per_partition)
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> dict:
-        return {}  # no parameters, no extra state
-
-
-def with_context_parallel_attention(layer_spec: Any) -> Any:
-    """A copy of a local-spec layer (or block) spec whose core attention is `ContextParallelAttention`.
-    Raises ConfigError if the spec has no `DotProductAttention` to replace."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from megarl.megatron.spec_rewrite import replace_modules
-
-    def is_dpa(node: Any) -> bool:
-        return node is DotProductAttention or (isinstance(node, ModuleSpec) and node.module is DotProductAttention)
-
-    spec, replaced = replace_modules(layer_spec, is_dpa, ContextParallelAttention)
-    if not replaced:
-        raise ConfigError(
-            "context_parallel_size > 1 without TransformerEngine needs the local layer spec's "
-            "DotProductAttention, which this model's layer spec does not use; use context_parallel_size=1"
-        )
-    return spec

@@ -217,7 +217,7 @@ class MegatronEngine:
 
         Local spec: a block-diagonal causal mask; the packed row is padded at its end to a multiple
         of `seq_multiple`; at cp > 1 it is split as a whole, and the mask has this rank's query rows
-        against all gathered key columns (gathered order, see `ContextParallelAttention`).
+        against all gathered key columns (gathered order, see `attention.LocalAttention`).
         TransformerEngine: THD with cu_seqlens; when `seq_multiple` > 1 each row is padded to a
         multiple of it on its own (at cp > 1 split on its own), the layout TE's THD context
         parallelism and Megatron's THD RoPE expect (GPU only, not run on CPU).

@@ -16,7 +16,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from torch import nn
 
 from megarl.errors import CheckpointError, ConfigError
-from megarl.megatron.context_parallel import with_context_parallel_attention
+from megarl.megatron.attention import with_local_attention
 from megarl.megatron.spec_rewrite import replace_modules
 from megarl.models.spec import ModelSpec, te_available
 
@@ -85,11 +85,10 @@ def build_model_chunk(spec: ModelSpec, role: str, params_dtype: torch.dtype, tp:
                       recompute_granularity: str | None = None) -> nn.Module:
     """The GPTModel (or value/reward model) for this rank's pipeline stage, unwrapped.
 
-    At cp > 1 the sequence axis is split over the context-parallel group (see `context_parallel`):
-    TransformerEngine's attention handles CP itself; on the local spec (CPU, or GPU without TE) the
-    core attention is replaced by `ContextParallelAttention`, which Megatron's DotProductAttention
-    (it asserts cp == 1) cannot do. On the local spec the norms are `LocalNorm` (sequence parallel
-    capable). `sequence_parallel` and `recompute_granularity`: see `ModelSpec.transformer_config`.
+    At cp > 1 the sequence axis is split over the context-parallel group (see `context_parallel`);
+    TransformerEngine's attention handles CP itself. On the local spec (CPU, or GPU without TE) the
+    core attention is `attention.LocalAttention` (torch's fused attention kernel, any cp) in place of
+    Megatron's DotProductAttention, and the norms are `LocalNorm` (sequence parallel capable). `sequence_parallel` and `recompute_granularity`: see `ModelSpec.transformer_config`.
     """
     if role not in ROLES:
         raise ConfigError(f"engine role={role!r}, valid: {ROLES}")
@@ -100,10 +99,8 @@ def build_model_chunk(spec: ModelSpec, role: str, params_dtype: torch.dtype, tp:
                                      sequence_parallel=sequence_parallel,
                                      recompute_granularity=recompute_granularity)
     layer_spec = spec.layer_spec(use_te)
-    if cp > 1 and not use_te:
-        layer_spec = with_context_parallel_attention(layer_spec)
     if not use_te:
-        layer_spec = with_local_norms(layer_spec, config)
+        layer_spec = with_local_norms(with_local_attention(layer_spec, config), config)
     # With TE, TEDotProductAttention runs CP on the same split (chunks r and 2*cp-1-r, THD per
     # sequence when packed) with config.cp_comm_type; that path needs CUDA and is not run on CPU.
     post = ps.is_pipeline_last_stage()

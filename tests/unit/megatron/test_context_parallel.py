@@ -1,5 +1,5 @@
-"""Context-parallel index arithmetic against hand-worked examples, the token budget per CP rank, the
-attention substitution in the local layer spec, and the errors of invalid CP layouts."""
+"""Context-parallel index arithmetic against hand-worked examples, the token budget per CP rank and
+the errors of invalid CP layouts (the local spec's attention: test_local_attention.py)."""
 
 from __future__ import annotations
 
@@ -97,21 +97,6 @@ def test_token_budget_is_per_cp_rank() -> None:
     assert [p.tolist() for p in plans] == [[0, 3], [1, 2]]
     with pytest.raises(ConfigError, match="6 per rank at context parallel size 2\\); raise it to at least 6"):
         plan_micro_batches(torch.tensor([9]), max_tokens=4, cp=2)
-
-
-def test_local_spec_gets_context_parallel_attention() -> None:
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from megarl.megatron.context_parallel import ContextParallelAttention, with_context_parallel_attention
-
-    spec = get_gpt_layer_local_spec()
-    swapped = with_context_parallel_attention(spec)
-    assert swapped.submodules.self_attention.submodules.core_attention is ContextParallelAttention
-    assert spec.submodules.self_attention.submodules.core_attention is DotProductAttention  # a copy
-    with pytest.raises(ConfigError, match="context_parallel_size=1"):
-        with_context_parallel_attention(ModuleSpec(module=torch.nn.Identity))
 
 
 def test_invalid_cp_layouts_are_refused() -> None:

@@ -1,0 +1,146 @@
+"""Core attention of the local (non-TransformerEngine) layer spec: `LocalAttention`.
+
+Megatron's local spec uses `DotProductAttention`, which materialises the [b, heads, sq, sk] score
+matrix, masks it, takes an fp32 softmax and multiplies by the values as separate kernels; it refuses
+context parallelism. `LocalAttention` computes the same function with torch's
+`scaled_dot_product_attention` (a fused kernel that never stores the probabilities: flash or
+memory-efficient attention on CUDA, the flash CPU kernel on CPU) and, at cp > 1, first all-gathers
+keys and values over the context-parallel group (`context_parallel.gather_keys_values`), keeping
+queries local. It is the local spec's core attention whenever the model's attention is plain
+softmax attention; sliding-window and off-by-one/learnable softmax keep Megatron's
+`DotProductAttention` at cp = 1 and are refused at cp > 1.
+
+Masks follow Megatron's convention: `attention_mask` is a bool tensor broadcastable to
+[b, heads, sq, sk], True = masked; None means causal (over global positions at cp > 1). Every query
+must see at least one key (every mask megarl builds lets a position see itself).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megarl.errors import ConfigError
+from megarl.megatron.context_parallel import gather_keys_values, gathered_positions, shard_index
+
+
+def local_attention_supported(config: Any) -> str | None:
+    """Why `LocalAttention` cannot compute this config's attention; None when it can."""
+    if config.softmax_type != "vanilla":
+        return f"softmax_type={config.softmax_type!r} (valid: 'vanilla')"
+    if config.window_size is not None:
+        return f"sliding-window attention (window_size={config.window_size})"
+    return None
+
+
+class LocalAttention(torch.nn.Module):
+    """Drop-in for Megatron's `DotProductAttention` (same constructor and call): query [sq, b, np, hn],
+    key/value [sk, b, ng, hn] for this rank's positions; output [sq, b, np*hn]. Scaling is
+    1/sqrt(hn) (or `softmax_scale`); query-key layer scaling divides and re-multiplies the scores by
+    the layer number, which cancels, so it is not applied. Attention dropout runs inside the model-parallel
+    RNG tracker like `DotProductAttention`'s."""
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection: Any = None) -> None:
+        super().__init__()
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.enums import AttnMaskType
+
+        unsupported = local_attention_supported(config)
+        if unsupported is not None:
+            raise ConfigError(f"LocalAttention: {unsupported} is not implemented; Megatron's DotProductAttention "
+                              "(context_parallel_size=1) or TransformerEngine computes it")
+        self.config = config
+        self.causal = attn_mask_type == AttnMaskType.causal
+        tp_group = getattr(pg_collection, "tp", None) or ps.get_tensor_model_parallel_group()
+        self.cp_group = getattr(pg_collection, "cp", None) or ps.get_context_parallel_group()
+        self.cp = self.cp_group.size()
+        self.cp_rank = self.cp_group.rank()
+        self.heads = config.num_attention_heads // tp_group.size()
+        self.hidden_per_partition = config.kv_channels * self.heads
+        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self._masks: dict[tuple[int, str], torch.Tensor] = {}
+
+    def _causal_mask(self, sq: int, device: torch.device) -> torch.Tensor:
+        """[sq, cp*sq] True = masked: this CP rank's queries against the gathered keys."""
+        key = (sq, str(device))
+        if key not in self._masks:
+            width = sq * self.cp
+            q_pos = shard_index(width, self.cp, self.cp_rank, device)
+            k_pos = gathered_positions(width, self.cp, device)
+            self._masks[key] = k_pos.unsqueeze(0) > q_pos.unsqueeze(1)
+        return self._masks[key]
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor], attn_mask_type: Any = None,
+                attention_bias: Optional[torch.Tensor] = None, packed_seq_params: Any = None) -> torch.Tensor:
+        from megatron.core import tensor_parallel
+
+        if packed_seq_params is not None:
+            raise ConfigError("attention on the local layer spec takes packed rows with an explicit attention "
+                              "mask, not packed_seq_params (THD needs TransformerEngine)")
+        if attention_bias is not None:
+            raise ConfigError("attention on the local layer spec does not take an attention bias")
+        sq, b, np_, hn = query.shape
+        if self.cp > 1:  # one collective for both: [sq, b, ng, 2*hn] -> [cp*sq, b, ng, 2*hn]
+            kv = gather_keys_values(torch.cat([key, value], dim=-1), self.cp_group)
+            key, value = kv[..., :hn], kv[..., hn:]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
+        visible = None
+        is_causal = False
+        if attention_mask is not None:
+            visible = ~attention_mask
+        elif self.causal and self.cp > 1:
+            visible = ~self._causal_mask(sq, query.device)
+        else:
+            is_causal = self.causal
+        dropout_p = self.dropout_p if self.training else 0.0
+
+        def attend() -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout_p, is_causal=is_causal,
+                                                  scale=self.softmax_scale, enable_gqa=k.shape[1] != np_)
+
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                context = attend()
+        else:
+            context = attend()
+        return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_per_partition)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> dict:
+        return {}  # no parameters, no extra state
+
+
+def with_local_attention(layer_spec: Any, config: Any) -> Any:
+    """A copy of a local-spec layer (or block) spec whose core attention is `LocalAttention`.
+
+    At cp = 1 the spec is returned unchanged when the attention is one `LocalAttention` does not
+    compute (`local_attention_supported`); at cp > 1, where `DotProductAttention` cannot run, that is
+    a ConfigError, as is a spec with no `DotProductAttention` to replace."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megarl.megatron.spec_rewrite import replace_modules
+
+    cp = config.context_parallel_size
+    unsupported = local_attention_supported(config)
+    if unsupported is not None:
+        if cp == 1:
+            return layer_spec
+        raise ConfigError(f"context_parallel_size={cp} on the local layer spec: {unsupported} is not "
+                          "implemented; use context_parallel_size=1 or TransformerEngine")
+
+    def is_dpa(node: Any) -> bool:
+        return node is DotProductAttention or (isinstance(node, ModuleSpec) and node.module is DotProductAttention)
+
+    spec, replaced = replace_modules(layer_spec, is_dpa, LocalAttention)
+    if not replaced and cp > 1:
+        raise ConfigError(
+            "context_parallel_size > 1 without TransformerEngine needs the local layer spec's "
+            "DotProductAttention, which this model's layer spec does not use; use context_parallel_size=1")
+    return spec
