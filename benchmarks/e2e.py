@@ -196,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--megarl-python", type=Path, default=Path(sys.executable),
                    help="python megarl runs with (e.g. .venv-vllm/bin/python: rollout.engine auto then picks vLLM)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per side")
+    p.add_argument("--megarl-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra megarl config override, repeatable (e.g. actor.old_log_prob_source=recompute, "
+                        "which runs the old-log-prob pass so that its MFU is measured)")
     p.add_argument("--out", type=Path, default=None,
                    help="default: results/sections/e2e.json (quickstart, a section of megarl bench), results/e2e_25m.json")
     args = p.parse_args(argv)
@@ -210,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = work / "e2e_megarl"
 
     rate = matmul_flops(1024, threads=THREADS)
-    megarl = run_megarl(run_dir, base_overrides(task, run_dir, steps) + size_overrides(args.size), prompts=PROMPTS,
-                        n=N, timeout_s=args.timeout, python=str(args.megarl_python))
+    megarl = run_megarl(run_dir, base_overrides(task, run_dir, steps) + size_overrides(args.size) + args.megarl_override,
+                        prompts=PROMPTS, n=N, timeout_s=args.timeout, python=str(args.megarl_python))
     prompts_file = work / "e2e_prompts.json"
     prompts_file.write_text(json.dumps(megarl_prompt_order(run_dir, steps)))
     trl_args = dict(response_length=size["response_length"], lr=size["lr"], full_length=size["full_length"])
@@ -236,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompts_per_step": PROMPTS, "responses_per_prompt": N, "max_response_tokens": size["response_length"],
             "full_length": size["full_length"],
             "steps": steps, "lr": size["lr"], "precision": "fp32", "kl": "none (beta 0)", "loss": "token-mean",
+            "megarl_overrides": args.megarl_override,
             "megarl": "2 Ray workers x 1 thread, Megatron TP=2 on gloo, rollout.engine auto (HF unless the python given "
                       "has vLLM), actor.old_log_prob_source auto (no separate old-log-prob pass: one epoch, one "
                       "mini-batch, the update's own log-probs)",
