@@ -22,9 +22,15 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megarl.errors import ConfigError
 from megarl.megatron.context_parallel import gather_keys_values, gathered_positions, shard_index
+from megarl.megatron.spec_rewrite import replace_modules
 
 
 def local_attention_supported(config: Any) -> str | None:
@@ -47,9 +53,6 @@ class LocalAttention(torch.nn.Module):
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  cp_comm_type: Optional[str] = None, pg_collection: Any = None) -> None:
         super().__init__()
-        from megatron.core import parallel_state as ps
-        from megatron.core.transformer.enums import AttnMaskType
-
         unsupported = local_attention_supported(config)
         if unsupported is not None:
             raise ConfigError(f"LocalAttention: {unsupported} is not implemented; Megatron's DotProductAttention "
@@ -79,8 +82,6 @@ class LocalAttention(torch.nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Any = None,
                 attention_bias: Optional[torch.Tensor] = None, packed_seq_params: Any = None) -> torch.Tensor:
-        from megatron.core import tensor_parallel
-
         if packed_seq_params is not None:
             raise ConfigError("attention on the local layer spec takes packed rows with an explicit attention "
                               "mask, not packed_seq_params (THD needs TransformerEngine)")
@@ -122,11 +123,6 @@ def with_local_attention(layer_spec: Any, config: Any) -> Any:
     At cp = 1 the spec is returned unchanged when the attention is one `LocalAttention` does not
     compute (`local_attention_supported`); at cp > 1, where `DotProductAttention` cannot run, that is
     a ConfigError, as is a spec with no `DotProductAttention` to replace."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from megarl.megatron.spec_rewrite import replace_modules
-
     cp = config.context_parallel_size
     unsupported = local_attention_supported(config)
     if unsupported is not None:
