@@ -88,7 +88,8 @@ def build_model_chunk(spec: ModelSpec, role: str, params_dtype: torch.dtype, tp:
     At cp > 1 the sequence axis is split over the context-parallel group (see `context_parallel`);
     TransformerEngine's attention handles CP itself. On the local spec (CPU, or GPU without TE) the
     core attention is `attention.LocalAttention` (torch's fused attention kernel, any cp) in place of
-    Megatron's DotProductAttention, and the norms are `LocalNorm` (sequence parallel capable). `sequence_parallel` and `recompute_granularity`: see `ModelSpec.transformer_config`.
+    Megatron's DotProductAttention, and the norms are `LocalNorm` (sequence parallel capable).
+    `sequence_parallel` and `recompute_granularity`: see `ModelSpec.transformer_config`.
     """
     if role not in ROLES:
         raise ConfigError(f"engine role={role!r}, valid: {ROLES}")
