@@ -10,6 +10,7 @@ valid (unpadded) tokens. Runs in this process as a world of 1 (gloo without CUDA
     python benchmarks/engine.py                      # ~1-2 min on 2 CPU cores
     python benchmarks/engine.py --hidden 512 --layers 8 --batch 64
     python benchmarks/engine.py --family qwen3_moe --out benchmarks/results/engine_moe.json
+    python benchmarks/engine.py --profile DIR        # also: where each side's time goes (torch.profiler)
 
 Prints a table and writes JSON to --out (default benchmarks/results/engine.json).
 """
@@ -54,6 +55,35 @@ def _timed_interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[
                 torch.cuda.synchronize()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _profile(fns: dict[str, Callable[[], Any]], out_dir: str, top: int = 25) -> dict[str, list[dict]]:
+    """One call of each function under torch.profiler (CPU, and CUDA when present): the `top`
+    operators by self time on the device (or the CPU), written as a table to out_dir/<name>.txt and
+    returned as rows (name, calls, self ms, share of the call's total self time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(out_dir, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    summary = {}
+    for name, fn in fns.items():
+        fn()  # warm-up outside the trace
+        with profile(activities=activities) as prof:
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+        events = prof.key_averages()
+        with open(os.path.join(out_dir, f"{name}.txt"), "w") as f:
+            f.write(events.table(sort_by=key, row_limit=60))
+        attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+        total = sum(getattr(e, attr, 0) for e in events) or 1
+        rows = sorted(events, key=lambda e: -getattr(e, attr, 0))[:top]
+        summary[name] = [{"op": e.key, "calls": e.count, "self_ms": getattr(e, attr, 0) / 1e3,
+                          "share": getattr(e, attr, 0) / total} for e in rows]
+        print(f"profile {name}: " + ", ".join(f"{r['op']} {r['share']:.0%}" for r in summary[name][:6]))
+    return summary
 
 
 def make_batch(batch: int, prompt_len: int, response_len: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
@@ -106,6 +136,8 @@ def main() -> None:
     parser.add_argument("--core-attention", choices=["local", "megatron"], default="local",
                         help="without TransformerEngine: megarl's LocalAttention (torch's fused kernel, the "
                              "default) or Megatron's DotProductAttention, for a before/after comparison")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="after timing, profile one log-prob pass and one train step of each side into DIR")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.core_attention == "megatron":
@@ -192,6 +224,14 @@ def main() -> None:
                             "engine_packed": lambda: packed_engine.train_step(batch, pg_loss, mini_batch_size=args.batch),
                             "hf": hf_train}, args.repeats)
     results["train_step_tokens_per_s"] = {k: tokens / v for k, v in t.items()}
+    if args.profile:
+        results["profile"] = _profile({
+            "log_prob_engine": lambda: engine.compute_log_prob(batch),
+            "log_prob_engine_packed": lambda: packed_engine.compute_log_prob(batch),
+            "log_prob_hf": hf_forward,
+            "train_engine": lambda: engine.train_step(batch, pg_loss, mini_batch_size=args.batch),
+            "train_engine_packed": lambda: packed_engine.train_step(batch, pg_loss, mini_batch_size=args.batch),
+            "train_hf": hf_train}, args.profile)
     # Two offload/onload cycles: the first one also allocates the (pinned, on CUDA) host copies,
     # which torch's host allocator keeps for the second, the cost a training loop pays every step.
     cycles = []

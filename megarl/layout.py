@@ -1,7 +1,7 @@
 """The parallel layout vocabulary shared by the engine, the hybrid reshard and the cluster dispatch.
 
-- `ParallelLayout`: degrees of parallelism (tp, pp, dp, cp, ep) of one world; `dp=0` means "derive
-  it from the world size" (`resolved`).
+- `ParallelLayout`: degrees of parallelism (tp, pp, dp, cp, ep, etp) of one world; `dp=0` means
+  "derive it from the world size", `etp=0` "expert tensor parallel size = tp" (`resolved`).
 - `RankCoord`: one rank's position in a layout: its rank and size along every dimension.
 
 Rank order (Megatron-Core 0.16.1's default "tp-cp-ep-dp-pp", `parallel_state.
@@ -9,9 +9,15 @@ initialize_model_parallel`): TP is the fastest-varying coordinate, then CP, then
 
     rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
-EP only regroups the dp*cp ranks of one pipeline stage for the expert layers (Megatron's expert
-rank generator, expert TP = TP, CP folded in): ep_rank = (cp_rank + cp * dp_rank) % ep. It does not
-change any other coordinate.
+The expert layers regroup the tp*cp*dp ranks of one pipeline stage (Megatron's expert rank
+generator: order "tp-ep-dp" with the expert tensor-parallel size etp in place of tp, CP folded into
+the expert data-parallel size edp = tp*cp*dp / (etp*ep)). With s = rank's index in its stage:
+
+    s = etp_rank + etp * (ep_rank + ep * edp_rank)
+
+At etp = tp (Megatron's default) this is ep_rank = (cp_rank + cp * dp_rank) % ep, and expert
+weights are split over the same TP ranks as the dense ones. The expert coordinates do not change
+any other coordinate.
 
 The rollout layout is the same type with pp = cp = ep = 1 (`ParallelLayout.rollout`): tp
 consecutive ranks form one rollout engine's tensor-parallel group, dp = world / tp engines. So a
@@ -47,6 +53,10 @@ class RankCoord:
     cp_size: int = 1
     ep_rank: int = 0
     ep_size: int = 1
+    etp_rank: int = 0  # expert tensor-parallel rank: the split of the expert weights
+    etp_size: int = 1
+    edp_rank: int = 0  # expert data-parallel rank: the replica of the expert weights
+    edp_size: int = 1
 
     @property
     def is_collect_rank(self) -> bool:
@@ -61,13 +71,19 @@ class RankCoord:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Degrees of parallelism. `dp` is derived from the world size when left at 0 (`resolved`)."""
+    """Degrees of parallelism. `dp` is derived from the world size when left at 0 (`resolved`);
+    `etp` (expert tensor parallel size) is set to tp when left at 0."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 0
     cp: int = 1
     ep: int = 1
+    etp: int = 0
+
+    def __post_init__(self) -> None:
+        if self.etp == 0:  # Megatron's default: the experts split as the dense layers
+            object.__setattr__(self, "etp", self.tp)
 
     @classmethod
     def rollout(cls, tp: int, world_size: int) -> ParallelLayout:
@@ -95,6 +111,9 @@ class ParallelLayout:
         for name in ("tp", "pp", "cp", "ep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel layout: {name}={getattr(self, name)} must be >= 1")
+        if self.etp < 0:
+            raise ConfigError(f"parallel layout: etp={self.etp} must be >= 1 (or 0: the tensor-parallel size)")
+        etp = self.etp
         mp = self.model_parallel_size
         if world_size % mp != 0:
             raise ConfigError(
@@ -106,9 +125,24 @@ class ParallelLayout:
             raise ConfigError(
                 f"parallel layout: dp={self.dp} but world size {world_size} / (tp*pp*cp={mp}) = {dp}"
             )
-        if (dp * self.cp) % self.ep != 0:
+        if etp == self.tp and (dp * self.cp) % self.ep != 0:
             raise ConfigError(f"parallel layout: ep={self.ep} must divide dp*cp={dp * self.cp}")
-        return ParallelLayout(tp=self.tp, pp=self.pp, dp=dp, cp=self.cp, ep=self.ep)
+        stage = self.tp * self.cp * dp
+        if stage % (etp * self.ep) != 0:
+            raise ConfigError(f"parallel layout: etp*ep = {etp}*{self.ep} must divide the {stage} ranks of a "
+                              f"pipeline stage (tp*cp*dp = {self.tp}*{self.cp}*{dp})")
+        return ParallelLayout(tp=self.tp, pp=self.pp, dp=dp, cp=self.cp, ep=self.ep, etp=etp)
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size: replicas of each expert shard, tp*cp*dp / (etp*ep)."""
+        self._require_resolved()
+        return self.tp * self.cp * self.dp // (self.etp * self.ep)
+
+    @property
+    def experts_split_apart(self) -> bool:
+        """Whether the expert weights are sharded differently from the dense ones (ep > 1 or etp != tp)."""
+        return self.ep > 1 or self.etp != self.tp
 
     def coord(self, rank: int) -> RankCoord:
         """Coordinates of global rank `rank` (TP fastest, then CP, DP, PP; see the module doc)."""
@@ -117,13 +151,18 @@ class ParallelLayout:
         tp_rank, rest = rank % self.tp, rank // self.tp
         cp_rank, rest = rest % self.cp, rest // self.cp
         dp_rank, pp_rank = rest % self.dp, rest // self.dp
+        in_stage = rank % (self.tp * self.cp * self.dp)
+        etp_rank, rest = in_stage % self.etp, in_stage // self.etp
+        ep_rank, edp_rank = rest % self.ep, rest // self.ep
         return RankCoord(
             rank=rank,
             tp_rank=tp_rank, tp_size=self.tp,
             pp_rank=pp_rank, pp_size=self.pp,
             dp_rank=dp_rank, dp_size=self.dp,
             cp_rank=cp_rank, cp_size=self.cp,
-            ep_rank=(cp_rank + self.cp * dp_rank) % self.ep, ep_size=self.ep,
+            ep_rank=ep_rank, ep_size=self.ep,
+            etp_rank=etp_rank, etp_size=self.etp,
+            edp_rank=edp_rank, edp_size=self.edp,
         )
 
     def rank(self, coord: RankCoord) -> int:
@@ -138,6 +177,10 @@ class ParallelLayout:
         replicas, DP-major."""
         self._require_resolved()
         return [self._rank(tp_rank, cp, dp, pp_rank) for dp in range(self.dp) for cp in range(self.cp)]
+
+    def expert_rank(self, etp_rank: int, ep_rank: int, edp_rank: int, pp_rank: int) -> int:
+        """The global rank at expert coordinates (etp_rank, ep_rank, edp_rank) of stage `pp_rank`."""
+        return etp_rank + self.etp * (ep_rank + self.ep * (edp_rank + self.edp * pp_rank))
 
     def _rank(self, tp_rank: int, cp_rank: int, dp_rank: int, pp_rank: int) -> int:
         return tp_rank + self.tp * (cp_rank + self.cp * (dp_rank + self.dp * pp_rank))

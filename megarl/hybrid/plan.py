@@ -24,7 +24,8 @@ import torch
 
 from megarl.errors import ConfigError
 from megarl.hybrid.sender_rule import (
-    EVERY_EP_RANK, ShardKey, holder_rank, holder_ranks, replicas_per_holder, sender_position, shard_keys,
+    EVERY_EP_RANK, ShardKey, holder_rank, holder_ranks, is_expert_key, replicas_per_holder, sender_position,
+    shard_keys,
 )
 from megarl.hybrid.slices import Block, LocalTensor, engine_params, hf_tensor_shapes, megatron_shards
 from megarl.layout import ParallelLayout
@@ -187,7 +188,7 @@ def build_reshard_plan(
     if senders not in SENDER_RULES:
         raise ConfigError(f"reshard plan: senders={senders!r} unknown; valid: {SENDER_RULES}")
     check_plan_inputs(train, rollout, bucket_bytes)
-    spec.check_layout(train.tp, train.pp, train.ep)
+    spec.check_layout(train.tp, train.pp, train.ep, train.etp)
     shapes = hf_shapes if hf_shapes is not None else hf_tensor_shapes(spec)
     world = train.world_size
     coords = [train.coord(r) for r in range(world)]  # once: step 2 reads them per segment
@@ -257,33 +258,37 @@ def source_index(spec: "ModelSpec", train: ParallelLayout, shapes: dict[str, tup
                  ) -> tuple[dict[ShardKey, list[LocalTensor]], dict[str, list[_Source]]]:
     """Every shard's Megatron tensors, and per HF name the blocks some shard holds (the holder
     order the sender rule counts in). Shards: (tp, pp, EVERY_EP_RANK) for what every expert-
-    parallel rank of a model shard holds (everything when ep = 1), and with ep > 1 (tp, pp, e) for
-    the experts of ep rank e. Cost: tp * pp model shards, independent of dp, cp and ep."""
+    parallel rank of a model shard holds (everything when the experts split as the dense weights:
+    ep = 1 and etp = tp), and otherwise (etp_rank, pp, e) for the experts of expert-TP rank etp_rank
+    and ep rank e. Cost: tp * pp model shards and etp * pp * ep expert shards, independent of dp
+    and cp."""
     shard_cache: dict[ShardKey, list[LocalTensor]] = {}
     sources: dict[str, list[_Source]] = {}
-    split = train.ep > 1
-    for tp in range(train.tp):
-        for pp in range(train.pp):
-            parts = [((tp, pp, EVERY_EP_RANK), dict(experts=False if split else None))]
-            parts += [((tp, pp, e), dict(ep_rank=e, ep_size=train.ep, experts=True)) for e in range(train.ep if split else 0)]
-            for key, kwargs in parts:
-                shard_cache[key] = megatron_shards(spec, tp, train.tp, pp, train.pp, shapes, **kwargs)
-                for t in shard_cache[key]:
-                    for b in t.blocks:
-                        sources.setdefault(b.hf_name, []).append(_Source(key, t.name, b.start, b.stop, b.offset))
+    split = train.experts_split_apart
+    parts = [((tp, pp, EVERY_EP_RANK), dict(tp_rank=tp, tp_size=train.tp, experts=False if split else None))
+             for tp in range(train.tp) for pp in range(train.pp)]
+    if split:
+        parts += [((etp, pp, e), dict(tp_rank=etp, tp_size=train.etp, ep_rank=e, ep_size=train.ep, experts=True))
+                  for etp in range(train.etp) for pp in range(train.pp) for e in range(train.ep)]
+    for key, kwargs in parts:
+        shard_cache[key] = megatron_shards(spec, pp_rank=key[1], pp_size=train.pp, shapes=shapes, **kwargs)
+        for t in shard_cache[key]:
+            for b in t.blocks:
+                sources.setdefault(b.hf_name, []).append(_Source(key, t.name, b.start, b.stop, b.offset))
     return shard_cache, sources
 
 
 def rank_tensors(shard_cache: dict[ShardKey, list[LocalTensor]], train: ParallelLayout, rank: int) -> list[LocalTensor]:
     """The Megatron tensors training rank `rank` holds."""
     every, experts = shard_keys(train, rank)
-    return shard_cache[every] + (shard_cache[experts] if train.ep > 1 else [])
+    return shard_cache[every] + (shard_cache[experts] if train.experts_split_apart else [])
 
 
 def rule_sender(train: ParallelLayout, holders: list[_Source], dst: int, salt: int) -> tuple[int, _Source]:
     """The (rank, holder) `sender_rule` assigns to receiver `dst` for rows all `holders` hold."""
-    per_holder = replicas_per_holder(train, holders[0].coord_key)  # the same for all: expert rows or not
-    position = sender_position(train, dst, len(holders), per_holder, salt)
+    key = holders[0].coord_key  # expert rows or not: the same for all holders
+    per_holder = replicas_per_holder(train, key)
+    position = sender_position(train, dst, len(holders), per_holder, salt, is_expert_key(key))
     holder = holders[position // per_holder]
     return holder_rank(train, holder.coord_key, position % per_holder), holder
 

@@ -32,7 +32,9 @@ from megarl.hybrid.plan import (
     DEFAULT_BUCKET_BYTES, Piece, RankBytes, ReshardPlan, _bucket, _merge, _Segment, _segments, _unit_bytes,
     check_plan_inputs, join_pieces, rank_tensors, rule_sender, segment_piece, source_index,
 )
-from megarl.hybrid.sender_rule import EVERY_EP_RANK, receivers_at, replicas_per_holder, shard_keys
+from megarl.hybrid.sender_rule import (
+    is_expert_key, receivers_at, replica_index, replicas_per_holder, shard_keys,
+)
 from megarl.hybrid.slices import engine_params, hf_tensor_shapes
 from megarl.layout import ParallelLayout
 
@@ -59,7 +61,7 @@ class RankPlanner:
                  dtype: torch.dtype = torch.float32, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  hf_shapes: dict[str, tuple[int, ...]] | None = None) -> None:
         check_plan_inputs(train, rollout, bucket_bytes)
-        spec.check_layout(train.tp, train.pp, train.ep)
+        spec.check_layout(train.tp, train.pp, train.ep, train.etp)
         shapes = hf_shapes if hf_shapes is not None else hf_tensor_shapes(spec)
         self.train, self.rollout, self.engine = train, rollout, engine
         self.dtype, self.bucket_bytes = dtype, bucket_bytes
@@ -147,8 +149,6 @@ class RankPlanner:
     def _sent(self, rank: int) -> list[Piece]:
         """Pieces `rank` sends, per receiver in the receiver's parameter and row order."""
         train = self.train
-        c = train.coord(rank)
-        my_replica = c.dp_rank * train.cp + c.cp_rank
         own = shard_keys(train, rank)
         rollout_tp = self.rollout.tp
         mine = [t_ for key in dict.fromkeys(own) if key in self.shards for t_ in self.shards[key]]
@@ -160,17 +160,16 @@ class RankPlanner:
             for tpl in self.templates(t, i):
                 now: set[int] = set()
                 holders = tpl.seg.holders
+                expert = is_expert_key(holders[0].coord_key)
                 per_holder = replicas_per_holder(train, holders[0].coord_key)
-                # This rank's index among the holder's ranks (`sender_rule.holder_rank`).
-                j = my_replica if holders[0].coord_key[2] == EVERY_EP_RANK else my_replica // train.ep
+                j = replica_index(train, rank, expert)  # this rank's index among the holder's ranks
                 for k, holder in enumerate(holders):
                     if holder.coord_key not in own:
                         continue
-                    for dst, (tp_rank, pp_rank, ep_rank) in receivers_at(train, k * per_holder + j, len(holders),
-                                                                         per_holder, tpl.seg.salt):
+                    for dst in receivers_at(train, k * per_holder + j, len(holders), per_holder, tpl.seg.salt,
+                                            expert):
                         # Rollout TP is the fastest rank coordinate (`ParallelLayout.rollout`).
-                        if dst % rollout_tp != t or not tpl.holder_keys.isdisjoint(
-                                ((tp_rank, pp_rank, EVERY_EP_RANK), (tp_rank, pp_rank, ep_rank))):
+                        if dst % rollout_tp != t or not tpl.holder_keys.isdisjoint(shard_keys(train, dst)):
                             continue  # another engine slice, or the receiver holds the rows itself
                         seg = _copy(tpl.seg, dst)
                         seg.src, seg.source = rank, holder

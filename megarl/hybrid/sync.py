@@ -10,8 +10,9 @@ per-rank fused parameters and copies them in place into the vLLM model of its pr
 
 Expert-parallel training (EP > 1): each rank holds only its expert-parallel rank's experts,
 numbered 0..E/ep-1 locally (Megatron-Core's `MoELayer`: global expert = ep_rank * E/ep + local;
-sequential experts, `local_experts.{i}`, in both layer specs since grouped GEMM is off). The
-plan keys those shards by (tp, pp, ep rank) and fetches every other expert from a holder of it.
+sequential experts, `local_experts.{i}`, in both layer specs since grouped GEMM is off), each
+split over the expert tensor-parallel ranks (expert TP, by default the TP size). The plan keys
+those shards by (expert TP rank, pp, ep rank) and fetches every other expert from a holder of it.
 """
 
 from __future__ import annotations
@@ -131,15 +132,16 @@ def own_plan(train_engine: Any, rollout_tp: int, bucket_bytes: int,
     """This rank's part of the reshard from the training engine's layout (which must span `group`,
     in Megatron's rank order) to the rollout layout of `rollout_tp`, over the same ranks."""
     r = train_engine.ranks
-    layout = ParallelLayout(tp=r.tp_size, pp=r.pp_size, dp=r.dp_size, cp=r.cp_size, ep=r.ep_size)
+    layout = ParallelLayout(tp=r.tp_size, pp=r.pp_size, dp=r.dp_size, cp=r.cp_size, ep=r.ep_size, etp=r.etp_size)
     if layout.world_size != dist.get_world_size(group):
         raise ConfigError(f"weight sync: training layout {layout} does not span the group of "
                           f"{dist.get_world_size(group)} ranks")
-    planned = layout.coord(dist.get_rank(group)).ep_rank
-    if planned != r.ep_rank:  # the plan would fetch the wrong experts from this rank
-        raise ConfigError(f"weight sync: rank {dist.get_rank(group)} is expert-parallel rank {r.ep_rank} in "
-                          f"Megatron, the plan's rank order puts it at {planned}; the training process groups "
-                          "must use Megatron's default order tp-cp-ep-dp-pp")
+    c = layout.coord(dist.get_rank(group))
+    if (c.etp_rank, c.ep_rank) != (r.etp_rank, r.ep_rank):  # the plan would fetch the wrong experts
+        raise ConfigError(f"weight sync: rank {dist.get_rank(group)} is expert-parallel rank {r.ep_rank}, "
+                          f"expert tensor-parallel rank {r.etp_rank} in Megatron, the plan's rank order puts it "
+                          f"at {c.ep_rank}, {c.etp_rank}; the training process groups must use Megatron's "
+                          "default order tp-cp-ep-dp-pp")
     dtype = next(iter(train_engine.get_named_weights()))[1].dtype
     planner = RankPlanner(train_engine.spec, layout, ParallelLayout.rollout(rollout_tp, layout.world_size),
                           "hf" if rollout_tp == 1 else "vllm", dtype, bucket_bytes)

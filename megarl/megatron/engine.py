@@ -107,7 +107,8 @@ class MegatronEngine:
         self.model = build_model_chunk(spec, self.role, self.cfg.torch_dtype, self.ranks.tp_size,
                                        self.ranks.pp_size, self.use_te, cp=self.ranks.cp_size,
                                        ep=self.ranks.ep_size, sequence_parallel=self.cfg.sequence_parallel,
-                                       recompute_granularity=self.cfg.recompute_granularity)
+                                       recompute_granularity=self.cfg.recompute_granularity,
+                                       etp=self.ranks.etp_size)
         self.ddp = wrap_for_training(self.model, self.cfg.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.cfg, [self.ddp])
         self.scheduler = build_scheduler(self.cfg, self.optimizer)
@@ -155,6 +156,7 @@ class MegatronEngine:
             present, spec, self.ranks.tp_rank, self.ranks.tp_size, self.ranks.pp_rank,
             self.ranks.pp_size, skip=skip_entries, te_names=self.use_te,
             ep_rank=self.ranks.ep_rank, ep_size=self.ranks.ep_size,
+            etp_rank=self.ranks.etp_rank, etp_size=self.ranks.etp_size,
         )
         load_megatron_state(self.ddp, state, self.role, optional=optional)
         self.optimizer.reload_model_params()

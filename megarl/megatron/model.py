@@ -82,14 +82,15 @@ def with_local_norms(layer_spec: Any, config: Any) -> Any:
 
 def build_model_chunk(spec: ModelSpec, role: str, params_dtype: torch.dtype, tp: int, pp: int,
                       use_te: bool | None = None, cp: int = 1, ep: int = 1, sequence_parallel: bool = False,
-                      recompute_granularity: str | None = None) -> nn.Module:
+                      recompute_granularity: str | None = None, etp: int | None = None) -> nn.Module:
     """The GPTModel (or value/reward model) for this rank's pipeline stage, unwrapped.
 
     At cp > 1 the sequence axis is split over the context-parallel group (see `context_parallel`);
     TransformerEngine's attention handles CP itself. On the local spec (CPU, or GPU without TE) the
     core attention is `attention.LocalAttention` (torch's fused attention kernel, any cp) in place of
     Megatron's DotProductAttention, and the norms are `LocalNorm` (sequence parallel capable).
-    `sequence_parallel` and `recompute_granularity`: see `ModelSpec.transformer_config`.
+    `sequence_parallel`, `recompute_granularity` and `etp` (expert tensor parallel size, None: tp):
+    see `ModelSpec.transformer_config`.
     """
     if role not in ROLES:
         raise ConfigError(f"engine role={role!r}, valid: {ROLES}")
@@ -98,7 +99,7 @@ def build_model_chunk(spec: ModelSpec, role: str, params_dtype: torch.dtype, tp:
         use_te = te_available()
     config = spec.transformer_config(tp=tp, pp=pp, cp=cp, ep=ep, params_dtype=params_dtype,
                                      sequence_parallel=sequence_parallel,
-                                     recompute_granularity=recompute_granularity)
+                                     recompute_granularity=recompute_granularity, etp=etp)
     layer_spec = spec.layer_spec(use_te)
     if not use_te:
         layer_spec = with_local_norms(with_local_attention(layer_spec, config), config)

@@ -1,4 +1,4 @@
-"""Process groups for 4D (+expert) parallel training: TP, PP, DP, CP, EP over one world.
+"""Process groups for 4D (+expert) parallel training: TP, PP, DP, CP, EP (and expert TP) over one world.
 
 `init_distributed` creates the groups of a `megarl.layout.ParallelLayout`; `current_ranks` reads
 this process's `megarl.layout.RankCoord` back from Megatron's `parallel_state`.
@@ -66,6 +66,7 @@ def init_distributed(
         pipeline_model_parallel_size=resolved.pp,
         context_parallel_size=resolved.cp,
         expert_model_parallel_size=resolved.ep,
+        expert_tensor_parallel_size=resolved.etp,
         distributed_timeout_minutes=timeout_minutes,
     )
     return resolved
@@ -97,4 +98,8 @@ def current_ranks() -> RankCoord:
         cp_size=ps.get_context_parallel_world_size(),
         ep_rank=ps.get_expert_model_parallel_rank(),
         ep_size=ps.get_expert_model_parallel_world_size(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        etp_size=ps.get_expert_tensor_parallel_world_size(),
+        edp_rank=ps.get_expert_data_parallel_rank(),
+        edp_size=ps.get_expert_data_parallel_world_size(),
     )

@@ -180,17 +180,23 @@ class ModelSpec:
     def active_weight_entries(self) -> list[WeightEntry]:
         return [e for e in self.weight_map if e.when is None or self.features.get(e.when, False)]
 
-    def check_layout(self, tp: int, pp: int, ep: int = 1) -> None:
-        """Raise if the model cannot be split `tp` x `pp` ways (and its experts `ep` ways)."""
+    def check_layout(self, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
+        """Raise if the model cannot be split `tp` x `pp` ways (and its experts `ep` ways, each
+        expert `etp` ways; default: tp)."""
         v = self.config_values
+        etp = tp if etp is None else etp
         if self.num_experts:
             if self.num_experts % ep:
                 raise ConfigError(f"{self.family}: ep={ep} must divide the number of experts ({self.num_experts})")
-            if int(v["moe_ffn_hidden_size"]) % tp:
+            if int(v["moe_ffn_hidden_size"]) % etp:
+                name = "tp" if etp == tp else "expert tensor parallel size"
                 raise ConfigError(
-                    f"{self.family}: tp={tp} must divide moe_intermediate_size={v['moe_ffn_hidden_size']}")
+                    f"{self.family}: {name}={etp} must divide moe_intermediate_size={v['moe_ffn_hidden_size']}")
         elif ep != 1:
             raise ConfigError(f"{self.family}: ep={ep} needs a mixture-of-experts model; this one is dense (use ep=1)")
+        elif etp != tp:
+            raise ConfigError(f"{self.family}: expert tensor parallel size {etp} needs a mixture-of-experts model; "
+                              "this one is dense (leave it unset)")
         if v["num_attention_heads"] % tp or v["num_query_groups"] % tp:
             raise ConfigError(
                 f"{self.family}: tp={tp} must divide num_attention_heads={v['num_attention_heads']} "
@@ -204,10 +210,12 @@ class ModelSpec:
     # ---------------------------------------------------------------- Megatron objects
     def transformer_config(self, tp: int = 1, pp: int = 1, cp: int = 1, params_dtype: Any = None,
                            ep: int = 1, sequence_parallel: bool = False,
-                           recompute_granularity: str | None = None, **overrides: Any) -> Any:
+                           recompute_granularity: str | None = None, etp: int | None = None,
+                           **overrides: Any) -> Any:
         """A Megatron `TransformerConfig` for this model at the given layout.
 
-        Fusions and CUDA-only features are switched off without CUDA. `ep`: expert parallel size.
+        Fusions and CUDA-only features are switched off without CUDA. `ep`: expert parallel size;
+        `etp`: expert tensor parallel size (None: tp).
         `sequence_parallel`: Megatron's sequence parallelism (tp > 1; the local layer spec needs
         norms that allow it, see `megarl.megatron.model`). `recompute_granularity`: None, "full"
         (every layer recomputed from its input: method "uniform", one layer per unit) or
@@ -217,7 +225,7 @@ class ModelSpec:
         import torch.nn.functional as F
         from megatron.core.transformer import TransformerConfig
 
-        self.check_layout(tp, pp, ep)
+        self.check_layout(tp, pp, ep, etp)
         on_gpu = torch.cuda.is_available()
         params_dtype = params_dtype or torch.float32
         kwargs: dict[str, Any] = dict(self.config_values)
@@ -258,6 +266,7 @@ class ModelSpec:
             define_missing_te_symbols()
             kwargs.update(
                 expert_model_parallel_size=ep,
+                expert_tensor_parallel_size=tp if etp is None else etp,
                 # Dropless token-choice routing as in HF; no load-balancing loss in RL updates.
                 moe_grouped_gemm=False,
                 moe_router_load_balancing_type="none",

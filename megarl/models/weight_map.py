@@ -239,11 +239,15 @@ def stage_entries(spec: "ModelSpec", pp_rank: int, pp_size: int, te_names: bool 
 def hf_to_megatron_state_dict(
     hf_sd: Mapping[str, torch.Tensor], spec: "ModelSpec", tp_rank: int, tp_size: int,
     pp_rank: int, pp_size: int, skip: Iterable[str] = (), te_names: bool = False,
-    ep_rank: int = 0, ep_size: int = 1,
+    ep_rank: int = 0, ep_size: int = 1, etp_rank: int | None = None, etp_size: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """HF tensors -> this (tp_rank, pp_rank, ep_rank)'s Megatron state dict (local-spec names, or
-    TransformerEngine-spec names with `te_names`). Megatron names in `skip` are left out."""
-    spec.check_layout(tp_size, pp_size, ep_size)
+    TransformerEngine-spec names with `te_names`). Expert weights are split over the expert
+    tensor-parallel ranks (`etp_rank` of `etp_size`; default: the TP rank and size). Megatron names
+    in `skip` are left out."""
+    if etp_size is None:
+        etp_rank, etp_size = tp_rank, tp_size
+    spec.check_layout(tp_size, pp_size, ep_size, etp_size)
     out: dict[str, torch.Tensor] = {}
     padded = spec.padded_vocab_size(tp_size)
     skipped = set(skip)
@@ -256,7 +260,8 @@ def hf_to_megatron_state_dict(
         full = fuse(entry, [hf_sd[h] for h in hf_names], spec)
         if entry.vocab_padded:
             full = pad_vocab(full, padded)
-        out[name] = tp_shard(entry, full, tp_rank, tp_size)
+        out[name] = (tp_shard(entry, full, etp_rank, etp_size) if entry.per_expert
+                     else tp_shard(entry, full, tp_rank, tp_size))
     return out
 
 

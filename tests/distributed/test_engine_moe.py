@@ -2,7 +2,9 @@
 dispatcher, sequential experts): log-probs equal HF transformers with the same weights (Qwen3-MoE
 with renormalised top-k, Qwen2-MoE with unnormalised top-k and a gated shared expert), at TP=2
 and with the experts split over two expert-parallel ranks; one optimizer step at EP=2 gives the
-weights of a float64 hand-written AdamW step on the HF model. (TP=2 training, which Megatron
+weights of a float64 hand-written AdamW step on the HF model. At TP=2 with expert tensor
+parallelism 1 (each expert whole on one rank, EP=2 over four ranks) the log-probs still equal
+HF's. (TP=2 training, which Megatron
 allows only with sequence parallelism: test_engine_sp.)"""
 
 from __future__ import annotations
@@ -83,8 +85,9 @@ def _log_probs(rank: int, world: int, port: int, dirs: dict, layout: dict, batch
     return out
 
 
-@pytest.mark.parametrize("layout,world", [({}, 1), ({"tp": 2}, 2), ({"ep": 2}, 2)],
-                         ids=["single", "tp2", "ep2_dp2"])
+@pytest.mark.parametrize("layout,world", [({}, 1), ({"tp": 2}, 2), ({"ep": 2}, 2),
+                                          ({"tp": 2, "ep": 2, "etp": 1}, 4)],
+                         ids=["single", "tp2", "ep2_dp2", "tp2_ep2_etp1"])
 def test_moe_log_probs_equal_hf(layout: dict, world: int) -> None:
     models = {kind: make_moe_model(kind, seed=i) for i, kind in enumerate(("qwen3_moe", "qwen2_moe"))}
     dirs = {kind: save_hf_model(m) for kind, m in models.items()}

@@ -22,6 +22,10 @@ LAYOUTS = [
     ParallelLayout(tp=1, pp=3, dp=4, ep=2),
     ParallelLayout(tp=2, pp=2, dp=2, cp=2, ep=4),
     ParallelLayout(tp=2, dp=3, cp=2, ep=3),
+    ParallelLayout(tp=2, pp=2, dp=2, ep=4, etp=1),
+    ParallelLayout(tp=4, dp=2, cp=2, ep=2, etp=2),
+    ParallelLayout(tp=1, dp=4, ep=2, etp=2),
+    ParallelLayout(tp=2, dp=2, cp=2, etp=4),
 ]
 DIMS = ("tp", "cp", "dp", "pp")
 
@@ -53,11 +57,17 @@ def test_groups_equal_megatron_core_rank_generator(layout: ParallelLayout) -> No
         assert sorted(groups) == sorted(ours.values()), dim
         for group in groups:
             assert [getattr(coords[r], f"{dim}_rank") for r in group] == list(range(len(group))), (dim, group)
-    # Experts (expert TP = TP, as megarl never sets another): DP x CP ranks regrouped by EP.
-    expert = RankGenerator(tp=layout.tp, ep=layout.ep, dp=layout.dp * layout.cp // layout.ep, pp=layout.pp, cp=1,
-                           order="tp-cp-ep-dp-pp")
-    for group in expert.get_ranks("ep"):
-        assert [coords[r].ep_rank for r in group] == list(range(layout.ep)), group
+    # Experts: the ranks of a stage regrouped by expert TP, EP and expert DP, as
+    # `initialize_model_parallel(expert_tensor_parallel_size=etp)` builds its expert generator.
+    edp = layout.tp * layout.cp * layout.dp // (layout.etp * layout.ep)
+    assert layout.edp == edp
+    expert = RankGenerator(tp=layout.etp, ep=layout.ep, dp=edp, pp=layout.pp, cp=1, order="tp-cp-ep-dp-pp")
+    for dim, size in (("ep", layout.ep), ("tp", layout.etp), ("dp", edp)):
+        for group in expert.get_ranks(dim):
+            assert [getattr(coords[r], f"{'e' + dim if dim != 'ep' else dim}_rank") for r in group] == list(
+                range(size)), (dim, group)
+    for c in coords:
+        assert layout.expert_rank(c.etp_rank, c.ep_rank, c.edp_rank, c.pp_rank) == c.rank
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
@@ -76,12 +86,15 @@ def test_resolved_derives_dp_and_reports_what_is_wrong() -> None:
     assert ParallelLayout(tp=2, pp=2).resolved(8) == ParallelLayout(tp=2, pp=2, dp=2)
     assert ParallelLayout(cp=2, ep=4).resolved(8).dp == 4
     assert ParallelLayout(tp=2, dp=2).resolved(4).dp == 2
+    assert ParallelLayout(tp=2).etp == 2 and ParallelLayout(tp=2, etp=1).resolved(4).edp == 4
     cases = [
         (ParallelLayout(cp=0), 2, "cp=0 must be >= 1"),
         (ParallelLayout(ep=0), 2, "ep=0 must be >= 1"),
         (ParallelLayout(tp=3), 4, r"world size 4 is not divisible by tp\*pp\*cp = 3\*1\*1 = 3"),
         (ParallelLayout(tp=2, dp=3), 4, r"dp=3 but world size 4 / \(tp\*pp\*cp=2\) = 2"),
         (ParallelLayout(ep=3), 4, r"ep=3 must divide dp\*cp=4"),
+        (ParallelLayout(tp=2, ep=3, etp=1), 4, r"etp\*ep = 1\*3 must divide the 4 ranks .*tp\*cp\*dp = 2\*1\*2"),
+        (ParallelLayout(tp=2, etp=-1), 4, "etp=-1 must be >= 1"),
     ]
     for layout, world, message in cases:
         with pytest.raises(ConfigError, match=message):

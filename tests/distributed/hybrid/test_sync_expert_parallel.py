@@ -7,7 +7,10 @@ every rank receives exactly the plan's minimum, at EP=2 the bytes of the experts
 (half of HF's fused expert tensors, counted from the HF model) and nothing else; each rank syncs
 from its own plan, which covers that rank alone; the sync's verification checks every piece of
 the world (the pieces the ranks' own plans receive, summed), and one byte flipped in transit
-inside an expert piece stops the sync on every rank naming that expert tensor."""
+inside an expert piece stops the sync on every rank naming that expert tensor. With an expert
+tensor-parallel size other than TP (TP=2, EP=2, expert TP=1, sequence parallel, four processes)
+the same holds, and the weights the sync delivers after the step equal a float64 AdamW step on
+the HF model."""
 
 from __future__ import annotations
 
@@ -21,7 +24,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _launch import run_distributed  # noqa: E402
-from engine_helpers import hf_logprobs, make_batch, make_moe_model, pg_loss_fn, save_hf_model  # noqa: E402
+from engine_helpers import (  # noqa: E402
+    adam_weight_atol,
+    hf_logprobs,
+    make_batch,
+    make_moe_model,
+    pg_loss_fn,
+    reference_train_step,
+    save_hf_model,
+    with_state,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -66,7 +78,7 @@ def _expert_piece_flipper(plan: Any, rank: int, group: Any) -> tuple[Any, str]:
 
 
 def _sync_ep(rank: int, world: int, port: int, hf_dirs: dict[str, str], layout_kw: dict,
-             batch: dict) -> dict[str, Any]:
+             batch: dict, engine_kw: dict | None = None) -> dict[str, Any]:
     from transformers import AutoConfig
 
     from megarl.hybrid.sync import WeightSync
@@ -82,10 +94,11 @@ def _sync_ep(rank: int, world: int, port: int, hf_dirs: dict[str, str], layout_k
     out = {}
     for i, (kind, hf_dir) in enumerate(hf_dirs.items()):
         layout = init_distributed(rank, world, "127.0.0.1", port + 1 + i, ParallelLayout(**layout_kw))
-        engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), layout, EngineConfig(**TRAIN_CFG))
+        engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), layout,
+                                EngineConfig(**TRAIN_CFG, **(engine_kw or {})))
         engine.load_hf_weights(hf_dir)
         r = engine.ranks
-        assert (r.ep_size, r.pp_size) == (layout_kw["ep"], layout_kw.get("pp", 1))
+        assert (r.ep_size, r.pp_size, r.etp_size) == (layout_kw["ep"], layout_kw.get("pp", 1), layout.etp)
         rows = torch.arange(len(batch["responses"])).chunk(r.dp_size)[r.dp_rank]
         mine = {k: v[rows] for k, v in batch.items()}
         torch.manual_seed(1000 + rank)  # a different random model: only the sync can make it right
@@ -103,6 +116,7 @@ def _sync_ep(rank: int, world: int, port: int, hf_dirs: dict[str, str], layout_k
         engine.train_step(mine, pg_loss_fn, mini_batch_size=len(rows), calculate_entropy=True)
         stats2 = sync.sync()
         rollout2, train2 = rollout_lp(), engine.compute_log_prob(mine)["log_probs"]
+        trained = {k: v.clone() for k, v in rollout.model.state_dict().items()}
         transport, expert_name = (_expert_piece_flipper(sync.plan, rank, None) if rank == CORRUPT_RANK
                                   else (None, None))
         try:
@@ -113,7 +127,7 @@ def _sync_ep(rank: int, world: int, port: int, hf_dirs: dict[str, str], layout_k
         pieces = sum(len(p) for step in sync.plan.steps for pair, p in step.items() if pair[1] == rank)
         out[kind] = dict(covers=sync.plan.ranks, rows=rows, before=before, rollout1=rollout1, train1=train1,
                          rollout2=rollout2, train2=train2, stats=[stats1.as_dict(), stats2.as_dict()], error=error,
-                         expert_name=expert_name, pieces=pieces, after_error=rollout_lp())
+                         expert_name=expert_name, pieces=pieces, after_error=rollout_lp(), trained=trained)
     return out
 
 
@@ -176,3 +190,32 @@ def test_pp2_ep2_actor_syncs_into_hf_engine() -> None:
     batch = make_batch(seed=22, batch=4)
     results = run_distributed(_sync_ep, 4, hf_dirs, dict(pp=2, ep=2), batch, timeout=600)
     _check(models, results, batch, only_experts_move=False)
+
+
+def test_tp2_ep2_expert_tp1_actor_trains_and_syncs_into_hf_engine() -> None:
+    """TP=2, EP=2, expert TP=1 (4 processes, DP=2, sequence parallel as Megatron requires for MoE
+    training at TP > 1): attention and shared-expert weights are split over the TP ranks, each
+    expert is whole on one rank, and the four ranks hold four different expert shards (expert DP 1).
+    The sync assembles every tensor with the minimum bytes, and after the optimizer step it delivers
+    the weights of a float64 AdamW step on the HF model."""
+    models = {kind: make_moe_model(kind, seed=30 + i) for i, kind in enumerate(KINDS)}
+    hf_dirs = {kind: save_hf_model(m) for kind, m in models.items()}
+    batch = make_batch(seed=23, batch=4)
+    results = run_distributed(_sync_ep, 4, hf_dirs, dict(tp=2, ep=2, etp=1), batch,
+                              dict(sequence_parallel=True), timeout=900)
+    _check(models, results, batch, only_experts_move=False)
+    for kind, model in models.items():
+        want, want_norm = reference_train_step(model, batch, TRAIN_CFG["lr"], TRAIN_CFG["eps"],
+                                               TRAIN_CFG["clip_grad"])
+        want = with_state(model, want).state_dict()
+        atol = adam_weight_atol(TRAIN_CFG["lr"], TRAIN_CFG["eps"], want_norm, TRAIN_CFG["clip_grad"])
+        start = model.state_dict()
+        for rank, by_kind in enumerate(results):
+            got = by_kind[kind]["trained"]
+            assert set(got) == set(want), (kind, rank)
+            moved = 0
+            for name, w in want.items():
+                err = (got[name].double() - w.double()).abs().max().item()
+                assert err < atol, f"{kind} rank {rank}: {name} differs from the float64 step by {err}"
+                moved += int((w - start[name]).abs().max() > 1e-4)
+            assert moved > len(want) // 2, f"{kind}: the step should change most tensors"

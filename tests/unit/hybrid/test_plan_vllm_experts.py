@@ -1,6 +1,6 @@
 """Reshard plans of mixture-of-experts models into vLLM's fused expert parameters at rollout TP 2:
 for tiny Qwen3-MoE and Qwen2-MoE (shared expert) models trained at EP=2 (with and without TP and
-PP), the executor writes every rollout rank's `mlp.experts.routed_experts.w13_weight` (E, 2 I/TP,
+PP, and with an expert tensor-parallel size other than TP), the executor writes every rollout rank's `mlp.experts.routed_experts.w13_weight` (E, 2 I/TP,
 H) and `w2_weight` (E, H, I/TP) through per-expert views, and they equal the tensors written out by hand
 from the HF checkpoint tensors in vLLM's layout (expert e: [gate rows of rank r | up rows of rank
 r]; down_proj columns of rank r); the shared expert lands in `gate_up_proj` / `down_proj` shards;
@@ -31,7 +31,8 @@ CONFIGS = {
     "qwen2_moe": dict(COMMON, model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"],
                       shared_expert_intermediate_size=SHARED, norm_topk_prob=False),
 }
-LAYOUTS = {"dp2ep2": dict(dp=2, ep=2), "tp2dp2ep2": dict(tp=2, dp=2, ep=2), "pp2dp2ep2": dict(pp=2, dp=2, ep=2)}
+LAYOUTS = {"dp2ep2": dict(dp=2, ep=2), "tp2dp2ep2": dict(tp=2, dp=2, ep=2), "pp2dp2ep2": dict(pp=2, dp=2, ep=2),
+           "tp2dp2ep2etp1": dict(tp=2, dp=2, ep=2, etp=1), "dp4ep2etp2": dict(dp=4, ep=2, etp=2)}
 ROLLOUT_TP = 2
 
 
@@ -67,7 +68,8 @@ def test_experts_land_in_vllm_fused_parameters(family: str, layout: str) -> None
     for rank in range(train.world_size):
         c = train.coord(rank)
         shards[rank] = hf_to_megatron_state_dict(hf, spec, c.tp_rank, train.tp, c.pp_rank, train.pp,
-                                                 ep_rank=c.ep_rank, ep_size=train.ep)
+                                                 ep_rank=c.ep_rank, ep_size=train.ep, etp_rank=c.etp_rank,
+                                                 etp_size=train.etp)
     plan = build_reshard_plan(spec, train, ParallelLayout.rollout(ROLLOUT_TP, train.world_size), "vllm",
                               torch.float64, 4096, hf_shapes=shapes)
     # vLLM's parameters of each rank, written through per-expert views as the live sync does.

@@ -102,22 +102,20 @@ def test_rank_plans_together_deliver_hand_cut_shards(name: str) -> None:
 
 
 @pytest.mark.parametrize("degrees", [dict(tp=2, pp=2, dp=3, cp=2), dict(tp=4, dp=5), dict(pp=3, dp=2, cp=3),
-                                     dict(tp=2, pp=2, dp=4, cp=2, ep=4)])
+                                     dict(tp=2, pp=2, dp=4, cp=2, ep=4), dict(tp=2, pp=2, dp=4, ep=4, etp=1),
+                                     dict(tp=1, pp=2, dp=4, ep=2, etp=2), dict(tp=4, dp=2, cp=2, ep=2, etp=2)])
 def test_receivers_at_inverts_the_sender_rule(degrees: dict) -> None:
     train = ParallelLayout(**degrees)
     replicas = train.dp * train.cp
-    for per_holder in sorted({replicas, replicas // train.ep}):
+    for expert, per_holder in [(False, replicas), (False, replicas // train.ep), (True, train.edp)]:
         for holders in (1, 2, 3):
             n = holders * per_holder
             for salt in (0, 1, 7):
                 for position in range(n):
                     brute = sorted(r for r in range(train.world_size)
-                                   if sender_position(train, r, holders, per_holder, salt) == position)
-                    listed = receivers_at(train, position, holders, per_holder, salt)
-                    assert sorted(r for r, _ in listed) == brute
-                    for r, key in listed:
-                        c = train.coord(r)
-                        assert key == (c.tp_rank, c.pp_rank, c.ep_rank)
+                                   if sender_position(train, r, holders, per_holder, salt, expert) == position)
+                    listed = receivers_at(train, position, holders, per_holder, salt, expert)
+                    assert sorted(listed) == brute, (expert, per_holder, holders, salt, position)
 
 
 def test_replicas_share_the_sending() -> None:

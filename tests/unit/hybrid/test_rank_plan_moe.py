@@ -1,5 +1,5 @@
 """Reshard plans with expert-parallel training (EP > 1) of a tiny Qwen3-MoE model (4 experts, 4
-layers) into the HF engine: every rank's own plan must equal its slice of the whole-world plan with
+layers), also with an expert tensor-parallel size other than TP, into the HF engine: every rank's own plan must equal its slice of the whole-world plan with
 the same sender rule, and both planners (least-loaded and by-rank senders) must deliver exactly the
 HF tensors, each rank receiving exactly the elements its shard (its experts only) lacks."""
 
@@ -32,6 +32,12 @@ LAYOUTS = {
     "tp2pp2dp2ep2": dict(tp=2, pp=2, dp=2, ep=2),
     "tp2dp2cp2ep4": dict(tp=2, dp=2, cp=2, ep=4),  # CP folded into the expert-parallel groups
     "pp2dp4ep2": dict(pp=2, dp=4, ep=2),
+    # Expert TP != TP (Megatron's expert_tensor_parallel_size): experts whole on TP ranks, or split
+    # over ranks that are data-parallel for the dense layers.
+    "tp2dp2ep2etp1": dict(tp=2, dp=2, ep=2, etp=1),
+    "tp2pp2dp2ep4etp1": dict(tp=2, pp=2, dp=2, ep=4, etp=1),
+    "dp4ep2etp2": dict(dp=4, ep=2, etp=2),
+    "tp2dp2etp1": dict(tp=2, dp=2, etp=1),  # ep 1: every rank holds every expert, unsplit
 }
 
 
@@ -51,7 +57,8 @@ def test_expert_parallel_rank_plans_equal_the_full_plan_and_deliver_the_weights(
     for rank in range(train.world_size):
         c = train.coord(rank)
         shards[rank] = hf_to_megatron_state_dict(hf, spec, c.tp_rank, train.tp, c.pp_rank, train.pp,
-                                                 ep_rank=c.ep_rank, ep_size=train.ep)
+                                                 ep_rank=c.ep_rank, ep_size=train.ep, etp_rank=c.etp_rank,
+                                                 etp_size=train.etp)
     for senders in ("least_loaded", "by_rank"):
         plan = build_reshard_plan(spec, train, rollout, "hf", torch.float64, BUCKET, hf_shapes=shapes, senders=senders)
         for rank, (tensors, stats) in execute_plan_locally(plan, shards).items():
