@@ -58,6 +58,7 @@ _ABBREVIATIONS = {
     "pp": "pipeline_model_parallel_size",
     "cp": "context_parallel_size",
     "ep": "expert_model_parallel_size",
+    "etp": "expert_tensor_parallel_size",
     "dp": "data_parallel_size",
     "lr": "lr",
 }
@@ -102,9 +103,6 @@ REMOVED_KEYS: dict[str, str] = {
 
 # Megatron layout options megarl does not offer, refused under any `<role>.megatron` section.
 UNSUPPORTED_MEGATRON_KEYS: dict[str, str] = {
-    "expert_tensor_parallel_size": "megarl splits the experts over the tensor-parallel ranks of the dense "
-    "layers (expert tensor parallel size = tensor_model_parallel_size, Megatron's default), in training and in "
-    "the weight sync; remove the key (expert_model_parallel_size sets expert parallelism)",
     "virtual_pipeline_model_parallel_size": "megarl has no virtual (interleaved) pipeline: each pipeline rank "
     "holds one contiguous stage of layers; remove the key (pipeline_model_parallel_size sets the stages)",
 }

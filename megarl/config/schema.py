@@ -20,6 +20,9 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    # Megatron's expert tensor parallel size: how many ranks split each expert's weights (null: the
+    # tensor_model_parallel_size). 1 with TP > 1 keeps experts whole and spreads them over more ranks.
+    expert_tensor_parallel_size: Optional[int] = None
     # Megatron sequence parallelism: activations outside the TP regions split along the sequence over
     # the TP ranks (needs tensor_model_parallel_size > 1; required to train MoE models at TP > 1).
     sequence_parallel: bool = False

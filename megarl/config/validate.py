@@ -227,8 +227,16 @@ def _check_layout(r: _Rules, role: str, par: Any, world: int, pool_key: str, hf:
             f"{role}.megatron.data_parallel_size = {par.data_parallel_size}: TP x PP x CP x DP must equal the "
             f"{world} devices of {pool_key}, so DP must be {dp} (or null to derive it)"
         )
-    if (dp * cp) % ep != 0:
-        r.err(f"{role}.megatron.expert_model_parallel_size = {ep}: must divide DP x CP = {dp * cp}")
+    etp = par.expert_tensor_parallel_size
+    if etp is None or etp == tp:
+        if (dp * cp) % ep != 0:
+            r.err(f"{role}.megatron.expert_model_parallel_size = {ep}: must divide DP x CP = {dp * cp}")
+    elif etp < 1:
+        r.err(f"{role}.megatron.expert_tensor_parallel_size = {etp}: must be >= 1 (or null: the tensor parallel size)")
+        etp = None
+    elif (tp * cp * dp) % (etp * ep) != 0:
+        r.err(f"{role}.megatron: expert_tensor_parallel_size x expert_model_parallel_size = {etp} x {ep} must divide "
+              f"the TP x CP x DP = {tp * cp * dp} ranks of a pipeline stage (Megatron's expert groups)")
     if par.sequence_parallel and tp == 1:
         r.err(f"{role}.megatron.sequence_parallel = true needs tensor_model_parallel_size > 1")
     if hf:
@@ -255,6 +263,13 @@ def _check_layout(r: _Rules, role: str, par: Any, world: int, pool_key: str, hf:
             r.err(f"{role}.megatron.expert_model_parallel_size = {ep}: the model has no experts; use 1")
         elif experts and experts % ep != 0:
             r.err(f"{role}.megatron.expert_model_parallel_size = {ep}: must divide num_experts = {experts}; valid: {_divisors(experts)}")
+        if etp is not None and etp != tp:
+            width = hf.get("moe_intermediate_size")
+            if not experts:
+                r.err(f"{role}.megatron.expert_tensor_parallel_size = {etp}: the model has no experts; leave it null")
+            elif width and width % etp != 0:
+                r.err(f"{role}.megatron.expert_tensor_parallel_size = {etp}: must divide the model's "
+                      f"moe_intermediate_size = {width}; valid: {_divisors(width)}")
     return dp
 
 

@@ -31,14 +31,15 @@ from megarl.errors import ConfigError
 EXAMPLES = """examples:
   megarl sync plan Qwen2.5-72B/config.json --train tp=8,pp=4,dp=2 --rollout-tp 8 --engine vllm --dtype bf16
   megarl sync plan config.json --train tp=2,dp=2 --rollout-tp 1 --gpus-per-node 2 --json
+  megarl sync plan Qwen3-30B-A3B/config.json --train tp=2,dp=4,ep=8,etp=1 --rollout-tp 4
 """
-LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "ep")
+LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "ep", "etp")  # etp: expert tensor parallel size (default: tp)
 DTYPES = ("fp32", "bf16", "fp16")
 
 
 def parse_layout(text: str) -> dict[str, int]:
-    """"tp=8,pp=4,dp=2" -> {"tp": 8, "pp": 4, "dp": 2}; unnamed degrees are 1."""
-    out = {k: 1 for k in LAYOUT_KEYS}
+    """"tp=8,pp=4,dp=2" -> {"tp": 8, "pp": 4, "dp": 2}; unnamed degrees are 1, an unnamed etp 0 (= tp)."""
+    out = {k: 1 for k in LAYOUT_KEYS} | {"etp": 0}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
         if not sep or key.strip() not in LAYOUT_KEYS or not value.strip().isdigit() or int(value) < 1:
@@ -142,7 +143,9 @@ def _gib(n: int) -> str:
 
 
 def render(summary: dict[str, Any], per_rank: bool) -> str:
-    train = ",".join(f"{k}={v}" for k, v in summary["train"].items() if v != 1 or k == "tp")
+    degrees = summary["train"]
+    train = ",".join(f"{k}={v}" for k, v in degrees.items()
+                     if k == "tp" or (v != degrees["tp"] if k == "etp" else v != 1))
     lines = [
         f"sync {train} -> {summary['engine']} rollout tp={summary['rollout_tp']} ({summary['world_size']} ranks, "
         f"{summary['dtype']}, {summary['gpus_per_node']} GPUs per node)",
@@ -171,7 +174,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="plan without weights and print the traffic")
     p.add_argument("model", help="a HF config.json, or a directory holding one")
     p.add_argument("--spec", default=None, help="model spec family (default: from the config's model_type)")
-    p.add_argument("--train", required=True, help="training layout, e.g. tp=8,pp=4,dp=2 (cp, ep too)")
+    p.add_argument("--train", required=True,
+                   help="training layout, e.g. tp=8,pp=4,dp=2 (cp, ep and etp, the expert tensor parallel size, too)")
     p.add_argument("--rollout-tp", type=int, required=True, help="rollout tensor-parallel size")
     p.add_argument("--engine", choices=("hf", "vllm"), default=None,
                    help="rollout engine layout (default: hf at rollout tp 1, else vllm)")
@@ -197,10 +201,14 @@ def _plan(args: argparse.Namespace) -> int:
     from megarl.models.spec import ModelSpec
 
     degrees = parse_layout(args.train)
-    if (degrees["dp"] * degrees["cp"]) % degrees["ep"]:
+    if degrees["etp"] in (0, degrees["tp"]) and (degrees["dp"] * degrees["cp"]) % degrees["ep"]:
         raise ConfigError(f"--train {args.train}: ep={degrees['ep']} must divide dp*cp={degrees['dp'] * degrees['cp']} "
                           "(expert-parallel groups are made of data- and context-parallel ranks)")
     train = ParallelLayout(**degrees)
+    try:
+        train.resolved(train.world_size)
+    except ConfigError as err:
+        raise ConfigError(f"--train {args.train}: {err}") from None
     world = train.world_size
     if args.rollout_tp < 1 or world % args.rollout_tp:
         raise ConfigError(f"--rollout-tp {args.rollout_tp} must be >= 1 and divide the world size {world} "

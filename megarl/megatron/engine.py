@@ -52,6 +52,7 @@ from megarl.megatron.packing import (
     pack_rows,
     packed_seq_ids,
     plan_micro_batches,
+    response_index,
     unpack,
 )
 from megarl.megatron.parallel import current_ranks
@@ -121,6 +122,16 @@ class MegatronEngine:
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.cp_group = ps.get_context_parallel_group()
         self.is_last_stage = ps.is_pipeline_last_stage()
+        # The policy's output layer computes the logits of the positions that predict a response
+        # token only (`_head_positions`, set per micro-batch): the prompt positions' logits and
+        # their fp32 softmax over the vocabulary are never used. Under sequence parallelism the
+        # output layer gathers the sequence itself, and at cp > 1 the positions are split over
+        # ranks: there the logits of every position are computed and then selected.
+        self.selects_head_positions = (self.role == "policy" and self.is_last_stage and self.ranks.cp_size == 1
+                                       and not self.cfg.sequence_parallel)
+        self._head_positions: tuple[torch.Tensor, ...] | None = None
+        if self.selects_head_positions:
+            self.model.output_layer.register_forward_pre_hook(self._select_head_positions)
         self.last_stage_rank = ps.get_pipeline_model_parallel_last_rank()
         self.padded_vocab = spec.padded_vocab_size(self.ranks.tp_size)
         self.vocab_start = self.ranks.tp_rank * (self.padded_vocab // self.ranks.tp_size)
@@ -196,6 +207,8 @@ class MegatronEngine:
                               response_len).to(self.device)
             mb = {"index": idx, "rows": sub, "data": {k: v[idx].to(self.device) for k, v in data.items()}}
             mb.update(self._packed_inputs(sub) if packing else self._padded_inputs(sub))
+            if self.selects_head_positions:
+                mb["head_positions"] = self._response_positions(mb, seq_first=True)
             micro.append(mb)
         return micro
 
@@ -261,11 +274,19 @@ class MegatronEngine:
                 cu_seqlens_q_padded=cu if te_cp else None, cu_seqlens_kv_padded=cu if te_cp else None)
         return out
 
+    def _select_head_positions(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """Forward pre-hook of the output layer: hidden states (s, b, h) -> the current micro-batch's
+        response-predicting positions, (R, b, h) padded or (b*R, 1, h) packed."""
+        if self._head_positions is None:
+            return None
+        return (args[0][self._head_positions], *args[1:])
+
     def _run(self, micro: list[dict[str, Any]], loss_func: Callable[..., Any], forward_only: bool) -> list[Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module) -> Any:
             mb = next(data_iterator)
+            self._head_positions = mb.get("head_positions")
             output = model(mb["tokens"], mb["positions"], mb.get("attention_mask"),
                            packed_seq_params=mb.get("packed_seq_params"))
             return output, functools.partial(loss_func, mb)
@@ -281,6 +302,19 @@ class MegatronEngine:
             forward_only=forward_only,
             collect_non_loss_data=forward_only,
         )
+
+    @staticmethod
+    def _response_positions(mb: dict[str, Any], seq_first: bool = False) -> tuple[torch.Tensor, ...]:
+        """Index of the positions whose outputs predict the response tokens in a tensor of the
+        micro-batch (cp = 1): of a (b, s, ...) tensor it takes (b, R, ...); with `seq_first`, of a
+        (s, b, ...) tensor it takes (R, b, ...) for padded rows and (b*R, 1, ...) for the packed row.
+        Response padding points at some valid position; callers mask it."""
+        index, _ = response_index(mb["rows"])
+        if "packed" in mb:
+            flat = (mb["packed"].offsets.unsqueeze(1) + index).clamp(max=mb["tokens"].shape[1] - 1)
+            return (flat.reshape(-1),) if seq_first else (0, flat)
+        at = torch.arange(index.shape[0], device=index.device)
+        return (index.t(), at.unsqueeze(0)) if seq_first else (at.unsqueeze(1), index)
 
     def _head_outputs(self, mb: dict[str, Any], output: torch.Tensor, temperature: float,
                       with_entropy: bool) -> dict[str, torch.Tensor]:
@@ -300,8 +334,22 @@ class MegatronEngine:
         if self.role != "policy":
             values = per_row(output[..., 0].float())
             return {"values": gather_response(values, rows), "per_position": values}
-        # The next token is the target; at a packed row's end it belongs to the next row, a
-        # position gather_response never reads.
+        if shard is None:  # only the positions that predict a response token (b, R)
+            positions = self._response_positions(mb)
+            if "head_positions" in mb:  # the output layer computed only those: (b, R, V) or (1, b*R, V)
+                logits = output.reshape(*positions[-1].shape, output.shape[-1])
+            else:
+                logits = output[positions]
+            targets = mb["targets"][positions]
+            lp, ent = vocab_parallel_logprobs_entropy(
+                logits, targets, self.vocab_start, self.spec.vocab_size, temperature, self.tp_group, with_entropy)
+            _, valid = response_index(rows)
+            out = {"log_probs": torch.where(valid, lp, torch.zeros_like(lp))}
+            if ent is not None:
+                out["entropys"] = torch.where(valid, ent, torch.zeros_like(ent))
+            return out
+        # At cp > 1 every local position, gathered into row order. The next token is the target;
+        # at a packed row's end it belongs to the next row, a position gather_response never reads.
         lp, ent = vocab_parallel_logprobs_entropy(
             output, mb["targets"], self.vocab_start, self.spec.vocab_size, temperature, self.tp_group, with_entropy
         )

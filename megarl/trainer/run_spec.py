@@ -54,7 +54,7 @@ def parallel_layout(par: Any) -> ParallelLayout:
     """A role's `megatron` section as a layout (dp derived from the pool when workers start)."""
     return ParallelLayout(tp=int(par.tensor_model_parallel_size), pp=int(par.pipeline_model_parallel_size),
                           cp=int(par.context_parallel_size), ep=int(par.expert_model_parallel_size),
-                          dp=int(par.data_parallel_size or 0))
+                          etp=int(par.expert_tensor_parallel_size or 0), dp=int(par.data_parallel_size or 0))
 
 
 def _engine_config(cfg: DictConfig, optim: Any, role: str, par: Any, total_steps: int, micro: int,

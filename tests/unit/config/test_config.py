@@ -15,6 +15,8 @@ from megarl.cli import main as cli_main
 from megarl.config import all_keys, load_config, suggest_key
 from megarl.data.tokenizer import build_char_tokenizer
 from megarl.errors import ConfigError
+from megarl.layout import ParallelLayout
+from megarl.trainer.run_spec import parallel_layout
 
 pytestmark = pytest.mark.unit
 
@@ -203,6 +205,25 @@ def test_moe_limits_of_the_trainer_are_refused_before_workers(tmp_path: Path) ->
     cfg = load_config(path, ["actor.megatron.tensor_model_parallel_size=1", "actor.megatron.expert_model_parallel_size=2",
                              "rollout.tensor_model_parallel_size=2"])
     assert cfg.rollout.tensor_model_parallel_size == 2
+    # Expert tensor parallelism other than TP: TP=2 with whole experts, EP over all 2 ranks.
+    cfg = load_config(path, ["actor.megatron.sequence_parallel=true", "actor.megatron.expert_tensor_parallel_size=1",
+                             "actor.megatron.expert_model_parallel_size=2"])
+    assert cfg.actor.megatron.expert_tensor_parallel_size == 1
+    assert parallel_layout(cfg.actor.megatron).resolved(2) == ParallelLayout(tp=2, dp=1, ep=2, etp=1)
+    msg = errors_of(path, "actor.megatron.sequence_parallel=true", "actor.megatron.expert_tensor_parallel_size=1",
+                    "actor.megatron.expert_model_parallel_size=4")
+    assert "expert_tensor_parallel_size x expert_model_parallel_size = 1 x 4 must divide the TP x CP x DP = 2 " \
+        "ranks of a pipeline stage" in msg
+    msg = errors_of(path, "actor.megatron.tensor_model_parallel_size=1", "actor.megatron.expert_tensor_parallel_size=3")
+    assert "expert_tensor_parallel_size = 3: must divide the model's moe_intermediate_size = 32" in msg
+    assert "expert_tensor_parallel_size x expert_model_parallel_size = 3 x 1 must divide" in msg
+    msg = errors_of(path, "actor.megatron.sequence_parallel=true", "actor.megatron.expert_tensor_parallel_size=0")
+    assert "expert_tensor_parallel_size = 0: must be >= 1 (or null: the tensor parallel size)" in msg
+
+
+def test_expert_tensor_parallelism_needs_experts(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "actor.megatron.expert_tensor_parallel_size=1")  # VALID: dense, TP=2
+    assert "expert_tensor_parallel_size = 1: the model has no experts; leave it null" in msg
 
 
 def test_rollout_tp_must_divide_world(valid_file: Path) -> None:
@@ -357,9 +378,6 @@ def test_removed_verl_keys_say_what_to_use(valid_file: Path, tmp_path: Path) -> 
 
 
 def test_megatron_layout_options_megarl_lacks_are_refused_by_name(valid_file: Path, tmp_path: Path) -> None:
-    msg = errors_of(valid_file, "actor.megatron.expert_tensor_parallel_size=2")
-    assert "'actor.megatron.expert_tensor_parallel_size' is not supported: megarl splits the experts" in msg
-    assert "expert tensor parallel size = tensor_model_parallel_size" in msg and "unknown key" not in msg
     critic = {"megatron": {"virtual_pipeline_model_parallel_size": 2}}
     bad = write(tmp_path, "vpp.yaml", {**VALID, "critic": {**VALID.get("critic", {}), **critic}})
     msg = errors_of(bad)

@@ -82,6 +82,7 @@ def test_bad_layouts_are_named(capsys: pytest.CaptureFixture, config: Path, args
 
 
 def test_parse_layout_defaults_to_one() -> None:
-    assert parse_layout("tp=8,pp=4") == {"tp": 8, "pp": 4, "dp": 1, "cp": 1, "ep": 1}
-    with pytest.raises(ConfigError, match="degree from tp, pp, dp, cp, ep"):
+    assert parse_layout("tp=8,pp=4") == {"tp": 8, "pp": 4, "dp": 1, "cp": 1, "ep": 1, "etp": 0}  # etp 0: = tp
+    assert parse_layout("tp=2,dp=4,ep=8,etp=1")["etp"] == 1
+    with pytest.raises(ConfigError, match="degree from tp, pp, dp, cp, ep, etp"):
         parse_layout("tp8")

@@ -78,3 +78,11 @@ def test_expert_parallel_layout_is_planned(capsys: pytest.CaptureFixture, tmp_pa
     # Each rank lacks exactly the other expert-parallel rank's half of the experts.
     assert least["bytes_received"] == least["bytes_minimum"] == by_rank["bytes_received"] > 0
     assert len({r["received"] for r in by_rank["ranks"].values()}) == 1
+    # Expert tensor parallelism other than TP: TP=2 with whole experts over EP=4 (8 ranks, expert DP 1).
+    etp = plan_json(capsys, moe, "tp=2,dp=4,ep=4,etp=1", 2)
+    assert etp["train"]["etp"] == 1 and etp["world_size"] == 8
+    assert etp["bytes_received"] == etp["bytes_minimum"] > 0
+    etp_least = plan_json(capsys, moe, "tp=2,dp=4,ep=4,etp=1", 2, "--senders", "least_loaded")
+    assert etp_least["bytes_received"] == etp["bytes_received"]
+    assert main(["sync", "plan", str(moe), "--train", "dp=4,ep=4,etp=2", "--rollout-tp", "1"]) == 1
+    assert "etp*ep = 2*4 must divide the 4 ranks of a pipeline stage" in capsys.readouterr().err
