@@ -21,11 +21,16 @@ should not grow with the world; and into vLLM at rollout TP 8 (`moe_vllm`, `--mo
 realistic case, where each rank receives its rollout TP rank's slice of the attention and of every
 expert (written into vLLM's fused expert parameters `w13_weight`/`w2_weight`).
 
-`--parts` picks what runs (dense, moe, moe_vllm); the parts not run are kept from an existing
+And into vLLM at TP 8 with whole experts (`moe_etp`: expert tensor parallel size 1 while attention
+runs at TP4, `--moe-etp-layouts`), where the four TP ranks of a replica hold four different expert
+shards.
+
+`--parts` picks what runs (dense, moe, moe_vllm, moe_etp); the parts not run are kept from an existing
 `--out` file, each part with the machine it ran on.
 
     python benchmarks/plan_scale.py [--layouts 8x4x2,8x8x4,8x8x16] [--moe-layouts 4x2x8x8,...]
-        [--parts dense,moe,moe_vllm] [--moe-vllm-tp 8] [--out benchmarks/results/plan_scale.json]
+        [--parts dense,moe,moe_vllm,moe_etp] [--moe-vllm-tp 8] [--moe-etp-layouts 4x2x8x32x1,...]
+        [--out benchmarks/results/plan_scale.json]
 """
 
 from __future__ import annotations
@@ -72,9 +77,9 @@ GOAL_SECONDS, GOAL_MIB = 5.0, 200.0  # per rank, at 1,024 ranks
 
 
 def parse_layout(text: str) -> ParallelLayout:
-    """"8x4x2" -> TP8 x PP4 x DP2; "4x2x8x8" -> TP4 x PP2 x DP8 x EP8."""
+    """"8x4x2" -> TP8 x PP4 x DP2; "4x2x8x8" -> TP4 x PP2 x DP8 x EP8; "4x2x8x32x1" -> ... x EP32 x ETP1."""
     degrees = [int(x) for x in text.split("x")]
-    return ParallelLayout(**dict(zip(("tp", "pp", "dp", "ep"), degrees)))
+    return ParallelLayout(**dict(zip(("tp", "pp", "dp", "ep", "etp"), degrees)))
 
 
 def plan_one(spec: ModelSpec, train: ParallelLayout, rollout: ParallelLayout, engine: str, rank: int,
@@ -140,7 +145,8 @@ def scale(model: str, config: dict[str, Any], layouts: str, rollout_tp: int, arg
         rollout = ParallelLayout.rollout(rollout_tp, world)
         ranks = sorted({0, world - 1, world // 2 + 3}) if ranks_per_layout >= 3 else sorted({0, world - 1})
         sample = [plan_one(spec, train, rollout, engine, r, shapes, bucket, repeats) for r in ranks]
-        name = f"TP{train.tp}xPP{train.pp}xDP{train.dp}" + (f"xEP{train.ep}" if train.ep > 1 else "")
+        name = (f"TP{train.tp}xPP{train.pp}xDP{train.dp}" + (f"xEP{train.ep}" if train.ep > 1 else "")
+                + (f"xETP{train.etp}" if train.etp != train.tp else ""))
         row: dict[str, Any] = dict(layout=name, world_size=world, ranks=sample,
                                    max_seconds=max(s["seconds"] for s in sample),
                                    max_peak_mib=max(s["peak_mib"] for s in sample))
@@ -171,7 +177,7 @@ def scale(model: str, config: dict[str, Any], layouts: str, rollout_tp: int, arg
                 summary=summary, results=rows)
 
 
-PARTS = ("dense", "moe", "moe_vllm")
+PARTS = ("dense", "moe", "moe_vllm", "moe_etp")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moe-layouts", default="4x2x8x8,4x2x32x8,4x2x128x8",
                         help="MoE model: TPxPPxDPxEP, comma separated ('' skips both MoE parts)")
     parser.add_argument("--moe-vllm-tp", type=int, default=8, help="rollout TP of the moe_vllm part (vLLM engine)")
+    parser.add_argument("--moe-etp-layouts", default="4x2x8x32x1,4x2x32x32x1,4x2x128x32x1",
+                        help="MoE model with expert TP other than TP (moe_etp part): TPxPPxDPxEPxETP")
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma separated, of {', '.join(PARTS)}; parts not run are kept from an existing --out")
     parser.add_argument("--bucket-mib", type=float, default=64.0)
@@ -212,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     if "moe_vllm" in parts:
         payload["moe_vllm"] = {**scale("Qwen3-235B-A22B", QWEN3_235B_A22B, args.moe_layouts, args.moe_vllm_tp, args,
                                        2, args.moe_repeats), "machine": machine_info()}
+    if "moe_etp" in parts:
+        payload["moe_etp"] = {**scale("Qwen3-235B-A22B", QWEN3_235B_A22B, args.moe_etp_layouts, args.moe_vllm_tp, args,
+                                      2, args.moe_repeats), "machine": machine_info()}
     write_json(args.out, payload)
     print(f"wrote {args.out.name}")
     return 0

@@ -4,7 +4,7 @@ with renormalised top-k, Qwen2-MoE with unnormalised top-k and a gated shared ex
 and with the experts split over two expert-parallel ranks; one optimizer step at EP=2 gives the
 weights of a float64 hand-written AdamW step on the HF model. At TP=2 with expert tensor
 parallelism 1 (each expert whole on one rank, EP=2 over four ranks) the log-probs still equal
-HF's. (TP=2 training, which Megatron
+HF's, and a checkpoint saved there resumes at expert TP 2. (TP=2 training, which Megatron
 allows only with sequence parallelism: test_engine_sp.)"""
 
 from __future__ import annotations
@@ -202,6 +202,50 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1_exactly() -> None:
         # GRAD_RTOL), Adam's state before it is the same: bound from engine_helpers.adam_weight_atol.
         err = (res["got"][key] - res["want"][key]).abs().max().item()
         assert err <= adam_weight_atol(LR, EPS, CLIP, CLIP), f"resumed step: {key} differs by {err}"
+
+
+def _save_etp1_resume_etp2(rank: int, world: int, port: int, hf_dir: str, batch: dict, ckpt_dir: str) -> dict:
+    """One step at TP=2, EP=2, expert TP 1 (experts whole, each half on two ranks), save; a fresh engine
+    at TP=2 with expert TP = TP (EP 1: every rank holds every expert, split in two) loads it."""
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.checkpoint import adam_step
+    from megarl.megatron.parallel import init_distributed
+
+    out: dict[str, Any] = {}
+    for name, layout in (("etp1", {"tp": 2, "ep": 2, "etp": 1}), ("etp2", {"tp": 2})):
+        init_distributed(rank, world, "127.0.0.1", port, ParallelLayout(**layout))
+        engine = _engine(hf_dir, {"micro_batch_size": 2, "lr": LR, "eps": EPS, "clip_grad": CLIP,
+                                  "weight_decay": 0.0, "sequence_parallel": True})
+        if name == "etp1":
+            assert (engine.ranks.etp_size, engine.ranks.ep_size, engine.ranks.edp_size) == (1, 2, 2)
+            engine.load_hf_weights(hf_dir)
+            r = engine.ranks
+            shard = {k: v.chunk(r.dp_size)[r.dp_rank] for k, v in batch.items()}
+            engine.train_step(shard, pg_loss_fn, mini_batch_size=len(shard["responses"]), calculate_entropy=True)
+            engine.save_checkpoint(ckpt_dir)
+        else:
+            assert (engine.ranks.etp_size, engine.ranks.ep_size) == (2, 1)
+            engine.load_checkpoint(ckpt_dir)
+        out[name] = {"log_probs": engine.compute_log_prob(batch)["log_probs"], "step": adam_step(engine.optimizer)}
+    return out
+
+
+def test_checkpoint_saved_at_expert_tp1_resumes_at_expert_tp2() -> None:
+    import os
+    import tempfile
+
+    model = make_moe_model("qwen2_moe", seed=4)
+    hf_dir = save_hf_model(model)
+    batch = make_batch(seed=24, batch=4)
+    ckpt_dir = os.path.join(tempfile.mkdtemp(prefix="megarl_moe_etp_"), "step_1")
+    start, _ = hf_logprobs(model, batch)
+    mask = batch["response_mask"].bool()
+    for rank, res in enumerate(run_distributed(_save_etp1_resume_etp2, 4, hf_dir, batch, ckpt_dir, timeout=600)):
+        saved, loaded = res["etp1"]["log_probs"].double(), res["etp2"]["log_probs"].double()
+        assert (saved - start)[mask].abs().max() > 1e-3, "the step must move the weights"
+        err = (loaded - saved)[mask].abs().max().item()
+        assert err < 2e-5, f"rank {rank}: log-probs after resuming at expert TP 2 differ by {err}"
+        assert res["etp1"]["step"] == res["etp2"]["step"] == 1
 
 
 def _converted_log_probs(rank: int, world: int, port: int, hf_dir: str, ckpt: str, batch: dict) -> list:

@@ -5,7 +5,8 @@ prepacked grouped-GEMM layout, with the intermediate size padded for the Qwen2-M
 
 Each process holds the training shards of a target HF model made by the weight map (standing in
 for the Megatron engine), first at EP=2 (each rank holds half of the experts), then at TP=2 with a
-second target, and one vLLM TP rank started from a different random model. After each sync vLLM's
+second target, then at TP=2 with expert tensor parallelism 1 (each rank holds half of the experts,
+whole) with the first target again, and one vLLM TP rank started from a different random model. After each sync vLLM's
 greedy tokens and their log-probs equal a float64 HF forward of the target, and every rank
 received exactly the plan's minimum (nothing at TP2 -> TP2: every shard is already in place).
 At rollout TP 1 the engine takes full HF-named tensors (experts one by one) through vLLM's own
@@ -36,8 +37,9 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("vllm.en
 
 PROMPTS = [[5, 17, 42, 8], [33, 2, 9], [71, 70, 69, 68, 67, 3]]
 R = 6
-LAYOUTS = {"ep2": dict(dp=2, ep=2), "tp2": dict(tp=2, dp=1)}
-TARGETS = {"ep2": "target_a", "tp2": "target_b"}  # alternate: each sync must land
+# tp2_etp1: TP=2 with expert tensor parallelism 1, experts whole and split over EP=2.
+LAYOUTS = {"ep2": dict(dp=2, ep=2), "tp2": dict(tp=2, dp=1), "tp2_etp1": dict(tp=2, dp=1, ep=2, etp=1)}
+TARGETS = {"ep2": "target_a", "tp2": "target_b", "tp2_etp1": "target_a"}  # alternate: each sync must land
 
 
 def _model(family: str, seed: int) -> torch.nn.Module:
@@ -101,7 +103,8 @@ def _vllm_worker(rank: int, world: int, port: int, dirs: dict[str, str]) -> dict
             shapes = split_fused_experts(hf_parameter_shapes(target_dir))  # checkpoint names: one per expert
             hf = read_hf_tensors(target_dir, list(shapes))
             shards = hf_to_megatron_state_dict(hf, spec, c.tp_rank, train.tp, c.pp_rank, train.pp,
-                                               ep_rank=c.ep_rank, ep_size=train.ep)
+                                               ep_rank=c.ep_rank, ep_size=train.ep, etp_rank=c.etp_rank,
+                                               etp_size=train.etp)
             plan = build_reshard_plan(spec, train, ParallelLayout.rollout(2, world), "vllm", torch.float32, 8 * 1024,
                                       hf_shapes=shapes)
             stats = sync_shards(plan, shards, engine, group)
@@ -189,5 +192,6 @@ def test_vllm_tp2_computes_the_synced_moe_model(tmp_path: Path, family: str) -> 
         for rank_result in results:
             s = rank_result[name]["stats"]
             assert s["bytes_received"] == s["minimum_bytes"]
-            # TP2 training -> TP2 rollout keeps every shard in place; at EP2 half the experts move.
-            assert (s["bytes_received"] > 0) == (name == "ep2"), (name, s)
+            # TP2 training -> TP2 rollout keeps every shard in place; at EP2 half the experts move, and
+            # with whole experts (expert TP 1) each rank lacks the other half of every expert's rows.
+            assert (s["bytes_received"] > 0) == (name != "tp2"), (name, s)

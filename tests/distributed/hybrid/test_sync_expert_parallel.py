@@ -195,7 +195,8 @@ def test_pp2_ep2_actor_syncs_into_hf_engine() -> None:
 def test_tp2_ep2_expert_tp1_actor_trains_and_syncs_into_hf_engine() -> None:
     """TP=2, EP=2, expert TP=1 (4 processes, DP=2, sequence parallel as Megatron requires for MoE
     training at TP > 1): attention and shared-expert weights are split over the TP ranks, each
-    expert is whole on one rank, and the four ranks hold four different expert shards (expert DP 1).
+    expert is whole, and the two TP ranks of a replica hold different halves of the experts (expert
+    DP 2: ranks 0 and 2 hold the first half, ranks 1 and 3 the second).
     The sync assembles every tensor with the minimum bytes, and after the optimizer step it delivers
     the weights of a float64 AdamW step on the HF model."""
     models = {kind: make_moe_model(kind, seed=30 + i) for i, kind in enumerate(KINDS)}
