@@ -1,6 +1,7 @@
 """Engine log-probs, entropy, values and reward scores equal HF transformers with the same weights
 (tiny random Llama (GQA, tied and untied), Qwen2 (QKV bias), Qwen3 (QK-norm), Mistral), with rows
-padded per micro-batch and packed into one row."""
+padded per micro-batch and packed into one row; the policy's output layer computes only the
+positions that predict a response token."""
 
 from __future__ import annotations
 
@@ -36,7 +37,11 @@ def _log_probs_per_family(rank: int, world: int, port: int, dirs: dict, batch: d
         for packed in (False, True):
             engine = _engine(hf_dir, {"micro_batch_size": 2, "use_sequence_packing": packed})
             engine.load_hf_weights(hf_dir)
+            head_rows: list[int] = []  # positions (rows x columns) the output layer computes
+            engine.model.output_layer.register_forward_hook(
+                lambda m, args, output: head_rows.append(args[0].shape[0] * args[0].shape[1]))
             out[(kind, packed)] = engine.compute_log_prob(batch, temperature=1.3, calculate_entropy=True)
+            out[(kind, packed)]["head_rows"] = sum(head_rows)
     bf16 = _engine(dirs["llama"], {"micro_batch_size": 4, "dtype": "bf16"})
     bf16.load_hf_weights(dirs["llama"])
     out["llama_bf16"] = bf16.compute_log_prob(batch, temperature=1.3)
@@ -56,6 +61,8 @@ def test_log_probs_and_entropy_equal_hf_for_every_family() -> None:
             lp_err = (res["log_probs"].double() - ref_lp)[mask].abs().max().item()
             ent_err = (res["entropys"].double() - ref_ent)[mask].abs().max().item()
             assert lp_err < 1e-5 and ent_err < 1e-5, f"{kind} packed={packed}: errors {lp_err}, {ent_err}"
+            # The output layer computed only the positions predicting a response token: batch x R.
+            assert res["head_rows"] == mask.numel() < int(batch["attention_mask"].numel()), (kind, packed)
     ref_lp, _ = hf_logprobs(models["llama"], batch, temperature=1.3)
     bf16_err = (got["llama_bf16"]["log_probs"].double() - ref_lp)[mask].abs().max().item()
     assert 0 < bf16_err < 0.5, f"bf16 log-probs off by {bf16_err}"
