@@ -433,3 +433,21 @@ def test_grpo_with_a_mixture_of_experts_model(tmp_path: Path, task_dir: Path) ->
         assert math.isfinite(metrics[2][key]), key
     # The reference model starts equal to the actor: the KL after one update is small but not zero.
     assert 0 <= metrics[2]["actor/kl_loss"] < 1.0
+
+
+def test_grpo_with_whole_experts_on_tensor_parallel_ranks(tmp_path: Path, task_dir: Path) -> None:
+    """Qwen3-MoE trained at TP=2 (sequence parallel) with expert tensor parallelism 1 and EP=2 on the
+    two workers: attention split over the TP ranks, each rank holding two whole experts; the weight
+    sync into the HF rollout engine moves exactly the minimum."""
+    megatron = {"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2,
+                "expert_tensor_parallel_size": 1}
+    config = write_config(tmp_path, task_dir, model={"hf_config": TINY_MOE}, actor={"megatron": megatron})
+    proc = run_train(config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "run")
+    assert sorted(metrics) == [1, 2]
+    for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"):
+        assert math.isfinite(metrics[2][key]), key
+    for step in (1, 2):
+        assert metrics[step]["sync/bytes_received"] == metrics[step]["sync/bytes_minimum"] > 0
+        assert metrics[step]["sync/bytes_excess_max"] == 0
