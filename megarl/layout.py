@@ -1,7 +1,8 @@
 """The parallel layout vocabulary shared by the engine, the hybrid reshard and the cluster dispatch.
 
 - `ParallelLayout`: degrees of parallelism (tp, pp, dp, cp, ep, etp) of one world; `dp=0` means
-  "derive it from the world size", `etp=0` "expert tensor parallel size = tp" (`resolved`).
+  "derive it from the world size" (`resolved`); `etp=0` means "expert tensor parallel size = tp"
+  (set at construction).
 - `RankCoord`: one rank's position in a layout: its rank and size along every dimension.
 
 Rank order (Megatron-Core 0.16.1's default "tp-cp-ep-dp-pp", `parallel_state.
@@ -113,7 +114,6 @@ class ParallelLayout:
                 raise ConfigError(f"parallel layout: {name}={getattr(self, name)} must be >= 1")
         if self.etp < 0:
             raise ConfigError(f"parallel layout: etp={self.etp} must be >= 1 (or 0: the tensor-parallel size)")
-        etp = self.etp
         mp = self.model_parallel_size
         if world_size % mp != 0:
             raise ConfigError(
@@ -125,13 +125,13 @@ class ParallelLayout:
             raise ConfigError(
                 f"parallel layout: dp={self.dp} but world size {world_size} / (tp*pp*cp={mp}) = {dp}"
             )
-        if etp == self.tp and (dp * self.cp) % self.ep != 0:
+        if self.etp == self.tp and (dp * self.cp) % self.ep != 0:
             raise ConfigError(f"parallel layout: ep={self.ep} must divide dp*cp={dp * self.cp}")
         stage = self.tp * self.cp * dp
-        if stage % (etp * self.ep) != 0:
-            raise ConfigError(f"parallel layout: etp*ep = {etp}*{self.ep} must divide the {stage} ranks of a "
+        if stage % (self.etp * self.ep) != 0:
+            raise ConfigError(f"parallel layout: etp*ep = {self.etp}*{self.ep} must divide the {stage} ranks of a "
                               f"pipeline stage (tp*cp*dp = {self.tp}*{self.cp}*{dp})")
-        return ParallelLayout(tp=self.tp, pp=self.pp, dp=dp, cp=self.cp, ep=self.ep, etp=etp)
+        return ParallelLayout(tp=self.tp, pp=self.pp, dp=dp, cp=self.cp, ep=self.ep, etp=self.etp)
 
     @property
     def edp(self) -> int:

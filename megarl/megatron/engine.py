@@ -124,9 +124,10 @@ class MegatronEngine:
         self.is_last_stage = ps.is_pipeline_last_stage()
         # The policy's output layer computes the logits of the positions that predict a response
         # token only (`_head_positions`, set per micro-batch): the prompt positions' logits and
-        # their fp32 softmax over the vocabulary are never used. Under sequence parallelism the
-        # output layer gathers the sequence itself, and at cp > 1 the positions are split over
-        # ranks: there the logits of every position are computed and then selected.
+        # their fp32 softmax over the vocabulary are never used. Under sequence parallelism (the
+        # output layer gathers the sequence itself) every position's logits are computed and the
+        # response positions selected before the softmax; at cp > 1 (positions split over ranks)
+        # every local position goes through the softmax (`_head_outputs`).
         self.selects_head_positions = (self.role == "policy" and self.is_last_stage and self.ranks.cp_size == 1
                                        and not self.cfg.sequence_parallel)
         self._head_positions: tuple[torch.Tensor, ...] | None = None
