@@ -126,7 +126,8 @@ class ParallelLayout:
                 f"parallel layout: dp={self.dp} but world size {world_size} / (tp*pp*cp={mp}) = {dp}"
             )
         if self.etp == self.tp and (dp * self.cp) % self.ep != 0:
-            raise ConfigError(f"parallel layout: ep={self.ep} must divide dp*cp={dp * self.cp}")
+            raise ConfigError(f"parallel layout: ep={self.ep} must divide dp*cp={dp * self.cp} (expert-parallel "
+                              "groups are made of data- and context-parallel ranks)")
         stage = self.tp * self.cp * dp
         if stage % (self.etp * self.ep) != 0:
             raise ConfigError(f"parallel layout: etp*ep = {self.etp}*{self.ep} must divide the {stage} ranks of a "

@@ -201,9 +201,6 @@ def _plan(args: argparse.Namespace) -> int:
     from megarl.models.spec import ModelSpec
 
     degrees = parse_layout(args.train)
-    if degrees["etp"] in (0, degrees["tp"]) and (degrees["dp"] * degrees["cp"]) % degrees["ep"]:
-        raise ConfigError(f"--train {args.train}: ep={degrees['ep']} must divide dp*cp={degrees['dp'] * degrees['cp']} "
-                          "(expert-parallel groups are made of data- and context-parallel ranks)")
     train = ParallelLayout(**degrees)
     try:
         train.resolved(train.world_size)

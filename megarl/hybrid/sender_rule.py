@@ -8,11 +8,11 @@ h = edp = tp*cp*dp / (etp*ep) replicas (its expert data-parallel ranks, `Paralle
 expert_rank`). n = holders x h candidates; receiver `dst` takes candidate
 
     position(dst) = (replica_major(dst) + salt) mod n,
-    replica_major = replica(dst) // g + h * (split(dst) + splits * pp(dst))
+    replica_major = replica(dst) + h * (split(dst) + splits * pp(dst))
 
 with dst's own training coordinates: for model shards replica = dp * cp_size + cp, split = tp,
-splits = tp_size, g = 1; for expert shards replica = edp_rank, split = etp_rank, splits = etp,
-g = 1 as well, so the ep ranks of one (edp, etp, pp) position share a candidate. `salt` is the
+splits = tp_size; for expert shards replica = edp_rank, split = etp_rank, splits = etp, so the ep
+ranks of one (edp, etp, pp) position share a candidate. `salt` is the
 segment's ordinal in the engine parameters of its rollout TP rank (parameter index + segment
 index). The replica index varies fastest, so receivers that want the same rows from one shard
 spread evenly over its replicas, and for rows every tensor-parallel shard holds (norms) the holder
@@ -69,14 +69,11 @@ def replica_index(train: ParallelLayout, rank: int, expert: bool) -> int:
 
 @functools.lru_cache(maxsize=1 << 16)  # a receiver asks once per segment it does not hold
 def replica_major(train: ParallelLayout, rank: int, per_holder: int, expert: bool = False) -> int:
-    """`rank`'s index when ranks are ordered by replica group fastest, then TP (expert TP for an
-    expert shard), then PP; a replica group is the replicas / `per_holder` consecutive replica
-    indices that one candidate stands for."""
+    """`rank`'s index when ranks are ordered by replica index fastest (`replica_index`, of
+    `per_holder` replicas), then TP (expert TP for an expert shard), then PP."""
     c = train.coord(rank)
-    if expert:
-        return c.edp_rank + per_holder * (c.etp_rank + train.etp * c.pp_rank)
-    replica = c.dp_rank * train.cp + c.cp_rank
-    return replica // (train.dp * train.cp // per_holder) + per_holder * (c.tp_rank + train.tp * c.pp_rank)
+    split, splits = (c.etp_rank, train.etp) if expert else (c.tp_rank, train.tp)
+    return replica_index(train, rank, expert) + per_holder * (split + splits * c.pp_rank)
 
 
 def sender_position(train: ParallelLayout, dst: int, holders: int, per_holder: int, salt: int = 0,
@@ -94,20 +91,16 @@ def replica_rank(train: ParallelLayout, tp_rank: int, pp_rank: int, replica: int
 def receivers_at(train: ParallelLayout, position: int, holders: int, per_holder: int,
                  salt: int = 0, expert: bool = False) -> list[int]:
     """Every training rank whose `sender_position` is `position`, ascending by shard. Cost: the
-    ranks of one shard position (tp*pp, or etp*pp for experts) / holders x the ranks sharing a
-    replica index (dp*cp / per_holder, or ep), independent of the data-parallel size."""
+    shard positions (tp*pp, or etp*pp for experts) / holders, times ep for experts (the ep ranks of
+    one position share it), independent of the data-parallel size."""
     position = (position - salt) % (holders * per_holder)
-    shard = position // per_holder
+    shard, replica = divmod(position, per_holder)
     out = []
-    if expert:
-        edp_rank = position % per_holder
-        for split_stage in range(shard, train.etp * train.pp, holders):  # = etp_rank + etp * pp
-            pp_rank, etp_rank = divmod(split_stage, train.etp)
-            out += [train.expert_rank(etp_rank, ep_rank, edp_rank, pp_rank) for ep_rank in range(train.ep)]
-        return out
-    group = train.dp * train.cp // per_holder
-    first = position % per_holder * group
-    for model_shard in range(shard, train.tp * train.pp, holders):  # model_shard = tp + tp_size * pp
-        pp_rank, tp_rank = divmod(model_shard, train.tp)
-        out += [replica_rank(train, tp_rank, pp_rank, replica) for replica in range(first, first + group)]
+    splits = train.etp if expert else train.tp
+    for split_stage in range(shard, splits * train.pp, holders):  # = split + splits * pp
+        pp_rank, split = divmod(split_stage, splits)
+        if expert:
+            out += [train.expert_rank(split, ep_rank, replica, pp_rank) for ep_rank in range(train.ep)]
+        else:
+            out.append(replica_rank(train, split, pp_rank, replica))
     return out

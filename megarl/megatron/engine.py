@@ -209,7 +209,7 @@ class MegatronEngine:
             mb = {"index": idx, "rows": sub, "data": {k: v[idx].to(self.device) for k, v in data.items()}}
             mb.update(self._packed_inputs(sub) if packing else self._padded_inputs(sub))
             if self.selects_head_positions:
-                mb["head_positions"] = self._response_positions(mb, seq_first=True)
+                mb["head_positions"] = self._response_positions(mb, response_index(sub)[0], seq_first=True)
             micro.append(mb)
         return micro
 
@@ -305,12 +305,13 @@ class MegatronEngine:
         )
 
     @staticmethod
-    def _response_positions(mb: dict[str, Any], seq_first: bool = False) -> tuple[torch.Tensor, ...]:
+    def _response_positions(mb: dict[str, Any], index: torch.Tensor, seq_first: bool = False
+                            ) -> tuple[torch.Tensor, ...]:
         """Index of the positions whose outputs predict the response tokens in a tensor of the
-        micro-batch (cp = 1): of a (b, s, ...) tensor it takes (b, R, ...); with `seq_first`, of a
-        (s, b, ...) tensor it takes (R, b, ...) for padded rows and (b*R, 1, ...) for the packed row.
-        Response padding points at some valid position; callers mask it."""
-        index, _ = response_index(mb["rows"])
+        micro-batch (cp = 1), from `response_index(mb["rows"])`'s index: of a (b, s, ...) tensor it
+        takes (b, R, ...); with `seq_first`, of a (s, b, ...) tensor it takes (R, b, ...) for padded
+        rows and (b*R, 1, ...) for the packed row. Response padding points at some valid position;
+        callers mask it."""
         if "packed" in mb:
             flat = (mb["packed"].offsets.unsqueeze(1) + index).clamp(max=mb["tokens"].shape[1] - 1)
             return (flat.reshape(-1),) if seq_first else (0, flat)
@@ -336,7 +337,8 @@ class MegatronEngine:
             values = per_row(output[..., 0].float())
             return {"values": gather_response(values, rows), "per_position": values}
         if shard is None:  # only the positions that predict a response token (b, R)
-            positions = self._response_positions(mb)
+            index, valid = response_index(rows)
+            positions = self._response_positions(mb, index)
             if "head_positions" in mb:  # the output layer computed only those: (b, R, V) or (1, b*R, V)
                 logits = output.reshape(*positions[-1].shape, output.shape[-1])
             else:
@@ -344,7 +346,6 @@ class MegatronEngine:
             targets = mb["targets"][positions]
             lp, ent = vocab_parallel_logprobs_entropy(
                 logits, targets, self.vocab_start, self.spec.vocab_size, temperature, self.tp_group, with_entropy)
-            _, valid = response_index(rows)
             out = {"log_probs": torch.where(valid, lp, torch.zeros_like(lp))}
             if ent is not None:
                 out["entropys"] = torch.where(valid, ent, torch.zeros_like(ent))
