@@ -1,10 +1,12 @@
 """End to end, side by side: megarl GRPO and TRL's GRPOTrainer on the same task, model and budget.
 
-Same for both: the single-digit addition task and its character tokenizer; the random-init Qwen2
-(megarl writes it to `<run>/initial_model/`, TRL loads that directory); the prompts of every step
-(megarl's data-loader order, handed to TRL unshuffled); 8 prompts x 8 responses a step,
-temperature 1.0; constant lr; no KL (beta 0); token-mean loss; fp32; two CPU cores (megarl: 2
-worker processes x 1 thread, TP=2; TRL: 1 process x 2 threads). Two sizes (`--size`):
+Same for both: the quickstart's task (a+b= with a, b in 0..4, as `make demo` writes it) and its
+character tokenizer; the random-init Qwen2 (megarl writes it to `<run>/initial_model/`, TRL loads
+that directory); the prompts of every step (megarl's data-loader order, handed to TRL unshuffled);
+8 prompts x 8 responses a step, temperature 1.0; constant lr; no KL (beta 0); token-mean loss;
+fp32; the reward (megarl's built-in scorer with the megarl run's `reward.reward_kwargs` on both
+sides: the quickstart's "starts with the sum"); two CPU cores (megarl: the quickstart's 2 worker
+processes x 1 thread at data-parallel size 2; TRL: 1 process x 2 threads). Two sizes (`--size`):
 
 - quickstart: the quickstart's model (4 layers, hidden 256; 2.4M parameters), up to 4 response
   tokens, lr 1e-4;
@@ -22,6 +24,11 @@ tokens of the step and the parameters that multiply them (all but the input embe
 6 x params x tokens for an update (forward and backward), 2 x params x tokens for a log-prob pass;
 attention's sequence-squared term is left out (under 1% at these lengths). TRL has no separate
 log-prob pass; its training time is the step minus generation and scoring.
+
+Reward against wall-clock time: each side's step rewards placed at the end of their step (sum of
+step times, start-up excluded), compared over the span both ran: mean reward in 6 equal windows and
+over the whole span (`reward_vs_wall_clock` in the JSON), and a plot (`--plot`; by default
+`results/e2e_<size>_reward_vs_time.png`, or next to the JSON given with `--out`).
 """
 
 from __future__ import annotations
@@ -119,15 +126,87 @@ def useful_mfu(megarl: dict[str, Any], trl: dict[str, Any], params: int, rate: f
     }
 
 
+def megarl_reward_options(run_dir: Path) -> dict[str, Any]:
+    """The scorer options of the megarl run (`reward.reward_kwargs`), handed to TRL's reward."""
+    from omegaconf import OmegaConf
+
+    options = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml").reward.reward_kwargs)
+    return dict(options or {})
+
+
+def reward_timeline(records: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(time the step ended, its mean reward) per step with a reward; time = sum of step times."""
+    points, clock = [], 0.0
+    for r in records:
+        clock += r["step_s"]
+        if r.get("score_mean") is not None:
+            points.append((clock, float(r["score_mean"])))
+    return points
+
+
+def reward_vs_wall_clock(megarl_records: list[dict[str, Any]], trl_records: list[dict[str, Any]],
+                         windows: int = 6) -> dict[str, Any]:
+    """Reward against training time on both sides, over the span both ran (the shorter run's total
+    step time, T). A step's reward counts at the time its step ended (sum of step times so far).
+
+    Returns the edges of `windows` equal windows of [0, T], each side's mean step reward in each
+    window (None where a side ended no step in it), each side's mean reward over all steps ended by
+    T, and megarl / TRL of that mean ("reward_ratio_at_equal_time", above 1: megarl ahead).
+    """
+    sides = {"megarl": reward_timeline(megarl_records), "trl": reward_timeline(trl_records)}
+    if not all(sides.values()):
+        return {"error": "a side has no timed steps with a reward"}
+    span = min(points[-1][0] for points in sides.values())
+    edges = [span * i / windows for i in range(windows + 1)]
+    out: dict[str, Any] = {"span_s": span, "window_edges_s": edges}
+    for name, points in sides.items():
+        in_window: list[list[float]] = [[] for _ in range(windows)]
+        for t, score in points:
+            if t <= span:
+                in_window[min(int(t / span * windows), windows - 1)].append(score)
+        out[f"{name}_window_mean"] = [mean(w) if w else None for w in in_window]
+        out[f"{name}_steps_in_span"] = sum(len(w) for w in in_window)
+        out[f"{name}_mean_in_span"] = mean([score for t, score in points if t <= span])
+    out["reward_ratio_at_equal_time"] = ratio(out["megarl_mean_in_span"], out["trl_mean_in_span"])
+    return out
+
+
+def plot_reward_vs_wall_clock(megarl_records: list[dict[str, Any]], trl_records: list[dict[str, Any]],
+                              path: Path, smooth: int = 10) -> Path:
+    """PNG: each side's step reward (moving mean over `smooth` steps) against its training time."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, records in (("megarl", megarl_records), ("TRL", trl_records)):
+        points = reward_timeline(records)
+        times, scores = [t for t, _ in points], [score for _, score in points]
+        smoothed = [mean(scores[max(0, i + 1 - smooth):i + 1]) for i in range(len(scores))]
+        ax.plot(times, smoothed, label=f"{name} ({len(scores)} steps)")
+    ax.set_xlabel("training time (s, sum of step times)")
+    ax.set_ylabel(f"mean reward (moving mean of {smooth} steps)")
+    ax.set_title("Reward against wall-clock time, same task, model and prompts")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=100)
+    plt.close(fig)
+    return path
+
+
 def run_trl(python: Path, model_dir: Path, tokenizer: Path, prompts_file: Path, steps: int,
             work_dir: Path, timeout_s: float, response_length: int, lr: float, full_length: bool,
-            threads: int = THREADS) -> dict[str, Any]:
+            reward_options: dict[str, Any], threads: int = THREADS) -> dict[str, Any]:
     """Run benchmarks/trl_grpo.py in the benchmark environment, sampling its memory."""
     out = work_dir / f"e2e_trl_t{threads}.json"
     cmd = [str(python), str(REPO_ROOT / "benchmarks" / "trl_grpo.py"), "--model-dir", str(model_dir),
            "--tokenizer", str(tokenizer), "--prompts", str(prompts_file), "--steps", str(steps),
            "--prompts-per-step", str(PROMPTS), "--num-generations", str(N),
            "--max-completion-length", str(response_length), "--lr", str(lr), "--threads", str(threads),
+           "--reward-options", json.dumps(reward_options),
            "--work-dir", str(work_dir / "e2e_trl_output"), "--out", str(out)] + (["--full-length"] if full_length else [])
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     log_path = work_dir / f"e2e_trl_t{threads}.log"
@@ -145,6 +224,8 @@ def run_trl(python: Path, model_dir: Path, tokenizer: Path, prompts_file: Path, 
     if code != 0 or not out.is_file():
         raise RuntimeError(f"TRL run failed (exit {code}); log {log_path}:\n{log_path.read_text(errors='replace')[-3000:]}")
     result = json.loads(out.read_text())
+    if result.get("reward_options") != reward_options:
+        raise RuntimeError(f"TRL scored with {result.get('reward_options')}, not megarl's {reward_options}")
     result["memory"] = memory.result()
     result["wall_s"] = round(time.perf_counter() - start, 2)
     result["load_average_before"] = load_before
@@ -201,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
                         "which runs the old-log-prob pass so that its MFU is measured)")
     p.add_argument("--out", type=Path, default=None,
                    help="default: results/sections/e2e.json (quickstart, a section of megarl bench), results/e2e_25m.json")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="reward-vs-time PNG (default: results/e2e_<size>_reward_vs_time.png without --out, else "
+                        "<out stem>_reward_vs_time.png next to --out)")
     args = p.parse_args(argv)
     size = SIZES[args.size]
     steps = 3 if args.quick else (args.steps or size["steps"])
@@ -217,7 +301,10 @@ def main(argv: list[str] | None = None) -> int:
                         prompts=PROMPTS, n=N, timeout_s=args.timeout, python=str(args.megarl_python))
     prompts_file = work / "e2e_prompts.json"
     prompts_file.write_text(json.dumps(megarl_prompt_order(run_dir, steps)))
-    trl_args = dict(response_length=size["response_length"], lr=size["lr"], full_length=size["full_length"])
+    # Both sides score with the same rule: megarl's scorer options go to TRL's reward function.
+    reward_options = megarl_reward_options(run_dir)
+    trl_args = dict(response_length=size["response_length"], lr=size["lr"], full_length=size["full_length"],
+                    reward_options=reward_options)
     trl = run_trl(args.bench_python, run_dir / "initial_model", task["tokenizer"], prompts_file, steps, work, args.timeout,
                   **trl_args)
     variants = {}
@@ -233,14 +320,15 @@ def main(argv: list[str] | None = None) -> int:
         "section": "e2e",
         "machine": machine_info(),
         "setup": {
-            "task": "single-digit addition (a+b=), reward 1 when the completion starts with the sum",
+            "task": "the quickstart's: a+b= with a, b in 0..4 (`make demo`), reward 1 when the completion starts with the sum",
+            "reward_options": reward_options,
             "size": args.size,
             "model": f"{size['model']} (same weights both sides)",
             "prompts_per_step": PROMPTS, "responses_per_prompt": N, "max_response_tokens": size["response_length"],
             "full_length": size["full_length"],
             "steps": steps, "lr": size["lr"], "precision": "fp32", "kl": "none (beta 0)", "loss": "token-mean",
             "megarl_overrides": args.megarl_override,
-            "megarl": "2 Ray workers x 1 thread, Megatron TP=2 on gloo, rollout.engine auto (HF unless the python given "
+            "megarl": "2 Ray workers x 1 thread, Megatron DP=2 on gloo unless megarl_overrides set the layout, rollout.engine auto (HF unless the python given "
                       "has vLLM), actor.old_log_prob_source auto (no separate old-log-prob pass: one epoch, one "
                       "mini-batch, the update's own log-probs)",
             "trl": f"1 process x {THREADS} threads, model.generate rollout, on-policy (no old-log-prob pass)",
@@ -252,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         "megarl": megarl,
         "trl": trl,
         "ratios_megarl_over_trl": compare(megarl, trl),
+        "reward_vs_wall_clock": reward_vs_wall_clock(megarl["records"], trl["records"]),
         # Parameters that multiply each token: all but the input embedding table.
         "mfu": useful_mfu(megarl, trl, parameter_count(run_dir / "initial_model", skip=("embed_tokens.weight",)), rate),
         "trl_variants": variants,
@@ -261,7 +350,13 @@ def main(argv: list[str] | None = None) -> int:
     # The results name neither this machine's temporary folders nor the work folder given.
     result = json.loads(json.dumps(result, default=str).replace(str(work), "<work>"))
     write_json(out, result)
+    # Not beside the section's JSON by default: results/sections/ is not kept (bench.json sums it up).
+    plot_path = args.plot or (RESULTS_DIR / f"e2e_{args.size}_reward_vs_time.png" if args.out is None
+                              else out.with_name(f"{out.stem}_reward_vs_time.png"))
+    plot = plot_reward_vs_wall_clock(megarl["records"], trl["records"], plot_path)
+    print(f"wrote {plot}")
     print(json.dumps({"ratios_megarl_over_trl": result["ratios_megarl_over_trl"], "mfu": result["mfu"],
+                      "reward_vs_wall_clock": result["reward_vs_wall_clock"],
                       "megarl": megarl["summary"], "trl": trl["summary"]}, indent=2, default=str))
     return 0
 

@@ -24,14 +24,20 @@ QUICKSTART = REPO_ROOT / "configs" / "quickstart_cpu.yaml"
 PHASES = ("sync_weights", "gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
 
 
+# The quickstart's task, as `make demo` writes it (Makefile): a+b= with a, b in 0..4.
+QUICKSTART_TASK = ["--num-operands", "2", "--min-value", "0", "--max-value", "4", "--operators", "+"]
+
+
 def prepare_task(work_dir: Path, python: str = sys.executable) -> dict[str, Path]:
-    """Write the single-digit addition task (parquet + character tokenizer) once under `work_dir`."""
-    data = Path(work_dir) / "data"
+    """Write the quickstart's task (parquet + character tokenizer) once under `work_dir`. The
+    folder is named after the task, so that data of another task left in a reused work folder is
+    never picked up."""
+    data = Path(work_dir) / "data_add_2x0-4"
     paths = {"train": data / "train.parquet", "val": data / "val.parquet", "tokenizer": data / "tokenizer"}
     if not (paths["train"].is_file() and (paths["tokenizer"] / "tokenizer.json").is_file()):
         subprocess.run(
             [python, "-m", "megarl.cli", "data", "make", "arithmetic", "--out", str(data),
-             "--tokenizer-out", str(paths["tokenizer"]), "--preset", "single_digit_addition"],
+             "--tokenizer-out", str(paths["tokenizer"]), *QUICKSTART_TASK],
             check=True, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
         )
     return paths

@@ -101,6 +101,16 @@ def _e2e(result: dict[str, Any]) -> list[str]:
         starts = list(range(0, steps, block))
         lines += table(["steps", *[f"{s + 1}-{min(s + block, steps)}" for s in starts]],
                        [[name, *[_block_mean(c, s, block) for s in starts]] for name, c in curves.items()])
+    timed = result.get("reward_vs_wall_clock", {})
+    if "window_edges_s" in timed:
+        edges = timed["window_edges_s"]
+        lines += ["", (f"Mean step reward against training time (sum of step times), over the {fmt(timed['span_s'])} s "
+                       f"both ran; megarl / TRL over that span: {fmt(timed['reward_ratio_at_equal_time'])} (plot: "
+                       f"`e2e_{result.get('setup', {}).get('size', 'quickstart')}_reward_vs_time.png`):"), ""]
+        windows = [f"{fmt(a, 2)}-{fmt(b, 2)} s" for a, b in zip(edges, edges[1:])]
+        lines += table(["time", *windows, "whole span", "steps"],
+                       [[name, *timed[f"{key}_window_mean"], timed[f"{key}_mean_in_span"], timed[f"{key}_steps_in_span"]]
+                        for name, key in (("megarl", "megarl"), ("TRL", "trl"))])
     setup = result.get("setup", {})
     if setup:
         lines += ["", "Setup:", ""] + [f"- {k}: {v}" for k, v in setup.items()]

@@ -15,7 +15,9 @@ completion has `--max-completion-length` tokens (transformers' `min_new_tokens`)
 megarl's `rollout.ignore_eos` at equal lengths.
 
 Writes JSON to `--out`: per step the wall time (callback from step begin to step end), the time in
-generation + scoring, prompt and completion tokens, and the mean reward.
+generation + scoring, prompt and completion tokens, and the mean reward. The reward is megarl's
+built-in arithmetic scorer with `--reward-options`, the scorer options of the megarl run it is
+compared with (its `reward.reward_kwargs`): without them the scorer's default rule applies.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--reward-options", default="{}",
+                   help='JSON {scorer: {option: value}}: the megarl run\'s reward.reward_kwargs, so that both sides '
+                        'score with the same rule (e.g. {"arithmetic": {"mode": "startswith"}})')
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work-dir", required=True, help="TRL's output_dir (nothing is saved there)")
     p.add_argument("--out", required=True, help="JSON results path")
@@ -68,11 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     if len(rows) < needed:
         raise SystemExit(f"{args.prompts}: {len(rows)} prompts, need {needed} for {args.steps} steps")
     dataset = datasets.Dataset.from_list(rows[:needed])
+    reward_options = json.loads(args.reward_options)
 
     step_rewards: list[float] = []
 
     def arithmetic_reward(prompts: list[str], completions: list[str], ground_truth: list[str], **_: Any) -> list[float]:
-        scores = [score_builtin("arithmetic", c, gt)["score"] for c, gt in zip(completions, ground_truth)]
+        scores = [score_builtin("arithmetic", c, gt, options=reward_options)["score"]
+                  for c, gt in zip(completions, ground_truth)]
         step_rewards.append(sum(scores) / len(scores))
         return scores
 
@@ -169,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             "per_device_train_batch_size", "num_generations", "max_completion_length", "temperature",
             "learning_rate", "lr_scheduler_type", "beta", "epsilon", "loss_type", "scale_rewards",
             "num_iterations", "steps_per_generation", "max_grad_norm", "weight_decay", "bf16", "use_cpu")},
+        "reward_options": reward_options,
         "records": records,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -273,7 +273,8 @@ class RolloutConfig:
     kv_cache_memory_gb: float = 1.0  # CPU engines: KV cache size
     max_num_seqs: int = 256
     # The engine sleeps (KV cache and weight copy released) from the end of generation to the next
-    # weight sync; the HF engine on CPU has nothing to release and only changes state.
+    # weight sync; the HF engine on CPU releases its weight copy at sleep_level 2 (its cache lives
+    # only during a generate call).
     free_cache_engine: bool = True
     # What sleeping releases: 2 = KV cache and the weights (the next sync rewrites them; the driver
     # syncs again after a sleep), 1 = KV cache only, the weights kept (in host memory on GPU).

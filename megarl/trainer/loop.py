@@ -52,6 +52,7 @@ from megarl.algorithms import (
 )
 from megarl.cluster.dispatch import plan_dispatch
 from megarl.cluster.host_worker import HostWorker
+from megarl.cluster.remote_call import CallHandle, gather
 from megarl.cluster.rendezvous import address_and_free_port
 from megarl.cluster.worker_group import RoleView
 from megarl.protocol import Batch
@@ -120,6 +121,8 @@ class RLTrainer:
         self.step_version = 0  # weights_version at the start of the running step
         self.memory_trace: list[tuple[str, str, str]] = []  # (phase, role, transition) of this step
         self.memory_metrics: dict[str, float] = {}  # memory/<phase>/<stat> of this step
+        # Memory probes sent at the end of each phase and not read yet: (phase, [(group, handle)]).
+        self.memory_probes: list[tuple[str, list[tuple[Any, CallHandle]]]] = []
         self.current_phase = "setup"
         # The reward model's own tokenizer when its token ids differ from the actor's (else None).
         self.rm_tokenizer = (reward_model_tokenizer(spec.reward_model.model_dir, run.tokenizer)
@@ -256,10 +259,14 @@ class RLTrainer:
                     metrics.update(critic.call_dp(CriticRole.update_critic, batch)[0])
             if step > cfg.trainer.critic_warmup:
                 with self.phase("update_actor"), self.onloaded(actor, self.spec.actor):
-                    metrics.update(actor.call_dp(ActorRole.update_actor, batch)[0])
-                    if source != "recompute":  # the trainer's log-probs of the sampling weights
-                        update_log_probs = actor.call_dp(ActorRole.update_log_probs,
-                                                         batch.select("response_mask"))["update_log_probs"]
+                    calls = [actor.call_dp_async(ActorRole.update_actor, batch)]
+                    if source != "recompute":  # the trainer's log-probs of the sampling weights, sent
+                        # at once: each worker runs it right after its update
+                        calls.append(actor.call_dp_async(ActorRole.update_log_probs, batch.select("response_mask")))
+                    results = gather(*calls, timeout_s=actor.group.call_timeout_s)
+                    metrics.update(results[0][0])
+                    if source != "recompute":
+                        update_log_probs = results[1]["update_log_probs"]
                 self.weights_version += 1
                 if self.weight_signal is not None:  # a partial rollout in flight stops at its next chunk
                     self.weight_signal.raise_to(self.weights_version)
@@ -282,6 +289,7 @@ class RLTrainer:
         metrics.update(self.sync_metrics)
         metrics.update(self.probe_metrics)
         self.probe_metrics = {}
+        self.read_memory_probes()
         metrics.update(self.memory_metrics)
         metrics.update(memory_step_metrics(self.memory_metrics))
         self.write_memory_trace(step)
@@ -298,10 +306,19 @@ class RLTrainer:
             yield
         # Not the rollout pool while it generates the next batch: the probe would wait for it.
         busy = self.workers.rollout.group if self.prefetch is not None else None
-        per_rank = [stats for group in self.workers.groups if group is not busy
-                    for stats in group.call_all(HostWorker.memory_stats)]
-        for key, value in memory_phase_metrics(name, per_rank).items():
-            self.memory_metrics[key] = max(value, self.memory_metrics.get(key, value))
+        # Sent without waiting: a worker runs the driver's calls in the order they were sent, so
+        # the probe reads the peak of this phase before the next phase's calls start; the results
+        # are read at the end of the step (`read_memory_probes`), saving a round trip per phase.
+        self.memory_probes.append((name, [(group, group.call_all_async(HostWorker.memory_stats))
+                                          for group in self.workers.groups if group is not busy]))
+
+    def read_memory_probes(self) -> None:
+        """Fold the memory probes sent so far into this step's `memory/<phase>/...` metrics."""
+        probes, self.memory_probes = self.memory_probes, []
+        for name, handles in probes:
+            per_rank = [stats for group, handle in handles for stats in handle.result(group.call_timeout_s)]
+            for key, value in memory_phase_metrics(name, per_rank).items():
+                self.memory_metrics[key] = max(value, self.memory_metrics.get(key, value))
 
     @contextlib.contextmanager
     def onloaded(self, role: RoleView, spec: Optional[EngineRoleSpec], params_only: bool = False) -> Iterator[None]:

@@ -54,9 +54,11 @@ def tensor_parallel_bytes(checkpoint: Path) -> int:
 
 
 def quickstart_overrides(task_dir: Path, run_dir: Path) -> list[str]:
-    """The quickstart with the vLLM engine for STEPS steps: no validation, checkpoints or plots."""
+    """The quickstart with the vLLM engine for STEPS steps at actor TP=2 (the sync reshards into
+    rollout TP=1): no validation, checkpoints or plots."""
     return [
         "rollout.engine=vllm",
+        "actor.megatron.tensor_model_parallel_size=2",
         f"data.train_files=[{task_dir / 'train.parquet'}]",
         "data.val_files=[]",
         f"data.tokenizer={task_dir / 'tokenizer'}",

@@ -103,3 +103,43 @@ def test_mfu_counts_six_flops_per_parameter_and_token():
     assert mfu(500_000_000, 10_000.0, 989e12) == pytest.approx(3e13 / 989e12)
     assert peak_flops("Unknown Accelerator") is None
     assert mfu(1, 1.0, None) is None
+
+
+def test_reward_against_wall_clock_over_the_span_both_sides_ran():
+    from e2e import reward_vs_wall_clock
+
+    # megarl: steps of 1 s end at 1, 2, 3, 4 s; TRL: steps of 0.5 s end at 0.5 .. 3.0 s. Both ran 3 s.
+    megarl = [{"step": i + 1, "step_s": 1.0, "score_mean": s} for i, s in enumerate([0.3, 0.6, 0.9, 0.0])]
+    trl = [{"step": i + 1, "step_s": 0.5, "score_mean": s} for i, s in enumerate([0.0, 0.0, 0.5, 0.5, 1.0, 1.0])]
+    out = reward_vs_wall_clock(megarl, trl, windows=3)
+    assert out["span_s"] == pytest.approx(3.0)
+    assert out["window_edges_s"] == pytest.approx([0.0, 1.0, 2.0, 3.0])
+    # A step counts in the window its end falls in ([a, b), the last one closed); megarl's step 4
+    # ended after TRL's last step and is left out.
+    assert out["megarl_window_mean"][0] is None
+    assert out["megarl_window_mean"][1:] == pytest.approx([0.3, (0.6 + 0.9) / 2])
+    assert out["trl_window_mean"] == pytest.approx([0.0, 0.25, (0.5 + 1.0 + 1.0) / 3])
+    assert (out["megarl_steps_in_span"], out["trl_steps_in_span"]) == (3, 6)
+    assert out["megarl_mean_in_span"] == pytest.approx(0.6)
+    assert out["trl_mean_in_span"] == pytest.approx(0.5)
+    assert out["reward_ratio_at_equal_time"] == pytest.approx(1.2)
+
+
+def test_reward_plot_against_wall_clock_is_written(tmp_path):
+    from e2e import plot_reward_vs_wall_clock
+
+    records = [{"step": i + 1, "step_s": 0.1, "score_mean": i / 20} for i in range(20)]
+    path = plot_reward_vs_wall_clock(records, records[:10], tmp_path / "curve.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_trl_scores_with_the_megarl_runs_scorer_options(tmp_path):
+    from e2e import megarl_reward_options
+
+    (tmp_path / "config.yaml").write_text("reward:\n  reward_kwargs:\n    arithmetic: {mode: startswith}\n")
+    assert megarl_reward_options(tmp_path) == {"arithmetic": {"mode": "startswith"}}
+    # The two rules differ on this completion: the default one ("prefix") needs the whole leading number.
+    from megarl.rewards.scorers import score_builtin
+
+    assert score_builtin("arithmetic", "72", "7", options={"arithmetic": {"mode": "startswith"}})["score"] == 1.0
+    assert score_builtin("arithmetic", "72", "7")["score"] == 0.0
