@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from omegaconf import DictConfig, OmegaConf
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
@@ -76,13 +78,11 @@ SIZES: dict[str, dict[str, Any]] = {
 TRL_THREAD_VARIANTS = (1,)
 
 
-def megarl_prompt_order(run_dir: Path, steps: int) -> list[dict[str, str]]:
-    """The prompts megarl's loader served in its first `steps` batches (same config, same seed)."""
-    from omegaconf import OmegaConf
-
+def megarl_prompt_order(cfg: DictConfig, steps: int) -> list[dict[str, str]]:
+    """The prompts megarl's loader served in its first `steps` batches (the run's config `cfg`,
+    same seed)."""
     from megarl.trainer.setup import build_datasets, load_run_tokenizer
 
-    cfg = OmegaConf.load(run_dir / "config.yaml")
     tokenizer = load_run_tokenizer(cfg)
     loader, _ = build_datasets(cfg, tokenizer)
     rows = []
@@ -126,12 +126,10 @@ def useful_mfu(megarl: dict[str, Any], trl: dict[str, Any], params: int, rate: f
     }
 
 
-def megarl_reward_options(run_dir: Path) -> dict[str, Any]:
-    """The scorer options of the megarl run (`reward.reward_kwargs`), handed to TRL's reward."""
-    from omegaconf import OmegaConf
-
-    options = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml").reward.reward_kwargs)
-    return dict(options or {})
+def megarl_reward_options(cfg: DictConfig) -> dict[str, Any]:
+    """The scorer options of the megarl run's config `cfg` (`reward.reward_kwargs`), handed to
+    TRL's reward."""
+    return dict(OmegaConf.to_container(cfg.reward.reward_kwargs) or {})
 
 
 def reward_timeline(records: list[dict[str, Any]]) -> list[tuple[float, float]]:
@@ -300,9 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     megarl = run_megarl(run_dir, base_overrides(task, run_dir, steps) + size_overrides(args.size) + args.megarl_override,
                         prompts=PROMPTS, n=N, timeout_s=args.timeout, python=str(args.megarl_python))
     prompts_file = work / "e2e_prompts.json"
-    prompts_file.write_text(json.dumps(megarl_prompt_order(run_dir, steps)))
+    run_cfg = OmegaConf.load(run_dir / "config.yaml")  # the config the megarl run resolved and saved
+    prompts_file.write_text(json.dumps(megarl_prompt_order(run_cfg, steps)))
     # Both sides score with the same rule: megarl's scorer options go to TRL's reward function.
-    reward_options = megarl_reward_options(run_dir)
+    reward_options = megarl_reward_options(run_cfg)
     trl_args = dict(response_length=size["response_length"], lr=size["lr"], full_length=size["full_length"],
                     reward_options=reward_options)
     trl = run_trl(args.bench_python, run_dir / "initial_model", task["tokenizer"], prompts_file, steps, work, args.timeout,

@@ -52,9 +52,9 @@ from megarl.algorithms import (
 )
 from megarl.cluster.dispatch import plan_dispatch
 from megarl.cluster.host_worker import HostWorker
-from megarl.cluster.remote_call import CallHandle, gather
+from megarl.cluster.remote_call import CallHandle
 from megarl.cluster.rendezvous import address_and_free_port
-from megarl.cluster.worker_group import RoleView
+from megarl.cluster.worker_group import RoleView, WorkerGroup
 from megarl.protocol import Batch
 from megarl.protocol.balance import balance_applies, balance_order
 from megarl.rewards.model_scores import combine_scores, reward_model_inputs, reward_model_tokenizer, row_styles
@@ -122,7 +122,7 @@ class RLTrainer:
         self.memory_trace: list[tuple[str, str, str]] = []  # (phase, role, transition) of this step
         self.memory_metrics: dict[str, float] = {}  # memory/<phase>/<stat> of this step
         # Memory probes sent at the end of each phase and not read yet: (phase, [(group, handle)]).
-        self.memory_probes: list[tuple[str, list[tuple[Any, CallHandle]]]] = []
+        self.memory_probes: list[tuple[str, list[tuple[WorkerGroup, CallHandle]]]] = []
         self.current_phase = "setup"
         # The reward model's own tokenizer when its token ids differ from the actor's (else None).
         self.rm_tokenizer = (reward_model_tokenizer(spec.reward_model.model_dir, run.tokenizer)
@@ -259,14 +259,14 @@ class RLTrainer:
                     metrics.update(critic.call_dp(CriticRole.update_critic, batch)[0])
             if step > cfg.trainer.critic_warmup:
                 with self.phase("update_actor"), self.onloaded(actor, self.spec.actor):
-                    calls = [actor.call_dp_async(ActorRole.update_actor, batch)]
-                    if source != "recompute":  # the trainer's log-probs of the sampling weights, sent
-                        # at once: each worker runs it right after its update
-                        calls.append(actor.call_dp_async(ActorRole.update_log_probs, batch.select("response_mask")))
-                    results = gather(*calls, timeout_s=actor.group.call_timeout_s)
-                    metrics.update(results[0][0])
-                    if source != "recompute":
-                        update_log_probs = results[1]["update_log_probs"]
+                    update = actor.call_dp_async(ActorRole.update_actor, batch)
+                    # The trainer's log-probs of the sampling weights, asked for at once: each
+                    # worker runs the request right after its update.
+                    asked = (actor.call_dp_async(ActorRole.update_log_probs, batch.select("response_mask"))
+                             if source != "recompute" else None)
+                    metrics.update(update.result(actor.group.call_timeout_s)[0])
+                    if asked is not None:
+                        update_log_probs = asked.result(actor.group.call_timeout_s)["update_log_probs"]
                 self.weights_version += 1
                 if self.weight_signal is not None:  # a partial rollout in flight stops at its next chunk
                     self.weight_signal.raise_to(self.weights_version)

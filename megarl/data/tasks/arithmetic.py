@@ -1,7 +1,8 @@
 """Synthetic arithmetic: "3+4=" -> "7". Difficulty is set by operand count, value range and operators.
 
-The easiest setting (:meth:`ArithmeticTask.single_digit_addition`) is the quickstart's task: a
-randomly initialised 4-layer model learns it with GRPO on CPU in about a hundred steps. The prompt
+The quickstart's task (`make demo`: two operands 0..4, ``+``) is easy enough for a randomly
+initialised 4-layer model to learn with GRPO on CPU in about a hundred steps;
+:meth:`ArithmeticTask.single_digit_addition` (operands 0..9) is harder. The prompt
 is the bare expression followed by ``=``; the expected completion is the number, then EOS.
 Operators follow the usual precedence (``*`` before ``+``/``-``, left to right).
 """

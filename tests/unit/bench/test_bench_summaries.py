@@ -135,9 +135,10 @@ def test_reward_plot_against_wall_clock_is_written(tmp_path):
 
 def test_trl_scores_with_the_megarl_runs_scorer_options(tmp_path):
     from e2e import megarl_reward_options
+    from omegaconf import OmegaConf
 
     (tmp_path / "config.yaml").write_text("reward:\n  reward_kwargs:\n    arithmetic: {mode: startswith}\n")
-    assert megarl_reward_options(tmp_path) == {"arithmetic": {"mode": "startswith"}}
+    assert megarl_reward_options(OmegaConf.load(tmp_path / "config.yaml")) == {"arithmetic": {"mode": "startswith"}}
     # The two rules differ on this completion: the default one ("prefix") needs the whole leading number.
     from megarl.rewards.scorers import score_builtin
 
