@@ -247,10 +247,17 @@ def _generic(r: dict[str, Any]) -> str:
     return "; ".join(f"{k} {fmt(v)}" for k, v in numbers[:8]) or "(see JSON)"
 
 
+def _batch_transfer(r: dict[str, Any]) -> str:
+    torch_row, batch_row = r["results"]["torch"], r["results"]["batch"]
+    return (f"actor round trip of a {r['setup']['rows']}-row step batch: {fmt(batch_row['actor_round_trip_ms'])} ms "
+            f"(torch-tensor pickling {fmt(torch_row['actor_round_trip_ms'])} ms, "
+            f"{fmt(r['speedup_torch_over_batch']['actor_round_trip_ms'])}x)")
+
+
 COMPONENT_HEADLINES: dict[str, Callable[[dict[str, Any]], str]] = {
     "algorithms": _algorithms, "engine": _engine, "reshard": _reshard, "rollout": _rollout, "convert": _convert,
     "recompute": _recompute, "memory_phases": _memory_phases, "plan_scale": _plan_scale,
-    "reliability": _reliability_headline,
+    "reliability": _reliability_headline, "batch_transfer": _batch_transfer,
 }
 
 

@@ -127,8 +127,12 @@ class HFRolloutEngine(RolloutEngine):
         input_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
         check_prompt_tensors(input_ids, prompt_mask)
         n, r = params.n, params.max_new_tokens
-        ids = input_ids.long().repeat_interleave(n, dim=0).to(self.device)
-        mask = prompt_mask.long().repeat_interleave(n, dim=0).to(self.device)
+        # Prompts come left-padded to the data's max_prompt_length: the columns that are padding in
+        # every row are dropped (the attention never reads them; positions come from the mask), so
+        # the prefill and every decoding step's attention run over the batch's longest prompt only.
+        first = int(prompt_mask.long().argmax(dim=1).min())  # left padding: each row's first token
+        ids = input_ids[:, first:].long().repeat_interleave(n, dim=0).to(self.device)
+        mask = prompt_mask[:, first:].long().repeat_interleave(n, dim=0).to(self.device)
         positions = prompt_position_ids(mask)
         rows = ids.shape[0]
 

@@ -96,6 +96,7 @@ class RLTrainer:
         self.global_step = 0
         self.weights_version = 0  # bumped by every actor update; the rollout syncs when behind
         self.rollout_version = -1
+        self.pending_sleep: CallHandle | None = None  # a rollout sleep sent, its answer not read yet
         self.sync_metrics: dict[str, float] = {}  # bytes moved by the last weight sync, all ranks
         self.probe_metrics: dict[str, float] = {}  # probe/*: the weight-sync probe run in this step
         self.probed_version = -1  # the last weight version the probe checked (rollout.probe_freq)
@@ -289,6 +290,7 @@ class RLTrainer:
         metrics.update(self.sync_metrics)
         metrics.update(self.probe_metrics)
         self.probe_metrics = {}
+        self.settle_rollout_sleep()
         self.read_memory_probes()
         metrics.update(self.memory_metrics)
         metrics.update(memory_step_metrics(self.memory_metrics))
@@ -340,9 +342,20 @@ class RLTrainer:
         `after` is done; when that discards their weights, the next generation syncs them again."""
         if not self.spec.rollout.free_cache_engine:
             return
-        discarded = self.workers.rollout.call_all(RolloutRole.sleep)
+        # Sent without waiting: a worker runs the driver's calls in the order they were sent, so the
+        # training calls sent next run after it; whether it discarded the weights is read before the
+        # rollout is used again (`settle_rollout_sleep`), saving a round trip per step.
+        self.settle_rollout_sleep()
+        self.pending_sleep = self.workers.rollout.call_all_async(RolloutRole.sleep)
         self.memory_trace.append((after, "rollout", "sleep"))
-        if any(discarded):
+
+    def settle_rollout_sleep(self) -> None:
+        """Read the answer of the sleep sent last, if any: when it discarded the rollout's weights,
+        the next generation syncs them again."""
+        if self.pending_sleep is None:
+            return
+        handle, self.pending_sleep = self.pending_sleep, None
+        if any(handle.result(self.workers.rollout.group.call_timeout_s)):
             self.rollout_version = -1
 
     def write_memory_trace(self, step: int) -> None:
@@ -371,6 +384,7 @@ class RLTrainer:
     def sync_rollout(self) -> None:
         """Bring the rollout engines to the actor's current weights, when they are behind: inside
         the actor's processes (hybrid engine), or over the bridge to a rollout pool of its own."""
+        self.settle_rollout_sleep()
         if self.rollout_version == self.weights_version:
             return
         self.synced_in_step = True
@@ -381,9 +395,11 @@ class RLTrainer:
                 per_rank = rollout.call_all(RolloutRole.receive_weights, self.weights_version)
                 senders = sending.result(self.workers.actor.group.call_timeout_s)
             else:
-                if rollout.call_all(RolloutRole.wake_up, ("weights",))[0]:
-                    self.memory_trace.append((self.current_phase, "rollout", "wake_up:weights"))
+                # Both sent at once (a worker runs them in turn): one round trip instead of two.
+                waking = rollout.call_all_async(RolloutRole.wake_up, ("weights",))
                 per_rank = rollout.call_all(RolloutRole.sync_weights, self.weights_version)
+                if waking.result(rollout.group.call_timeout_s)[0]:
+                    self.memory_trace.append((self.current_phase, "rollout", "wake_up:weights"))
                 senders = []
         self.rollout_version = self.weights_version
         self.sync_metrics = {k: (sum if k.startswith("sync/bytes") else max)(r[k] for r in per_rank)
@@ -431,10 +447,12 @@ class RLTrainer:
         each row records the weight version it was generated with (`rollout_weights_version`)."""
         rollout = self.workers.rollout
         self.sync_rollout()
-        if rollout.call_all(RolloutRole.wake_up)[0]:  # the KV cache, after the sync's buffers are freed
-            self.memory_trace.append((self.current_phase, "rollout", "wake_up"))
+        # The KV cache, after the sync's buffers are freed; the generation is sent behind it at once.
+        waking, woken_in = rollout.call_all_async(RolloutRole.wake_up), self.current_phase
         with self.phase("gen"):
             out = rollout.call_dp(RolloutRole.generate, prompts, sampling, dispatch_coords=self.workers.rollout_coords)
+        if waking.result(rollout.group.call_timeout_s)[0]:
+            self.memory_trace.append((woken_in, "rollout", "wake_up"))
         out["rollout_weights_version"] = torch.full((len(out),), self.rollout_version, dtype=torch.int64)
         return self.take_busy_time(out)
 
@@ -452,6 +470,7 @@ class RLTrainer:
         latest (one_step_off), or those the rollout has while they are within `max_staleness`
         versions of the weights that will train on the rows (bounded_staleness)."""
         rollout = self.workers.rollout
+        self.settle_rollout_sleep()
         if self.prefetch is not None:
             launched_for, handle, version, sampling = self.prefetch
             if launched_for != step or attempt != 0:
@@ -679,6 +698,7 @@ class RLTrainer:
             metrics, scored = validate(batches, lambda prompts: self.generate(prompts, sampling),
                                        lambda gen: self.score(gen)[0], sampling.n)
             self.rollout_sleep(after="val")
+            self.settle_rollout_sleep()  # a checkpoint or the end of the run may follow
         if self.cfg.trainer.validation_data_dir:
             dump_validation(scored, self.run.tokenizer, self.global_step, self.cfg.trainer.validation_data_dir)
         return metrics

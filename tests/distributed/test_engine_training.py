@@ -260,3 +260,42 @@ def test_offload_onload_round_trip_is_exact_and_training_continues_identically()
     final_plain, final_moved = res["final"]
     for key in final_plain:
         assert torch.equal(final_plain[key], final_moved[key]), key
+
+
+def _fused_adam(rank: int, world: int, port: int, hf_dir: str, batch: dict) -> dict:
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.parallel import init_distributed
+
+    init_distributed(rank, world, "127.0.0.1", port, ParallelLayout())
+    out = {}
+    for name, distributed, fused in (("distributed", True, True), ("plain", False, True), ("unfused", False, False)):
+        engine = _engine(hf_dir, micro_batch_size=4, use_distributed_optimizer=distributed)
+        inner = engine.optimizer.optimizer
+        out[f"{name}_flags"] = {(g["fused"], g["foreach"]) for g in inner.param_groups}
+        if not fused:  # torch's per-parameter AdamW, as Megatron builds it on CPU
+            for group in inner.param_groups:
+                group["fused"], group["foreach"] = False, None
+        engine.train_step(batch, pg_loss_fn, mini_batch_size=len(batch["responses"]), calculate_entropy=True)
+        out[name] = gather_hf_state(engine)
+    return out
+
+
+def test_host_adam_is_fused_and_steps_like_torchs_per_parameter_adamw() -> None:
+    """On CPU the Megatron optimizer's torch AdamW runs its fused kernel (`fuse_host_adam`), with the
+    distributed optimizer or without; one step of it moves the weights as the per-parameter AdamW
+    does. Both see the same gradient (same engine, batch and weights), so they differ only by the
+    rounding of the update itself: a few float32 ulps of the weight plus a few of lr."""
+    model = make_hf_model("llama")
+    hf_dir = save_hf_model(model)
+    batch = make_batch(seed=3, batch=4)
+    res = run_distributed(_fused_adam, 1, hf_dir, batch)[0]
+    assert res["distributed_flags"] == {(True, False)} and res["plain_flags"] == {(True, False)}
+    ulp = torch.finfo(torch.float32).eps
+    initial = model.state_dict()
+    moved = 0
+    for key, want in res["unfused"].items():
+        got = res["plain"][key]
+        assert torch.allclose(got, want, rtol=4 * ulp, atol=4 * ulp * BASE["lr"]), key
+        assert torch.allclose(res["distributed"][key], want, rtol=4 * ulp, atol=4 * ulp * BASE["lr"]), key
+        moved += int(not torch.equal(want, initial[key].to(want.dtype)))
+    assert moved > 0  # the step changed weights (the comparison is not of untouched tensors)

@@ -292,6 +292,64 @@ def test_pickle_round_trip() -> None:
     assert_batches_equal(pickle.loads(pickle.dumps(batch.to("cpu"))), batch)
 
 
+ALL_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+              torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def dtype_batch() -> Batch:
+    """A column of every dtype a batch may carry, as exact bit patterns (no rounding on the way)."""
+    bits = torch.arange(6 * 4, dtype=torch.int64).reshape(6, 4) * 37 + 5
+    columns = {}
+    for dtype in ALL_DTYPES:
+        width = torch.empty((), dtype=dtype).element_size()
+        pattern = (bits % 2 ** (8 * width - 1)).to({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width])
+        columns[str(dtype).removeprefix("torch.")] = pattern.view(dtype) if dtype != torch.bool else bits % 2 == 0
+    return Batch.from_dict(columns, {"name": [f"r{r}" for r in range(6)]})
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    width = a.element_size()
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
+
+
+def test_pickle_keeps_every_dtype_bit_for_bit() -> None:
+    batch = dtype_batch()
+    for piece in (batch, batch[1:4], batch[torch.tensor([5, 0, 2])]):
+        restored = pickle.loads(pickle.dumps(piece))
+        assert restored.keys() == piece.keys()
+        assert list(restored["name"]) == list(piece["name"])
+        for key in piece.tensor_keys:
+            assert same_bits(restored[key], piece[key]), key
+
+
+def test_pickle_of_strided_and_grad_columns() -> None:
+    base = torch.arange(40, dtype=torch.float32).reshape(5, 8)
+    batch = Batch.from_dict({"strided": base[:, ::2], "transposed": base.t().contiguous().t(),
+                             "grad": torch.ones(5, 2, requires_grad=True) * 3})
+    restored = pickle.loads(pickle.dumps(batch))
+    assert torch.equal(restored["strided"], base[:, ::2])
+    assert torch.equal(restored["transposed"], base)
+    assert torch.equal(restored["grad"], torch.full((5, 2), 3.0)) and not restored["grad"].requires_grad
+
+
+def test_unpickled_from_read_only_buffers_is_writable_and_independent() -> None:
+    """Ray hands large pickled buffers back read-only (its object store): the restored columns are
+    copies that can be written in place without touching the buffer or the source."""
+    batch = rows_batch(6)
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(batch, protocol=5, buffer_callback=buffers.append)
+    assert buffers  # the tensor columns went out of band
+    frozen = [memoryview(bytes(buffer.raw())) for buffer in buffers]  # bytes: read-only
+    restored = pickle.loads(data, buffers=frozen)
+    restored["pair"].add_(100)
+    restored["row"][0] = 99
+    assert restored["pair"][0].tolist() == [100.0, 101.0] and restored["row"][0] == 99
+    assert rows(batch) == [0, 1, 2, 3, 4, 5] and batch["pair"][0].tolist() == [0.0, 1.0]
+    again = pickle.loads(data, buffers=frozen)
+    assert rows(again) == [0, 1, 2, 3, 4, 5]
+
+
 def test_pickled_view_carries_only_its_rows() -> None:
     big = Batch.from_dict({"x": torch.zeros(10_000, 100)})
     piece = big.chunk(100)[3]

@@ -209,3 +209,28 @@ def test_right_padded_or_empty_prompts_are_refused(model: torch.nn.Module) -> No
     empty = Batch.from_dict({"input_ids": torch.tensor([[5, 6], [0, 0]]), "attention_mask": torch.tensor([[1, 1], [0, 0]])})
     with pytest.raises(DataError, match=r"rows \[1\] have no prompt tokens"):
         engine.generate(empty, SamplingParams.make_greedy(2))
+
+
+def test_columns_of_padding_only_are_not_computed_and_change_nothing(model: torch.nn.Module) -> None:
+    """Prompts padded wider than the longest one (the data pads to max_prompt_length) generate the
+    same samples as the tight batch; the model only ever sees the longest prompt's width."""
+    tight = prompt_batch(PROMPTS)
+    extra = 3
+    wide = Batch.from_dict({
+        "input_ids": torch.nn.functional.pad(tight["input_ids"], (extra, 0), value=PAD),
+        "attention_mask": torch.nn.functional.pad(tight["attention_mask"], (extra, 0), value=0),
+    }, non_tensors={"uid": list(tight["uid"])})
+    widths: list[int] = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                           with_kwargs=True)
+    try:
+        params = SamplingParams(n=2, max_new_tokens=R, seed=5)
+        out_wide = make_engine(model).generate(wide, params)
+    finally:
+        hook.remove()
+    out_tight = make_engine(model).generate(tight, params)
+    assert widths[0] == max(len(p) for p in PROMPTS) and set(widths[1:]) == {1}
+    assert torch.equal(out_wide["responses"], out_tight["responses"])
+    assert torch.equal(out_wide["rollout_log_probs"], out_tight["rollout_log_probs"])
+    assert out_wide["prompts"].shape[1] == tight["input_ids"].shape[1] + extra  # the batch keeps its width
+    assert torch.equal(out_wide["prompts"][:, extra:], out_tight["prompts"])
