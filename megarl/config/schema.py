@@ -44,6 +44,9 @@ class OptimConfig:
     lr_warmup_steps_ratio: float = 0.0
     # Total optimizer steps for the schedule; null derives it from trainer.total_training_steps.
     total_training_steps: Optional[int] = None
+    # Megatron's distributed optimizer: the Adam state is split over the DP ranks (gradients
+    # reduce-scattered, parameters all-gathered after the step). false: every DP rank keeps all of
+    # it and the gradients are all-reduced (less traffic, more memory; faster for small CPU runs).
     use_distributed_optimizer: bool = True
 
 

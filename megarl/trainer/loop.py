@@ -290,7 +290,8 @@ class RLTrainer:
         metrics.update(self.sync_metrics)
         metrics.update(self.probe_metrics)
         self.probe_metrics = {}
-        self.settle_rollout_sleep()
+        if self.prefetch is None:  # else the sleep waits behind the next step's generation: read it then
+            self.settle_rollout_sleep()
         self.read_memory_probes()
         metrics.update(self.memory_metrics)
         metrics.update(memory_step_metrics(self.memory_metrics))
