@@ -1,6 +1,6 @@
 """Run the component benchmarks (algorithms, engine, reshard, rollout, convert, recompute, memory
 phases, per-rank sync planning at scale, padding removal / dynamic micro-batches, a batch's trip to a
-worker, the HF engine's KV cache), each in its own
+worker), each in its own
 process with its own time limit, and collect the JSON each one writes.
 
 A component that is missing, fails or runs out of time is recorded with its error; the others
@@ -29,7 +29,7 @@ from common import REPO_ROOT, RESULTS_DIR, load_average, machine_info, write_jso
 BENCH_DIR = REPO_ROOT / "benchmarks"
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 COMPONENTS = ("algorithms", "engine", "reshard", "rollout", "convert", "recompute", "memory_phases", "plan_scale",
-              "reliability", "packing", "batch_transfer", "kv_cache")
+              "reliability", "packing", "batch_transfer")
 
 # Small sizes for a smoke run, used when a component has no --quick of its own.
 QUICK_ARGS: dict[str, list[str]] = {
@@ -48,14 +48,13 @@ QUICK_ARGS: dict[str, list[str]] = {
     "reliability": ["--no-resume"],
     "packing": ["--sizes", "quickstart", "--rows", "16", "--repeats", "1"],
     "batch_transfer": ["--repeats", "20"],
-    "kv_cache": ["--repeats", "1", "--tokens", "16"],
 }
 # Full runs: sizes that finish in minutes on a 2-core machine (each script's defaults otherwise).
 FULL_ARGS: dict[str, list[str]] = {
     "algorithms": ["--responses", "65536", "--length", "256"],
 }
 THREADS = {"algorithms": 2, "engine": 2, "rollout": 2, "reshard": 1, "convert": 2, "recompute": 2, "memory_phases": 1,
-           "plan_scale": 1, "reliability": 1, "packing": 2, "batch_transfer": 1, "kv_cache": 1}
+           "plan_scale": 1, "reliability": 1, "packing": 2, "batch_transfer": 1}
 
 
 def _help_text(python: str, script: Path) -> str:

@@ -254,18 +254,10 @@ def _batch_transfer(r: dict[str, Any]) -> str:
             f"{fmt(r['speedup_torch_over_batch']['actor_round_trip_ms'])}x)")
 
 
-def _kv_cache(r: dict[str, Any]) -> str:
-    setup, res = r["setup"], r["results"]
-    return (f"HF engine, {setup['rows']} rows x {setup['tokens']} tokens: preallocated KV cache "
-            f"{fmt(res['preallocated']['tokens_per_s'])} tokens/s, transformers' DynamicCache "
-            f"{fmt(res['dynamic_cache']['tokens_per_s'])} ({fmt(r['speedup'])}x; same samples: {r['same_samples']})")
-
-
 COMPONENT_HEADLINES: dict[str, Callable[[dict[str, Any]], str]] = {
     "algorithms": _algorithms, "engine": _engine, "reshard": _reshard, "rollout": _rollout, "convert": _convert,
     "recompute": _recompute, "memory_phases": _memory_phases, "plan_scale": _plan_scale,
     "reliability": _reliability_headline, "batch_transfer": _batch_transfer,
-    "kv_cache": _kv_cache,
 }
 
 

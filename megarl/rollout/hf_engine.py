@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from megarl.errors import ConfigError
 from megarl.protocol import Batch
@@ -124,6 +122,8 @@ class HFRolloutEngine(RolloutEngine):
         """Sample `params.n` responses per prompt row with a KV cache. `budgets` (one per row, n=1):
         a row that reached its budget counts as finished. `interrupt` = (every, interrupted): after
         every `every` tokens, `interrupted(checks_done)` true stops the loop, unfinished rows as they are."""
+        from transformers import DynamicCache
+
         input_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
         check_prompt_tensors(input_ids, prompt_mask)
         n, r = params.n, params.max_new_tokens
@@ -147,7 +147,7 @@ class HFRolloutEngine(RolloutEngine):
         finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
         row_budgets = None if budgets is None else torch.as_tensor(list(budgets), device=self.device)
 
-        cache = _preallocated_cache(self.model.config, capacity=ids.shape[1] + r)
+        cache = DynamicCache(config=self.model.config)
         logits = self.model(
             input_ids=ids, attention_mask=mask, position_ids=positions,
             past_key_values=cache, use_cache=True, logits_to_keep=1,
@@ -254,44 +254,6 @@ class HFRolloutEngine(RolloutEngine):
         del self.model
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-class _PreallocatedLayer(DynamicLayer):
-    """A KV-cache layer that writes each step's keys and values into a buffer sized for the whole
-    generation. transformers' `DynamicLayer` concatenates the whole cache anew at every token;
-    here `keys` / `values` are views of the filled part of the buffer, so the attention reads the
-    same values, bit for bit (benchmarks/kv_cache.py: 1.07x the tokens/s for 32 rows x 64 tokens of
-    a 25M model on one CPU thread)."""
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__()
-        self.capacity = capacity
-        self.filled = 0
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.dtype, self.device = key_states.dtype, key_states.device
-            batch, heads, _, dim = key_states.shape
-            self.key_buffer = key_states.new_empty((batch, heads, self.capacity, dim))
-            self.value_buffer = value_states.new_empty((batch, heads, self.capacity, dim))
-            self.is_initialized = True
-        end = self.filled + key_states.shape[-2]
-        if end > self.capacity:
-            raise RuntimeError(f"KV cache of {self.capacity} positions asked to hold {end}")
-        self.key_buffer[:, :, self.filled:end] = key_states
-        self.value_buffer[:, :, self.filled:end] = value_states
-        self.filled = end
-        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
-        return self.keys, self.values
-
-
-def _preallocated_cache(config: Any, capacity: int) -> DynamicCache:
-    """transformers' cache for `config`, its plain full-attention layers preallocated for
-    `capacity` positions (other layer kinds, e.g. sliding windows, as transformers builds them)."""
-    cache = DynamicCache(config=config)
-    cache.layers = [_PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
-    return cache
 
 
 _EXPERT_NAME = re.compile(r"^(?P<stem>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")

@@ -234,24 +234,3 @@ def test_columns_of_padding_only_are_not_computed_and_change_nothing(model: torc
     assert torch.equal(out_wide["rollout_log_probs"], out_tight["rollout_log_probs"])
     assert out_wide["prompts"].shape[1] == tight["input_ids"].shape[1] + extra  # the batch keeps its width
     assert torch.equal(out_wide["prompts"][:, extra:], out_tight["prompts"])
-
-
-def test_preallocated_kv_cache_decodes_exactly_like_transformers_dynamic_cache(
-        model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine's KV cache writes into one buffer instead of concatenating every step: the same
-    samples and log-probs, bit for bit, as with transformers' own DynamicCache."""
-    from transformers import DynamicCache
-
-    import megarl.rollout.hf_engine as hf_engine
-
-    built: list[DynamicCache] = []
-    real = hf_engine._preallocated_cache
-    monkeypatch.setattr(hf_engine, "_preallocated_cache", lambda config, capacity: built.append(real(config, capacity)) or built[-1])
-    params = SamplingParams(n=3, max_new_tokens=R, seed=9)
-    ours = make_engine(model).generate(prompt_batch(PROMPTS), params)
-    assert built and all(isinstance(layer, hf_engine._PreallocatedLayer) for layer in built[0].layers)
-    assert built[0].layers[0].filled == max(len(p) for p in PROMPTS) + R - 1  # the last token is not fed back
-    monkeypatch.setattr(hf_engine, "_preallocated_cache", lambda config, capacity: DynamicCache(config=config))
-    theirs = make_engine(model).generate(prompt_batch(PROMPTS), params)
-    assert torch.equal(ours["responses"], theirs["responses"])
-    assert torch.equal(ours["rollout_log_probs"], theirs["rollout_log_probs"])
