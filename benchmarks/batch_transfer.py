@@ -106,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     batch = step_batch(args.rows, args.prompt, args.response)
+    as_batch, as_torch = pickle.loads(pickle.dumps(batch)), pickle.loads(pickle.dumps(torch_encoded(batch)))
     for key in batch.tensor_keys:  # the encodings carry the same data
-        assert torch.equal(pickle.loads(pickle.dumps(batch))[key], pickle.loads(pickle.dumps(torch_encoded(batch)))["tensors"][key])
+        assert torch.equal(as_batch[key], as_torch["tensors"][key])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         echo = Echo.remote()

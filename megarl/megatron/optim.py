@@ -109,9 +109,9 @@ def build_optimizer(cfg: EngineConfig, model_chunks: list[torch.nn.Module]) -> A
     return optimizer
 
 
-def fuse_host_adam(optimizer: Any) -> int:
+def fuse_host_adam(optimizer: Any) -> None:
     """Switch torch's Adam/AdamW inside a Megatron optimizer to its fused kernel where every
-    parameter it steps is in host memory; returns how many torch optimizers were switched.
+    parameter it steps is in host memory.
 
     Without apex or TransformerEngine Megatron steps with `torch.optim.AdamW`, which on CPU runs
     its update one parameter and one elementwise op at a time (`foreach` is a CUDA default only).
@@ -119,19 +119,15 @@ def fuse_host_adam(optimizer: Any) -> int:
     for the quickstart model's 2.4M parameters on one core, the same largest difference from a
     float64 AdamW after 10 steps (3.0e-6). GPU parameters keep whatever Megatron chose.
     """
-    switched = 0
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(part, "optimizer", None)
         if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):  # apex / TE fused Adam: already fused
             continue
-        params = [p for group in inner.param_groups for p in group["params"]]
-        if not params or any(p.device.type != "cpu" or not p.is_floating_point() for p in params):
+        if any(p.device.type != "cpu" for group in inner.param_groups for p in group["params"]):
             continue
         for group in inner.param_groups:
             group["fused"], group["foreach"] = True, False
         inner.defaults["fused"], inner.defaults["foreach"] = True, False
-        switched += 1
-    return switched
 
 
 def build_scheduler(cfg: EngineConfig, optimizer: Any) -> Any:
