@@ -144,6 +144,12 @@ class Tracker:
         if "console" in self.backends:
             self._write_console(format_step_line(step, values, self.total_steps))
 
+    def flush(self) -> None:
+        """Write what mlflow holds back (it writes steps in batches, see ``mlflow_backend``); the
+        JSONL file and the console are written at once."""
+        if self._mlflow is not None:
+            self._mlflow.flush()
+
     def log_params(self, config: Any) -> None:
         """Log a config (nested mapping, OmegaConf or dataclass) as flattened params (mlflow only)."""
         if self._mlflow is None:

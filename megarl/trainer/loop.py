@@ -183,6 +183,9 @@ class RLTrainer:
                 metrics.update(last_val)
             if trainer.save_freq > 0 and (step % trainer.save_freq == 0 or is_last):
                 with self.timer("save_checkpoint"):
+                    # The store then holds every step before this checkpoint: a run resumed from
+                    # it does not log them again (mlflow_backend).
+                    self.tracker.flush()
                     self.checkpointer.save(step, self.state_dict())
                 metrics["timing_s/save_checkpoint"] = self.timer.pop()["save_checkpoint"]
             self.tracker.log(metrics, step=step)

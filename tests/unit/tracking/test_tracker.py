@@ -87,6 +87,41 @@ def test_mlflow_store_jsonl_and_resume_continue_one_run(tmp_path: Path) -> None:
     assert abs(last["time"] - time.time()) < 600
 
 
+def test_mlflow_writes_steps_in_batches_of_one_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from megarl.tracking import mlflow_backend
+
+    monkeypatch.setattr(mlflow_backend, "WRITE_EVERY_S", 3600.0)
+    run_dir = tmp_path / "run"
+    tracker = Tracker(run_dir, backends=["mlflow"], project="proj", experiment="exp")
+    client = MlflowClient(tracking_uri=f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
+    calls: list[int] = []
+    write = tracker._mlflow._client.log_batch
+    monkeypatch.setattr(tracker._mlflow._client, "log_batch",
+                        lambda run_id, metrics: calls.append(len(metrics)) or write(run_id, metrics=metrics))
+
+    def written() -> list[int]:
+        return _history(client, tracker.mlflow_run_id, "m/0")[0]
+
+    for step in range(1, 10):  # 9 steps of 100 values: under one call's 1,000
+        tracker.log({f"m/{i}": step * 1000 + i for i in range(100)}, step)
+    assert written() == [] and calls == []
+    tracker.log({f"m/{i}": 10_000 + i for i in range(100)}, 10)
+    assert written() == list(range(1, 11)) and calls == [1000]
+    assert json.loads((run_dir / "tracking.json").read_text())["mlflow_last_step"] == 10
+    tracker.log({"m/0": 11.0}, 11)
+    tracker.flush()  # as before a checkpoint
+    assert written() == list(range(1, 12)) and calls == [1000, 1]
+    _, values = _history(client, tracker.mlflow_run_id, "m/99")
+    assert values == [step * 1000 + 99 for step in range(1, 11)]
+    # A slow run (a step takes longer than WRITE_EVERY_S) writes every step as it comes.
+    monkeypatch.setattr(mlflow_backend, "WRITE_EVERY_S", 0.0)
+    tracker.log({"m/0": 12.0}, 12)
+    assert written()[-1] == 12 and calls == [1000, 1, 1]
+    tracker.close()
+
+
 def test_unusable_mlflow_store_fails_at_construction_and_changes_nothing(tmp_path: Path) -> None:
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("a file where the store's directory should be")
