@@ -42,7 +42,7 @@ class HFRolloutEngine(RolloutEngine):
     On CPU at level 2 each weight storage is a memory mapping of its own (`_mapped_storage`), so
     that freeing it hands its pages straight back to the OS. Weights in the C heap would stay with
     the process after a free unless the whole heap were trimmed, and a trim also hands back the
-    pages the training step reuses: measured on the quickstart, its update phase then took 25-50
+    pages the training step reuses: measured on the quickstart, its update phase then took 15-56
     ms longer, page-faulting them in again.
     """
 
