@@ -41,13 +41,13 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megarl.errors import CheckpointError
+from megarl.megatron.checkpoint_format import FORMAT_VERSION
 from megarl.megatron.model import unwrap
 
 logger = logging.getLogger(__name__)
 FINGERPRINT_FIELDS = ("elements", "param_abs_sum", "exp_avg_abs_sum", "exp_avg_sq_sum")
 FINGERPRINT_RTOL = 1e-6  # float64 sums of the same values in another order (another layout)
 
-FORMAT_VERSION = 2  # 2: one optimizer entry per distributed optimizer (dense, experts)
 _OPT_METADATA = {
     "distrib_optim_sharding_type": "fully_reshardable",
     # Avoids a CUDA-only gather path of the fully-reshardable format.

@@ -38,7 +38,7 @@ from megarl.convert.hf_files import INDEX_NAME, SINGLE_NAME, HFCheckpoint, expec
 from megarl.convert.layout import CheckpointTensor, head_architecture, plan_checkpoint
 from megarl.convert.mcore_to_hf import checkpoint_hf_config
 from megarl.errors import CheckpointError, MegarlError
-from megarl.megatron.checkpoint import FORMAT_VERSION
+from megarl.megatron.checkpoint_format import FORMAT_VERSION
 from megarl.models.spec import ModelSpec
 from megarl.trainer.checkpoint_dirs import COMPLETE_MARKER, LATEST_FILE, STATE_FILE, STEP_DIR_PREFIX, crc32_of_file, read_marker
 

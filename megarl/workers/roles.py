@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,7 +33,6 @@ from megarl.cluster.rendezvous import address_and_free_port
 from megarl.hybrid.bridge import BridgeReceiver, BridgeSender, ShardLayout
 from megarl.hybrid.executor import ExecStats
 from megarl.hybrid.sync import WeightSync
-from megarl.megatron.engine import MegatronEngine
 from megarl.models.spec import ModelSpec
 from megarl.protocol import Batch
 from megarl.rewards.model_checkpoint import hf_files_dir, is_converted
@@ -43,6 +42,9 @@ from megarl.rollout.partial import WeightSignal, advance_rows
 from megarl.workers.losses import make_actor_loss, make_critic_loss
 from megarl.workers.specs import EngineRoleSpec, RolloutSpec
 
+if TYPE_CHECKING:
+    from megarl.megatron.engine import MegatronEngine
+
 logger = logging.getLogger(__name__)
 
 ROLLOUT_BUSY = "rollout_busy_s"  # column of `RolloutRole.generate`: seconds the rank spent generating
@@ -51,6 +53,15 @@ ROLLOUT_BUSY = "rollout_busy_s"  # column of `RolloutRole.generate`: seconds the
 def _mean(values: Any) -> float:
     values = list(values) if isinstance(values, (list, tuple)) else [values]
     return float(sum(values) / max(1, len(values)))
+
+
+def _new_engine(model: ModelSpec, spec: EngineRoleSpec) -> MegatronEngine:
+    """A Megatron engine for this rank. Megatron-Core is imported here, in the worker, rather than at
+    the top: the driver imports this module for the role classes (their methods name the calls it
+    makes) and starts seconds sooner without Megatron-Core."""
+    from megarl.megatron.engine import MegatronEngine
+
+    return MegatronEngine(model, spec.layout, spec.engine)
 
 
 class EngineRole:
@@ -64,7 +75,7 @@ class EngineRole:
     def init_model(self) -> None:
         """Build the Megatron engine on this rank's groups and load the spec's model directory."""
         model = ModelSpec.from_hf_config(self.spec.model_dir, family=self.spec.family)
-        self.engine = MegatronEngine(model, self.spec.layout, self.spec.engine)
+        self.engine = _new_engine(model, self.spec)
         self.engine.load_hf_weights(self.spec.model_dir)
         if self.spec.offload.any:
             self.offload()
@@ -217,7 +228,7 @@ class RewardModelRole(EngineRole):
             super().init_model()
             return
         model = ModelSpec.from_hf_config(str(hf_files_dir(self.spec.model_dir)), family=self.spec.family)
-        self.engine = MegatronEngine(model, self.spec.layout, self.spec.engine)
+        self.engine = _new_engine(model, self.spec)
         load_converted_weights(self.engine, self.spec.model_dir)
         if self.spec.offload.any:
             self.offload()
