@@ -11,10 +11,11 @@ TORCH_VERSION := 2.13.0
 DEMO_ARGS ?=
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k config"`.
 PYTEST_ARGS ?=
-# Tiers that run on a CPU machine without extra environments (vllm has its own: `make test-vllm`).
-TEST_MARKERS ?= not gpu and not vllm
+# Tiers that run on a CPU machine without extra environments (vllm has its own: `make test-vllm`);
+# the slow variants run with `make test-slow`.
+TEST_MARKERS ?= not gpu and not vllm and not slow
 
-.PHONY: install demo demo-async demo-rm demo-tools test test-unit clean help
+.PHONY: install demo demo-async demo-rm demo-tools test test-unit test-slow clean help
 
 help:
 	@echo "make demo   - install, then run the quickstart (tiny GRPO on CPU)"
@@ -22,6 +23,7 @@ help:
 	@echo "make demo-rm - install, then PPO on CPU with a reward model fitted on the task"
 	@echo "make demo-tools - install, then multi-turn GRPO on CPU with a calculator tool"
 	@echo "make test   - install, then run the test suite (unit, distributed, integration tiers)"
+	@echo "make test-slow - install, then the long-running variants of integration tests"
 	@echo "make bench  - install, then run the benchmarks (JSON + markdown under benchmarks/results)"
 	@echo "make clean  - remove the virtual environment and caches"
 
@@ -84,17 +86,28 @@ demo-tools: install
 	$(BIN)/megarl train configs/tools_cpu.yaml $(DEMO_ARGS)
 
 # The main tiers, then the vllm tier in its own environment (mk/vllm.mk). SKIP_VLLM=1 skips the latter.
+# That environment is built (downloads, mostly: about 4 minutes) while the main tiers run; its log
+# follows theirs.
 test: install
+ifeq ($(SKIP_VLLM),1)
 	$(BIN)/python -m pytest -m "$(TEST_MARKERS)" $(PYTEST_ARGS)
-ifneq ($(SKIP_VLLM),1)
+else
+	$(MAKE) --no-print-directory vllm-env > $(VLLM_VENV).log 2>&1 & build=$$!; \
+	$(BIN)/python -m pytest -m "$(TEST_MARKERS)" $(PYTEST_ARGS); tests=$$?; \
+	wait $$build; built=$$?; echo "--- make vllm-env (exit $$built):"; cat $(VLLM_VENV).log; \
+	[ $$tests -eq 0 ] && [ $$built -eq 0 ]
 	$(MAKE) test-vllm
 endif
 
 test-unit: install
 	$(BIN)/python -m pytest -m "unit" $(PYTEST_ARGS)
 
+# The long-running variants left out of `make test` (the suite must fit CI's time on a 2-core machine).
+test-slow: install
+	$(BIN)/python -m pytest -m "slow and not gpu and not vllm" $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(BENCH_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_VENV).log $(BENCH_VENV) .pytest_cache .hypothesis
 
 include mk/vllm.mk
 include mk/bench.mk

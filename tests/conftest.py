@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     has_cuda = _cuda_available()
     has_vllm = _vllm_installed()
     for item in items:
-        if not any(item.iter_markers(name=tier) for tier in ("distributed", "integration", "vllm", "gpu", "slow")):
+        if not any(item.get_closest_marker(tier) for tier in ("distributed", "integration", "vllm", "gpu", "slow")):
             item.add_marker(pytest.mark.unit)
         if item.get_closest_marker("gpu") and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs CUDA: run the gpu tier on a GPU machine"))

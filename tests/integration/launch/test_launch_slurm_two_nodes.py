@@ -279,7 +279,7 @@ def test_trainer_runs_a_tiny_job_across_both_nodes(workdir: tuple[Path, Path]) -
         "trainer": {"total_training_steps": 1, "val_before_train": False, "progress_bar": False,
                     "default_local_dir": str(root / "run")},
         "resources": {"device": "cpu", "actor_pool": {"nnodes": 1, "devices_per_node": 1}},
-        "tracking": {"backends": ["jsonl"]},
+        "tracking": {"backends": ["jsonl"], "report_plots": False},
     }
     (root / "experiment.yaml").write_text(yaml.safe_dump(config))
     alloc = FakeAllocation(root, ray_temp)

@@ -109,7 +109,8 @@ def dumped_rows(dumps: Path, step: int) -> list[dict]:
     return [json.loads(line) for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("partial", ["continue", "drop"])
+# "drop" (unfinished rows start again after the sync) runs with `make test-slow`.
+@pytest.mark.parametrize("partial", ["continue", pytest.param("drop", marks=pytest.mark.slow)])
 def test_partial_rollout_goes_on_with_the_new_weights(tmp_path: Path, task_dir: Path, partial: str) -> None:  # noqa: F811
     dumps = tmp_path / "rollouts"
     config = write_config(tmp_path, task_dir, **ASYNC)
@@ -176,7 +177,10 @@ def test_partial_rollout_interrupted_by_the_update_keeps_the_staleness_bound(tmp
     assert max(metrics[step].get("async/partial_rows", 0.0) for step in range(2, 6)) > 0
 
 
-@pytest.mark.parametrize("mode", ["one_step_off", "bounded_staleness", "partial_rollout"])
+# Three runs each. Partial rollout (one step off, with the generation interrupted and continued across
+# the update) runs in `make test`; the two plain pipelines with `make test-slow`.
+@pytest.mark.parametrize("mode", [pytest.param("one_step_off", marks=pytest.mark.slow),
+                                  pytest.param("bounded_staleness", marks=pytest.mark.slow), "partial_rollout"])
 def test_killed_pipelined_run_resumes_with_the_same_metrics(tmp_path: Path, task_dir: Path, mode: str) -> None:  # noqa: F811
     pipelined = {"one_step_off": ("trainer.async_mode=one_step_off",),
                  "bounded_staleness": ("trainer.async_mode=bounded_staleness", "trainer.max_staleness=2"),

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.integration
 WITHIN_S = 60.0
 
 
-@pytest.mark.parametrize("group", [True, False], ids=["process_group", "driver_pid"])
+# The driver's PID alone (nothing but the reaper stops the cluster) runs in `make test`; the whole
+# process group with `make test-slow`.
+@pytest.mark.parametrize("group", [pytest.param(True, marks=pytest.mark.slow), False], ids=["process_group", "driver_pid"])
 def test_killed_driver_leaves_no_ray_process(tmp_path: Path, task_dir: Path, group: bool) -> None:  # noqa: F811
     outcome = kill_driver_mid_step(tmp_path, task_dir, within_s=WITHIN_S, group=group)
     details = outcome.details

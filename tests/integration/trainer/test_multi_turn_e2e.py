@@ -61,7 +61,7 @@ def test_multi_turn_grpo_with_a_calculator(tmp_path: Path, warm_model: tuple[Pat
                     "progress_bar": False, "default_local_dir": str(tmp_path / "run"),
                     "rollout_data_dir": str(tmp_path / "rollouts")},
         "resources": {"device": "cpu", "actor_pool": {"nnodes": 1, "devices_per_node": 2}},
-        "tracking": {"backends": ["jsonl", "console"]},
+        "tracking": {"backends": ["jsonl", "console"], "report_plots": False},
     }
     config = tmp_path / "exp.yaml"
     config.write_text(yaml.safe_dump(cfg))

@@ -45,7 +45,8 @@ def test_shortcut_skips_the_pass_and_trains_like_recompute(tmp_path: Path, task_
     assert one[GAP] == pytest.approx(two[GAP], abs=1e-6)
 
 
-@pytest.mark.parametrize("source", ["recompute", "update"])
+# "recompute" (the check before the update) runs with `make test-slow`; "update" checks after it.
+@pytest.mark.parametrize("source", [pytest.param("recompute", marks=pytest.mark.slow), "update"])
 def test_gap_threshold_stops_a_run_sampling_at_another_precision(tmp_path: Path, task_dir: Path, source: str) -> None:
     """A bf16 rollout engine of the fp32 trainer's weights: its log-probs differ by ~1e-3 nats, far
     above a threshold of 1e-5, and the run stops at step 1 naming the gap, the key and the causes;

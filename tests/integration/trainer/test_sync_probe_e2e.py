@@ -52,7 +52,8 @@ def test_probe_checks_the_synced_weights_without_changing_the_run(tmp_path: Path
     assert not any(k.startswith("probe/") for step in plain for k in plain[step])
 
 
-@pytest.mark.parametrize("probe_freq", [0, 1])
+# probe_freq 0 (no probe: the run goes through) runs with `make test-slow`.
+@pytest.mark.parametrize("probe_freq", [pytest.param(0, marks=pytest.mark.slow), 1])
 def test_probe_stops_a_run_whose_rollout_samples_at_another_precision(tmp_path: Path, task_dir: Path,  # noqa: F811
                                                                       probe_freq: int) -> None:
     proc = run_train(write_config(tmp_path, task_dir), "rollout.dtype=bf16", "rollout.calculate_log_probs=false",

@@ -60,7 +60,9 @@ def write_config(tmp: Path, task: Path, **sections: dict) -> Path:
         "trainer": {"total_training_steps": 2, "test_freq": -1, "save_freq": -1, "val_before_train": False,
                     "progress_bar": False, "default_local_dir": str(tmp / "run")},
         "resources": {"device": "cpu", "actor_pool": {"nnodes": 1, "devices_per_node": 2}},
-        "tracking": {"backends": ["jsonl", "console"]},
+        # Plots cost a few seconds of every run's end: test_grpo_runs_and_logs_verl_metrics and
+        # test_disk_full_save draw them.
+        "tracking": {"backends": ["jsonl", "console"], "report_plots": False},
     }
     for section, values in sections.items():
         _deep_update(cfg.setdefault(section, {}), values)
@@ -95,7 +97,8 @@ def test_grpo_runs_and_logs_verl_metrics(tmp_path: Path, task_dir: Path) -> None
     config = write_config(tmp_path, task_dir, actor={"use_kl_loss": True, "kl_loss_coef": 0.01},
                           trainer={"rollout_data_dir": str(tmp_path / "rollouts"), "profile_steps": [2],
                                    "validation_data_dir": str(tmp_path / "val_generations")})
-    proc = run_train(config, "tracking.backends=[jsonl,console,mlflow]", "rollout.sync_verify_freq=2")
+    proc = run_train(config, "tracking.backends=[jsonl,console,mlflow]", "rollout.sync_verify_freq=2",
+                     "tracking.report_plots=true")
     assert proc.returncode == 0
     metrics = read_metrics(tmp_path / "run")
     assert sorted(metrics) == [1, 2]
@@ -110,6 +113,7 @@ def test_grpo_runs_and_logs_verl_metrics(tmp_path: Path, task_dir: Path) -> None
         assert math.isfinite(step[key])
     assert (tmp_path / "run" / "mlflow.db").is_file()
     assert (tmp_path / "run" / "report" / "summary.md").is_file()
+    assert (tmp_path / "run" / "report" / "reward.png").stat().st_size > 0
     # trainer.rollout_data_dir: one JSONL per step, a line per response (4 prompts x rollout.n 4)
     rows = [json.loads(line) for line in (tmp_path / "rollouts" / "2.jsonl").read_text().splitlines()]
     assert len(rows) == 16 and {"input", "output", "score", "advantage", "uid"} <= set(rows[0])
@@ -212,6 +216,9 @@ SINGLE_KEY_TRACES = {
 }
 
 
+# `make test-slow` (seven runs of about a minute on a slow 2-core machine): in `make test`,
+# test_offloaded_roles_train_exactly_like_resident_ones checks the exact trace with every key on.
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(SINGLE_KEY_TRACES))
 def test_memory_phase_trace_of_each_key_alone(tmp_path: Path, task_dir: Path, case: str) -> None:
     """Each offload/sleep key on its own moves exactly its role, in exactly its phases."""
@@ -383,14 +390,20 @@ def test_grpo_learns_arithmetic_from_scratch(tmp_path: Path, task_dir: Path) -> 
     assert after >= before + 0.25, f"validation reward {before:.3f} -> {after:.3f} after 60 GRPO steps"
 
 
+# ReMax (its greedy baseline is one more generation per step) runs in `make test`; the others only
+# change the advantage or the loss, which the unit tier checks against hand-worked references, and
+# run end to end with `make test-slow`.
 @pytest.mark.parametrize(
     "name, overrides",
     [
-        ("rloo", ["algorithm.adv_estimator=rloo"]),
-        ("reinforce_plus_plus", ["algorithm.adv_estimator=reinforce_plus_plus", "actor.use_kl_loss=true"]),
+        pytest.param("rloo", ["algorithm.adv_estimator=rloo"], marks=pytest.mark.slow),
+        pytest.param("reinforce_plus_plus", ["algorithm.adv_estimator=reinforce_plus_plus", "actor.use_kl_loss=true"],
+                     marks=pytest.mark.slow),
         ("remax", ["algorithm.adv_estimator=remax", "rollout.n=2"]),
-        ("gspo", ["actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=seq-mean-token-mean"]),
-        ("drgrpo", ["algorithm.norm_adv_by_std_in_grpo=false", "actor.loss_agg_mode=seq-mean-token-sum-norm"]),
+        pytest.param("gspo", ["actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=seq-mean-token-mean"],
+                     marks=pytest.mark.slow),
+        pytest.param("drgrpo", ["algorithm.norm_adv_by_std_in_grpo=false", "actor.loss_agg_mode=seq-mean-token-sum-norm"],
+                     marks=pytest.mark.slow),
     ],
 )
 def test_algorithm_relatives_run_one_step(tmp_path: Path, task_dir: Path, name: str, overrides: list[str]) -> None:

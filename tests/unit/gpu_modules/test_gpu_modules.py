@@ -238,7 +238,7 @@ def test_megarl_metadata_from_pyproject():
     assert version == md.version("megarl")
     assert "Requires-Dist: megatron-core==0.16.1" in metadata
     assert 'Requires-Dist: vllm==0.32.0; extra == "gpu"' in metadata
-    assert "megarl = megarl.cli:main" in entry_points
+    assert "megarl = megarl.cli:run" in entry_points
 
 
 @pytest.mark.parametrize("script", ["gpu_bundle.sh", "gpu_check.sh"])
