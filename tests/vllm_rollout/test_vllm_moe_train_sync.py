@@ -16,13 +16,16 @@ Measured max |delta log-prob| over all response tokens (identical on both ranks)
     qwen3_moe  vLLM-trainer 3.8e-6 / 3.7e-6   vLLM-fp64 1.2e-5 / 7.0e-6   trainer-fp64 9.7e-6 / 6.2e-6
     qwen2_moe  vLLM-trainer 1.1e-5 / 1.3e-5   vLLM-fp64 4.4e-5 / 1.5e-5   trainer-fp64 3.2e-5 / 1.1e-5
 
-LOGPROB_ATOL = 2e-5 (vLLM vs trainer) holds. Against float64 each float32 side is further off
-than the two are from each other, so part of their rounding error is common to both (the same
-float32 weights and a float32 log-softmax); HF's own float32 forward (eager experts) differs from
-float64 by 5.9e-5 on the qwen2_moe case, so FLOAT64_ATOL = 1e-4, as in the
-other vLLM MoE sync tests. Both bounds are far below what a missed or misplaced weight does: the
-rollout engine starts 0.1 or more away (asserted), and the optimizer step moves the log-probs by
-more than 1e-3 (asserted).
+and on an AVX2-only x86-64 machine (other kernels, another summation order) qwen2_moe's sync 1 gave
+vLLM-trainer 2.6e-5, vLLM-fp64 5.5e-5, trainer-fp64 2.9e-5. HF's own float32 forward (eager
+experts) differs from float64 by 5.9e-5 on the qwen2_moe case, so FLOAT64_ATOL = 1e-4 bounds each
+float32 side against float64, as in the other vLLM MoE sync tests. The two float32 sides are then
+within 2 * FLOAT64_ATOL of each other by the triangle inequality; part of their rounding is common
+(the same float32 weights, a float32 log-softmax), so LOGPROB_ATOL = FLOAT64_ATOL is asserted. A
+tighter figure taken from one CPU does not carry to another (2e-5 held on the first machine, not
+on the second). Both bounds are far below what a missed or misplaced weight does: the rollout
+engine starts 0.1 or more away (asserted), and the optimizer step moves the log-probs by more than
+1e-3 (asserted).
 Run with `.venv-vllm/bin/python -m pytest -m vllm`.
 """
 
@@ -50,8 +53,8 @@ PROMPTS = [[5, 17, 42, 8], [33, 2, 9], [71, 70, 69, 68, 67, 3], [120, 7, 199, 64
 R = 6
 TRAIN_CFG = dict(lr=1e-2, eps=1e-2, weight_decay=0.0, clip_grad=1.0, micro_batch_size=2)
 BUCKET = 16 * 1024
-LOGPROB_ATOL = 2e-5  # vLLM vs the trainer (see the module doc)
 FLOAT64_ATOL = 1e-4  # either float32 computation vs float64 (see the module doc)
+LOGPROB_ATOL = FLOAT64_ATOL  # vLLM vs the trainer (see the module doc)
 
 
 def _model(family: str, seed: int) -> torch.nn.Module:
