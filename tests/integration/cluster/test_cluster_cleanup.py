@@ -29,6 +29,14 @@ def _tagged(tag: str) -> list[psutil.Process]:
     return tagged_processes(tag, TAG_ENV)
 
 
+def _name(proc: psutil.Process) -> str:
+    """The process's name, or "" for one that ended since it was listed (Ray starts short-lived helpers)."""
+    try:
+        return proc.name()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return ""
+
+
 def _starting_worker(proc: psutil.Process) -> bool:
     try:
         return proc.name() == "python" and any("default_worker.py" in arg for arg in proc.cmdline())
@@ -57,7 +65,7 @@ def test_interrupted_driver_cleans_up_cluster_and_workers(signum, exit_code):
         worker_pids = [int(pid) for pid in line.split()[1:]]
         assert len(worker_pids) == 2
         processes = psutil.Process(driver.pid).children(recursive=True)
-        names = " ".join(p.name() for p in processes)
+        names = " ".join(_name(p) for p in processes)
         assert "raylet" in names and "gcs_server" in names
         assert set(worker_pids) <= {p.pid for p in processes}
         driver.send_signal(signum)
@@ -91,7 +99,7 @@ def test_sigkill_of_the_process_group_while_a_worker_starts_leaves_nothing_behin
         while not any(_starting_worker(p) for p in _tagged(tag)):
             assert time.monotonic() < deadline, "no worker was seen starting in 120 s"
             time.sleep(0.02)
-        before = {p.pid: p.name() for p in _tagged(tag)}
+        before = {p.pid: _name(p) for p in _tagged(tag)}
         assert "raylet" in before.values() and "gcs_server" in before.values(), before
         os.killpg(driver.pid, signal.SIGKILL)
         killed = time.monotonic()
