@@ -3,7 +3,7 @@
 Never hangs: the parent waits at most `timeout` seconds, then kills every child and fails.
 
 The processes are forked from a fork server that imported torch, Megatron-Core and transformers
-once for the whole test session: a spawned process spent 3-6 s of CPU on those imports on a 2-core
+once for the whole test run: a spawned process spent 3-6 s of CPU on those imports on a 2-core
 machine, and the distributed tier starts about 75 worlds of 2-4 processes (13.5 min in all there
 when spawned, 2.6 min forked). The fork server forks before any process group, thread pool or model
 exists, and each child still sets up everything of its own.
