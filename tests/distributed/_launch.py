@@ -27,11 +27,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-# Imported once in the fork server; a module that fails to import there is imported by the child.
-_PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "transformers",
-            "megarl.megatron.engine", "megarl.megatron.parallel"]
+# Imported once in the fork server (the engine brings torch, torch.distributed and Megatron-Core);
+# a module that fails to import there is imported by the child.
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(_PRELOAD)
+_CONTEXT.set_forkserver_preload(["megarl.megatron.engine", "transformers"])
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, results: Any) -> None:
@@ -61,10 +60,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     several layouts in one launch); the launcher tears them down.
     """
     # Not daemonic: Megatron's checkpoint writer starts helper processes of its own.
-    ctx = _CONTEXT
-    results = ctx.Queue()
+    results = _CONTEXT.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results))
+    procs = [_CONTEXT.Process(target=_worker, args=(r, world_size, port, fn, args, results))
              for r in range(world_size)]
     for p in procs:
         p.start()
