@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from megarl.errors import ConfigError
 from megarl.protocol import Batch
@@ -27,6 +29,10 @@ from megarl.rollout.output import assemble_rollout_batch, check_prompt_tensors, 
 from megarl.rollout.sampling import sample_next_tokens
 
 logger = logging.getLogger(__name__)
+
+# Cache layers that hold only keys and values, so that repeating them along the batch repeats the
+# state of each sequence (`HFRolloutEngine._decode` shares a prompt's prefill among its responses).
+_REPEATABLE_CACHE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 class HFRolloutEngine(RolloutEngine):
     """Generates with a ``transformers`` causal LM held in this process.
@@ -71,8 +77,6 @@ class HFRolloutEngine(RolloutEngine):
     @classmethod
     def from_pretrained(cls, model_path: str | Path, options: EngineOptions, device: str | None = None) -> HFRolloutEngine:
         """Load a HF model directory (config.json + safetensors)."""
-        from transformers import AutoModelForCausalLM
-
         model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=options.torch_dtype)
         return cls(model.to(device or _default_device()), options)
 
@@ -85,8 +89,6 @@ class HFRolloutEngine(RolloutEngine):
         device: str | None = None,
     ) -> HFRolloutEngine:
         """Build the model from a HF config; fill it from ``state_dict`` (HF names) when given."""
-        from transformers import AutoModelForCausalLM
-
         model = AutoModelForCausalLM.from_config(config, dtype=options.torch_dtype)
         engine = cls(model.to(device or _default_device()), options)
         if state_dict is not None:
@@ -125,8 +127,6 @@ class HFRolloutEngine(RolloutEngine):
         """Sample `params.n` responses per prompt row with a KV cache. `budgets` (one per row, n=1):
         a row that reached its budget counts as finished. `interrupt` = (every, interrupted): after
         every `every` tokens, `interrupted(checks_done)` true stops the loop, unfinished rows as they are."""
-        from transformers import DynamicCache
-
         input_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
         check_prompt_tensors(input_ids, prompt_mask)
         n, r = params.n, params.max_new_tokens
@@ -134,10 +134,17 @@ class HFRolloutEngine(RolloutEngine):
         # every row are dropped (the attention never reads them; positions come from the mask), so
         # the prefill and every decoding step's attention run over the batch's longest prompt only.
         first = int(prompt_mask.long().argmax(dim=1).min())  # left padding: each row's first token
-        ids = input_ids[:, first:].long().repeat_interleave(n, dim=0).to(self.device)
-        mask = prompt_mask[:, first:].long().repeat_interleave(n, dim=0).to(self.device)
+        ids = input_ids[:, first:].long().to(self.device)
+        mask = prompt_mask[:, first:].long().to(self.device)
+        cache = DynamicCache(config=self.model.config)
+        # The n responses of a prompt share its prefill: each prompt runs once and its KV cache and
+        # last logits are repeated n times after (vLLM's prefix sharing for n > 1). Caches whose
+        # layers hold more than keys and values (linear attention) get the prompts repeated first.
+        share_prefill = n > 1 and all(type(layer) in _REPEATABLE_CACHE_LAYERS for layer in cache.layers)
+        if not share_prefill:
+            ids, mask = ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
         positions = prompt_position_ids(mask)
-        rows = ids.shape[0]
+        rows = ids.shape[0] * (n if share_prefill else 1)
 
         stop_ids = torch.tensor(sorted(set(self.options.eos_token_ids) | set(params.stop_token_ids)), device=self.device)
         generator = self._generator
@@ -150,11 +157,13 @@ class HFRolloutEngine(RolloutEngine):
         finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
         row_budgets = None if budgets is None else torch.as_tensor(list(budgets), device=self.device)
 
-        cache = DynamicCache(config=self.model.config)
         logits = self.model(
             input_ids=ids, attention_mask=mask, position_ids=positions,
             past_key_values=cache, use_cache=True, logits_to_keep=1,
         ).logits[:, -1]
+        if share_prefill:
+            cache.batch_repeat_interleave(n)
+            logits, mask, positions = (t.repeat_interleave(n, dim=0) for t in (logits, mask, positions))
         for step in range(r):
             tokens, step_log_probs = sample_next_tokens(logits, params, generator, self.options.logprobs_mode)
             tokens = tokens.masked_fill(finished, self.options.pad_token_id)

@@ -6,13 +6,15 @@ one unpadded sequence at a time, in float64.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from rollout_helpers import PAD, PROMPTS, argmax_decode, kept_response, prompt_batch, reference_log_softmax, tiny_model
 
 from megarl.errors import DataError
 from megarl.protocol import Batch
-from megarl.rollout import EngineOptions, SamplingParams
+from megarl.rollout import EngineOptions, SamplingParams, hf_engine
 from megarl.rollout.hf_engine import HFRolloutEngine
 
 pytestmark = pytest.mark.unit
@@ -234,3 +236,28 @@ def test_columns_of_padding_only_are_not_computed_and_change_nothing(model: torc
     assert torch.equal(out_wide["rollout_log_probs"], out_tight["rollout_log_probs"])
     assert out_wide["prompts"].shape[1] == tight["input_ids"].shape[1] + extra  # the batch keeps its width
     assert torch.equal(out_wide["prompts"][:, extra:], out_tight["prompts"])
+
+
+def test_the_responses_of_a_prompt_share_its_prefill(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """n responses a prompt: the prefill runs over each prompt once and its KV cache and last logits
+    serve all n; the samples and log-probs are those of a prefill over every prompt repeated n times
+    (the path for caches that cannot be repeated). In float64, so that the two batch shapes' matrix
+    multiplies round alike to far below what a sample could turn on."""
+    wide = copy.deepcopy(model).double()
+    n, params = 4, SamplingParams(n=4, max_new_tokens=R, seed=7)
+    batch_rows: list[int] = []
+    hook = wide.register_forward_pre_hook(lambda module, args, kwargs: batch_rows.append(kwargs["input_ids"].shape[0]),
+                                          with_kwargs=True)
+    try:
+        shared = make_engine(wide).generate(prompt_batch(PROMPTS), params)
+        shared_rows, batch_rows[:] = list(batch_rows), []
+        monkeypatch.setattr(hf_engine, "_REPEATABLE_CACHE_LAYERS", ())
+        repeated = make_engine(wide).generate(prompt_batch(PROMPTS), params)
+    finally:
+        hook.remove()
+    assert shared_rows[0] == len(PROMPTS) and set(shared_rows[1:]) == {n * len(PROMPTS)}
+    assert set(batch_rows) == {n * len(PROMPTS)}
+    assert torch.equal(shared["responses"], repeated["responses"])
+    torch.testing.assert_close(shared["rollout_log_probs"], repeated["rollout_log_probs"], atol=1e-6, rtol=0)
+    # and the n samples of a prompt are not copies of one another
+    assert len({tuple(shared["responses"][row].tolist()) for row in range(n)}) > 1
