@@ -96,6 +96,14 @@ class ModelConfig:
     # quickstart size 1.08 / 1.04 and 0.91 / 0.73; 25M Qwen2 1.35 / 1.33 and 1.27 / 1.24. With
     # use_dynamic_bsz it was slower than dynamic padded micro-batches at both sizes in both runs.
     use_remove_padding: bool = False
+    # Rows of a micro-batch that share a prompt (the n responses of a group) become one sequence:
+    # the prompt, then each response seeing only the prompt and itself, so the prompt's tokens are
+    # computed once (megarl/megatron/shared_prompts.py). Training, log-prob and value passes; not a
+    # reward model's. auto: where it costs fewer multiply-adds than the micro-batch as it is (the
+    # attention becomes a dense masked product over the longer sequence, so long responses keep the
+    # padded layout); always: whenever two rows share a prompt; never. Needs the local layer spec
+    # (not TransformerEngine), no context, pipeline or sequence parallelism: elsewhere auto is never.
+    prompt_sharing: str = "auto"
     # HF config keys set over model.path's config.json (or model.hf_config), e.g. rope_theta; the run
     # builds its model directory from the result, so every role and the rollout see the same config.
     override_config: dict[str, Any] = field(default_factory=dict)

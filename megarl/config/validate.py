@@ -37,6 +37,7 @@ ENUMS: dict[str, set[str]] = {
     "model.dtype": {"fp32", "bf16"},
     "rollout.dtype": {"fp32", "bf16", "fp16", "float32", "bfloat16", "float16"},
     "model.recompute_granularity": {"full", "selective"},
+    "model.prompt_sharing": {"auto", "always", "never"},
     "trainer.resume_mode": {"auto", "disable", "resume_path"},
     "resources.device": {"auto", "cpu", "cuda"},
     "actor.loss_agg_mode": LOSS_AGG_MODES,
@@ -287,6 +288,21 @@ def _check_moe(r: _Rules, cfg: DictConfig) -> None:
     # the experts land in vLLM's fused expert parameters (megarl.hybrid.sync).
 
 
+def _check_prompt_sharing(r: _Rules, cfg: DictConfig) -> None:
+    """model.prompt_sharing: always, in the layouts where the engine cannot share a prompt."""
+    roles = ["actor"] + (["critic"] if critic_enabled(cfg) else []) + (["ref"] if ref_enabled(cfg) else [])
+    for role in roles:
+        par = role_parallel(cfg, role)
+        for name, value in (("context_model_parallel_size", par.context_parallel_size),
+                            ("pipeline_model_parallel_size", par.pipeline_model_parallel_size)):
+            if value > 1:
+                r.err(f"model.prompt_sharing = always: not implemented with {role}.megatron.{name} = {value}; "
+                      "use auto (shares where it can) or never")
+        if par.sequence_parallel:
+            r.err(f"model.prompt_sharing = always: not implemented with {role}.megatron.sequence_parallel; "
+                  "use auto (shares where it can) or never")
+
+
 def _check_batches(r: _Rules, role: str, sec: Any, train_bs: int, n: int, dp: int) -> None:
     mini = sec.ppo_mini_batch_size
     if mini < 1:
@@ -496,6 +512,8 @@ def validate_config(cfg: DictConfig) -> None:
             _check_token_budget(r, "critic", cfg.critic, role_parallel(cfg, "critic"), seq_len)
     if hf and (hf.get("num_local_experts") or hf.get("num_experts")):
         _check_moe(r, cfg)
+    if cfg.model.prompt_sharing == "always":
+        _check_prompt_sharing(r, cfg)
     if ref_enabled(cfg):
         ref_world = pool_size(cfg.resources.ref_pool) if cfg.resources.ref_pool is not None else world
         pool_key = "resources.ref_pool" if cfg.resources.ref_pool is not None else "resources.actor_pool"

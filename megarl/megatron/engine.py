@@ -41,6 +41,7 @@ from megarl.errors import CheckpointError, ConfigError, DataError, EngineStateEr
 from megarl.layout import ParallelLayout
 from megarl.megatron import checkpoint as ckpt
 from megarl.megatron import offload as off
+from megarl.megatron.attention import local_attention_supported
 from megarl.megatron.context_parallel import SequenceShard, cp_alignment
 from megarl.megatron.logprobs import vocab_parallel_logprobs_entropy
 from megarl.megatron.model import build_model_chunk, load_megatron_state, unwrap, wrap_for_training
@@ -56,6 +57,7 @@ from megarl.megatron.packing import (
     unpack,
 )
 from megarl.megatron.parallel import current_ranks
+from megarl.megatron.shared_prompts import SharedPromptRows, prompt_groups, share_prompts, sharing_pays
 from megarl.models.spec import ModelSpec, te_available
 from megarl.models.weight_map import hf_to_megatron_state_dict, read_hf_tensors, stage_entries
 
@@ -134,6 +136,15 @@ class MegatronEngine:
         if self.selects_head_positions:
             self.model.output_layer.register_forward_pre_hook(self._select_head_positions)
         self.last_stage_rank = ps.get_pipeline_model_parallel_last_rank()
+        # Rows with the same prompt computed as one sequence (`shared_prompts`; cfg.prompt_sharing).
+        self.prompt_sharing = self._prompt_sharing_mode()
+        self._rope_positions: torch.Tensor | None = None
+        if self.prompt_sharing != "never":
+            layer = self.model.decoder.layers[0]
+            self._layer_params = sum(p.numel() for p in layer.parameters())
+            self._attention_width = self.model.config.kv_channels * (self.model.config.num_attention_heads
+                                                                     // self.ranks.tp_size)
+            self.model.rotary_pos_emb.register_forward_hook(self._rope_at_positions)
         self.padded_vocab = spec.padded_vocab_size(self.ranks.tp_size)
         self.vocab_start = self.ranks.tp_rank * (self.padded_vocab // self.ranks.tp_size)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -173,6 +184,25 @@ class MegatronEngine:
         load_megatron_state(self.ddp, state, self.role, optional=optional)
         self.optimizer.reload_model_params()
 
+    def _prompt_sharing_mode(self) -> str:
+        """cfg.prompt_sharing where this engine can share prompts; "never" elsewhere ("always"
+        where it cannot is an error)."""
+        mode = self.cfg.prompt_sharing
+        blockers = [why for why, present in (
+            ("TransformerEngine's attention takes no explicit mask", self.use_te),
+            (f"context parallelism (cp={self.ranks.cp_size})", self.ranks.cp_size > 1),
+            (f"pipeline parallelism (pp={self.ranks.pp_size})", self.ranks.pp_size > 1),
+            ("sequence parallelism", self.cfg.sequence_parallel),
+            (f"Megatron's own attention for {local_attention_supported(self.model.config)}",
+             not self.use_te and local_attention_supported(self.model.config) is not None),
+        ) if present]
+        if self.role == "reward":  # its score is read at each row's last token: rows stay whole
+            return "never"
+        if blockers and mode == "always":
+            raise ConfigError(f"engine config: prompt_sharing='always' is not implemented with {blockers[0]}; "
+                              "use 'auto' (shares where it can) or 'never'")
+        return "never" if blockers else mode
+
     def _role_spec(self) -> ModelSpec:
         return self.spec.for_role(self.role)
 
@@ -207,11 +237,35 @@ class MegatronEngine:
             sub = CompactRows(rows.tokens[idx, :width], rows.prompt_lens[idx], rows.total_lens[idx],
                               response_len).to(self.device)
             mb = {"index": idx, "rows": sub, "data": {k: v[idx].to(self.device) for k, v in data.items()}}
-            mb.update(self._packed_inputs(sub) if packing else self._padded_inputs(sub))
+            shared = self._shared_layout(sub)
+            if shared is not None:
+                mb.update(shared=shared, tokens=shared.tokens, positions=shared.positions,
+                          attention_mask=shared.mask, rope_positions=shared.positions)
+            else:
+                mb.update(self._packed_inputs(sub) if packing else self._padded_inputs(sub))
             if self.selects_head_positions:
                 mb["head_positions"] = self._response_positions(mb, response_index(sub)[0], seq_first=True)
             micro.append(mb)
         return micro
+
+    def _shared_layout(self, rows: CompactRows) -> SharedPromptRows | None:
+        """The micro-batch as one sequence per prompt (`shared_prompts`), when cfg.prompt_sharing asks
+        for it here; None keeps the padded or packed layout."""
+        if self.prompt_sharing == "never" or rows.response_len == 0:
+            return None
+        groups = prompt_groups(rows)
+        if len(groups) == len(rows.prompt_lens):
+            return None
+        if self.prompt_sharing == "auto" and not sharing_pays(rows, groups, self._layer_params, self._attention_width):
+            return None
+        return share_prompts(rows, groups)
+
+    def _rope_at_positions(self, module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor | None:
+        """Forward hook of the rotary embedding: Megatron computes it for positions 0..S-1 of every
+        row; a shared-prompt micro-batch gives each token its own row's position, (S, G, 1, dim)."""
+        if self._rope_positions is None:
+            return None
+        return output[:, 0][self._rope_positions.t()]
 
     def _padded_inputs(self, rows: CompactRows) -> dict[str, Any]:
         """Model inputs of a padded micro-batch (b, T), T padded to a multiple of `seq_multiple`;
@@ -288,6 +342,7 @@ class MegatronEngine:
         def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module) -> Any:
             mb = next(data_iterator)
             self._head_positions = mb.get("head_positions")
+            self._rope_positions = mb.get("rope_positions")
             output = model(mb["tokens"], mb["positions"], mb.get("attention_mask"),
                            packed_seq_params=mb.get("packed_seq_params"))
             return output, functools.partial(loss_func, mb)
@@ -312,6 +367,9 @@ class MegatronEngine:
         takes (b, R, ...); with `seq_first`, of a (s, b, ...) tensor it takes (R, b, ...) for padded
         rows and (b*R, 1, ...) for the packed row. Response padding points at some valid position;
         callers mask it."""
+        if "shared" in mb:  # (group, position) of each response token, from `share_prompts`
+            group, position = mb["shared"].head
+            return (position.t(), group.t()) if seq_first else (group, position)
         if "packed" in mb:
             flat = (mb["packed"].offsets.unsqueeze(1) + index).clamp(max=mb["tokens"].shape[1] - 1)
             return (flat.reshape(-1),) if seq_first else (0, flat)
@@ -333,6 +391,10 @@ class MegatronEngine:
                 return unpack(x, mb["packed"], rows.tokens.shape[1])
             return x[:, :rows.tokens.shape[1]]
 
+        if self.role != "policy" and "shared" in mb:  # the value role (no reward role shares prompts)
+            index, valid = response_index(rows)
+            values = output[..., 0].float()[self._response_positions(mb, index)]
+            return {"values": torch.where(valid, values, torch.zeros_like(values))}
         if self.role != "policy":
             values = per_row(output[..., 0].float())
             return {"values": gather_response(values, rows), "per_position": values}
@@ -343,7 +405,7 @@ class MegatronEngine:
                 logits = output.reshape(*positions[-1].shape, output.shape[-1])
             else:
                 logits = output[positions]
-            targets = mb["targets"][positions]
+            targets = mb["shared"].targets if "shared" in mb else mb["targets"][positions]
             lp, ent = vocab_parallel_logprobs_entropy(
                 logits, targets, self.vocab_start, self.spec.vocab_size, temperature, self.tp_group, with_entropy)
             out = {"log_probs": torch.where(valid, lp, torch.zeros_like(lp))}
@@ -480,7 +542,9 @@ class MegatronEngine:
             outputs.pop("per_position", None)
             loss, metrics = loss_fn(outputs, mb["data"], normalisers)
             # Megatron divides each micro-batch loss by the number of micro-batches: undo it.
-            report = {"loss_share": loss.detach().float()}
+            report = {"loss_share": loss.detach().float(),
+                      # rows per sequence the model ran (1: every row alone; > 1: rows shared their prompt)
+                      "rows_per_sequence": torch.tensor(len(mb["index"]) / mb["tokens"].shape[0])}
             report.update({k: torch.as_tensor(v).detach().float() for k, v in metrics.items()})
             return loss * num_micro, report
 

@@ -14,6 +14,7 @@ LR_SCHEDULES = ("constant", "cosine", "linear")
 # Training dtypes (megarl.dtypes names; fp16 is refused in `validate`).
 TRAIN_DTYPES = ("fp32", "bf16")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+PROMPT_SHARING = ("auto", "always", "never")
 
 
 @dataclass
@@ -43,6 +44,11 @@ class EngineConfig:
     # Concatenate the rows of a micro-batch into one row (no padding tokens at all): a
     # block-diagonal causal mask with the local spec, THD cu_seqlens with TransformerEngine.
     use_sequence_packing: bool = False
+    # Rows of a micro-batch that share a prompt become one sequence, the prompt computed once
+    # (`megarl.megatron.shared_prompts`): "auto" when it costs fewer multiply-adds than the padded
+    # micro-batch, "always" whenever a prompt is shared, "never". Local layer spec, no context or
+    # pipeline parallelism, no sequence parallelism; policy and value roles (elsewhere: "never").
+    prompt_sharing: str = "never"
     use_distributed_optimizer: bool = True
     # Megatron sequence parallelism: outside the TP regions (norms, dropout, residuals) activations
     # are split along the sequence over the TP ranks. Needs tensor parallel size > 1.
@@ -66,6 +72,8 @@ class EngineConfig:
             )
         if self.dtype not in TRAIN_DTYPES and ALIASES.get(self.dtype) not in TRAIN_DTYPES:
             raise ConfigError(f"engine config: dtype={self.dtype!r}, valid: {TRAIN_DTYPES}")
+        if self.prompt_sharing not in PROMPT_SHARING:
+            raise ConfigError(f"engine config: prompt_sharing={self.prompt_sharing!r}, valid: {PROMPT_SHARING}")
         if self.micro_batch_size < 1:
             raise ConfigError(f"engine config: micro_batch_size={self.micro_batch_size} must be >= 1")
         if self.log_prob_micro_batch_size < 0:

@@ -18,7 +18,7 @@ sum) is at most max(lengths) - min(lengths) (equal_size) or max(lengths) (otherw
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 import torch
@@ -71,21 +71,44 @@ def seqlen_metrics(per_rank_before: Sequence[int], per_rank_after: Sequence[int]
             "global_seqlen/mean": float(before.mean())}
 
 
-def balance_order(attention_mask: torch.Tensor, dp: int) -> tuple[torch.Tensor, dict[str, float]]:
+def balance_order(attention_mask: torch.Tensor, dp: int,
+                  groups: Sequence[Hashable] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Row order that gives each of `dp` contiguous equal shards about the same number of tokens.
 
     attention_mask: (B, T), 1 on real tokens (prompt + response). Returns (order (B,) int64, metrics):
     `batch[order]` is the balanced batch; shard d is rows d*B/dp .. (d+1)*B/dp - 1 of it.
     B must be a multiple of dp (the dispatch pads otherwise; see `balance_applies`).
+
+    groups: a group id per row (the uid of the prompt a response answers). When every group has the
+    same number of rows and the groups divide evenly over the shards, whole groups are balanced,
+    each group's rows kept together in one shard, next to each other (the engine then computes
+    their shared prompt once: `model.prompt_sharing`); otherwise rows are balanced one by one.
     """
     lengths = attention_mask.sum(dim=1).tolist()
     b = len(lengths)
-    parts = balanced_partition(lengths, dp, equal_size=True)
+    units = _whole_groups(groups, dp) if groups is not None else None
+    if units is None:
+        parts = balanced_partition(lengths, dp, equal_size=True)
+    else:
+        unit_parts = balanced_partition([sum(lengths[i] for i in unit) for unit in units], dp, equal_size=True)
+        parts = [[i for u in part for i in units[u]] for part in unit_parts]
     order = torch.tensor([i for part in parts for i in part], dtype=torch.long)
     shard = b // dp
     before = [sum(lengths[d * shard:(d + 1) * shard]) for d in range(dp)]
     after = [sum(lengths[i] for i in part) for part in parts]
     return order, seqlen_metrics(before, after)
+
+
+def _whole_groups(groups: Sequence[Hashable], dp: int) -> list[list[int]] | None:
+    """Rows by group (in order of first appearance) when the groups are equal in size and their
+    number is a multiple of `dp`; None otherwise."""
+    by_id: dict[Hashable, list[int]] = {}
+    for row, group in enumerate(groups):
+        by_id.setdefault(group, []).append(row)
+    units = list(by_id.values())
+    if len(units) % dp or len({len(u) for u in units}) != 1:
+        return None
+    return units
 
 
 def balance_applies(rows: int, dp: int) -> bool:

@@ -226,7 +226,9 @@ class RLTrainer:
             restore = None
             dp = plan_dispatch(actor.group.rank_coords).dp_size
             if cfg.trainer.balance_batch and balance_applies(len(batch), dp):
-                order, balance_metrics = balance_order(batch["attention_mask"], dp)
+                # With prompt sharing a group's rows stay together (its prompt is then computed once).
+                groups = batch["uid"] if cfg.model.prompt_sharing != "never" and "uid" in batch else None
+                order, balance_metrics = balance_order(batch["attention_mask"], dp, groups)
                 batch, restore = batch[order], torch.argsort(order)
                 metrics.update(balance_metrics)
 

@@ -79,6 +79,7 @@ def _engine_config(cfg: DictConfig, optim: Any, role: str, par: Any, total_steps
         use_dynamic_bsz=bool(use_dynamic_bsz),
         max_token_len_per_micro_batch=int(max_tokens),
         use_sequence_packing=bool(model.use_remove_padding),
+        prompt_sharing=str(model.prompt_sharing),
         use_distributed_optimizer=bool(optim.use_distributed_optimizer),
         sequence_parallel=bool(par.sequence_parallel),
         recompute_granularity=str(model.recompute_granularity) if model.enable_gradient_checkpointing else None,

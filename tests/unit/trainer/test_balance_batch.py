@@ -101,3 +101,25 @@ def test_packed_micro_batches_balanced_and_fewer() -> None:
         assert sorted(i for p in plans for i in p.tolist()) == list(range(len(lens)))
         assert all(int(lens[p].sum()) <= budget for p in plans)
         assert len(plans) >= -(-int(lens.sum()) // budget)
+
+
+def test_balance_order_keeps_groups_whole_when_they_divide_evenly() -> None:
+    # 4 groups of 2 rows (uids a b c d, rows interleaved): group tokens a=3+3 b=9+9 c=4+4 d=7+7.
+    # Whole groups: {b, a} 24 and {c, d} 22 (the best split of 18, 14, 8, 6 into pairs).
+    uids = ["a", "b", "a", "c", "b", "d", "c", "d"]
+    lens = [3, 9, 3, 4, 9, 7, 4, 7]
+    mask = torch.zeros(8, 10, dtype=torch.long)
+    for row, n in enumerate(lens):
+        mask[row, 10 - n:] = 1
+    order, metrics = balance_order(mask, 2, uids)
+    shards = [order[:4].tolist(), order[4:].tolist()]
+    for shard in shards:  # each shard: two whole groups, each group's rows next to each other
+        ids = [uids[i] for i in shard]
+        assert ids[0] == ids[1] and ids[2] == ids[3] and ids[0] != ids[2]
+    assert sorted(sum(lens[i] for i in shard) for shard in shards) == [22, 24]
+    assert metrics["global_seqlen/balanced_max"] == 24.0
+    # row by row the same rows balance better (23 | 23), and unequal groups or a number of groups
+    # that does not divide over the shards fall back to it
+    assert balance_order(mask, 2)[1]["global_seqlen/balanced_max"] == 23.0
+    assert balance_order(mask, 2, ["a", "a", "a", "c", "b", "d", "c", "d"])[1]["global_seqlen/balanced_max"] == 23.0
+    assert balance_order(mask[:6], 3, uids[:6])[1] == balance_order(mask[:6], 3)[1]
