@@ -71,6 +71,10 @@ def seqlen_metrics(per_rank_before: Sequence[int], per_rank_after: Sequence[int]
             "global_seqlen/mean": float(before.mean())}
 
 
+# How much larger the largest shard may get when whole groups are balanced instead of single rows.
+GROUP_BALANCE_SLACK = 0.05
+
+
 def balance_order(attention_mask: torch.Tensor, dp: int,
                   groups: Sequence[Hashable] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Row order that gives each of `dp` contiguous equal shards about the same number of tokens.
@@ -82,21 +86,28 @@ def balance_order(attention_mask: torch.Tensor, dp: int,
     groups: a group id per row (the uid of the prompt a response answers). When every group has the
     same number of rows and the groups divide evenly over the shards, whole groups are balanced,
     each group's rows kept together in one shard, next to each other (the engine then computes
-    their shared prompt once: `model.prompt_sharing`); otherwise rows are balanced one by one.
+    their shared prompt once: `model.prompt_sharing`), unless that leaves the largest shard more
+    than `GROUP_BALANCE_SLACK` above the largest of a row-by-row balance; otherwise rows are
+    balanced one by one.
     """
     lengths = attention_mask.sum(dim=1).tolist()
     b = len(lengths)
+    parts = balanced_partition(lengths, dp, equal_size=True)
     units = _whole_groups(groups, dp) if groups is not None else None
-    if units is None:
-        parts = balanced_partition(lengths, dp, equal_size=True)
-    else:
+    if units is not None:
         unit_parts = balanced_partition([sum(lengths[i] for i in unit) for unit in units], dp, equal_size=True)
-        parts = [[i for u in part for i in units[u]] for part in unit_parts]
+        whole = [[i for u in part for i in units[u]] for part in unit_parts]
+        if _largest(whole, lengths) <= (1 + GROUP_BALANCE_SLACK) * _largest(parts, lengths):
+            parts = whole
     order = torch.tensor([i for part in parts for i in part], dtype=torch.long)
     shard = b // dp
     before = [sum(lengths[d * shard:(d + 1) * shard]) for d in range(dp)]
     after = [sum(lengths[i] for i in part) for part in parts]
     return order, seqlen_metrics(before, after)
+
+
+def _largest(parts: list[list[int]], lengths: Sequence[int]) -> int:
+    return max(sum(lengths[i] for i in part) for part in parts)
 
 
 def _whole_groups(groups: Sequence[Hashable], dp: int) -> list[list[int]] | None:
