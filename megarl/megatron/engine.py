@@ -187,17 +187,17 @@ class MegatronEngine:
     def _prompt_sharing_mode(self) -> str:
         """cfg.prompt_sharing where this engine can share prompts; "never" elsewhere ("always"
         where it cannot is an error)."""
+        if self.role == "reward":  # its score is read at each row's last token: rows stay whole
+            return "never"
         mode = self.cfg.prompt_sharing
+        own_attention = None if self.use_te else local_attention_supported(self.model.config)
         blockers = [why for why, present in (
             ("TransformerEngine's attention takes no explicit mask", self.use_te),
             (f"context parallelism (cp={self.ranks.cp_size})", self.ranks.cp_size > 1),
             (f"pipeline parallelism (pp={self.ranks.pp_size})", self.ranks.pp_size > 1),
             ("sequence parallelism", self.cfg.sequence_parallel),
-            (f"Megatron's own attention for {local_attention_supported(self.model.config)}",
-             not self.use_te and local_attention_supported(self.model.config) is not None),
+            (f"Megatron's own attention for {own_attention}", own_attention is not None),
         ) if present]
-        if self.role == "reward":  # its score is read at each row's last token: rows stay whole
-            return "never"
         if blockers and mode == "always":
             raise ConfigError(f"engine config: prompt_sharing='always' is not implemented with {blockers[0]}; "
                               "use 'auto' (shares where it can) or 'never'")
@@ -240,7 +240,7 @@ class MegatronEngine:
             shared = self._shared_layout(sub)
             if shared is not None:
                 mb.update(shared=shared, tokens=shared.tokens, positions=shared.positions,
-                          attention_mask=shared.mask, rope_positions=shared.positions)
+                          attention_mask=shared.mask)
             else:
                 mb.update(self._packed_inputs(sub) if packing else self._padded_inputs(sub))
             if self.selects_head_positions:
@@ -342,7 +342,7 @@ class MegatronEngine:
         def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module) -> Any:
             mb = next(data_iterator)
             self._head_positions = mb.get("head_positions")
-            self._rope_positions = mb.get("rope_positions")
+            self._rope_positions = mb["positions"] if "shared" in mb else None
             output = model(mb["tokens"], mb["positions"], mb.get("attention_mask"),
                            packed_seq_params=mb.get("packed_seq_params"))
             return output, functools.partial(loss_func, mb)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.megatron.packing import CompactRows
+from megarl.megatron.packing import CompactRows, response_index
 
 PROMPT = -1  # owner of a prompt position (a response position holds its row's index)
 PADDING = -2
@@ -39,7 +39,7 @@ class SharedPromptRows:
     row. mask: (G, 1, S, S) bool, True = not visible (Megatron's convention). head: (group (b, R),
     position (b, R)) of the output that predicts response token t of row i; response padding points
     at the prompt's last position (callers mask it). targets: (b, R) the response tokens (0 on
-    padding). rows_per_group: how many rows each sequence serves.
+    padding).
     """
 
     tokens: torch.Tensor
@@ -47,7 +47,6 @@ class SharedPromptRows:
     mask: torch.Tensor
     head: tuple[torch.Tensor, torch.Tensor]
     targets: torch.Tensor
-    rows_per_group: list[int]
 
 
 def prompt_groups(rows: CompactRows) -> list[list[int]]:
@@ -58,13 +57,19 @@ def prompt_groups(rows: CompactRows) -> list[list[int]]:
     return list(groups.values())
 
 
+def sequence_lengths(rows: CompactRows, groups: list[list[int]]) -> list[int]:
+    """Length of each group's shared sequence: its prompt, then every member's response."""
+    prompt_lens = rows.prompt_lens.tolist()
+    response_lens = (rows.total_lens - rows.prompt_lens).tolist()
+    return [prompt_lens[g[0]] + sum(response_lens[i] for i in g) for g in groups]
+
+
 def share_prompts(rows: CompactRows, groups: list[list[int]]) -> SharedPromptRows:
     """The shared layout of `rows` for `groups` (`prompt_groups`)."""
     device = rows.tokens.device
     prompt_lens = rows.prompt_lens.tolist()
     response_lens = (rows.total_lens - rows.prompt_lens).tolist()
-    lengths = [prompt_lens[g[0]] + sum(response_lens[i] for i in g) for g in groups]
-    b, r, s = len(prompt_lens), rows.response_len, max(lengths)
+    b, r, s = len(prompt_lens), rows.response_len, max(sequence_lengths(rows, groups))
     tokens = torch.zeros((len(groups), s), dtype=torch.long)
     positions = torch.zeros((len(groups), s), dtype=torch.long)
     owner = torch.full((len(groups), s), PADDING, dtype=torch.long)
@@ -87,18 +92,16 @@ def share_prompts(rows: CompactRows, groups: list[list[int]]) -> SharedPromptRow
             head_pos[i] = p - 1
             head_pos[i, 1:n] = torch.arange(start, start + n - 1)
             start += n
-    t = torch.arange(r).unsqueeze(0)
-    response_lens_t = torch.as_tensor(response_lens).unsqueeze(1)
-    index = (rows.prompt_lens.cpu().unsqueeze(1) + t).clamp(max=cpu_tokens.shape[1] - 1)
-    targets = torch.where(t < response_lens_t, cpu_tokens.gather(1, index), torch.zeros_like(index))
+    index, valid = response_index(rows)  # the position predicting token t; the token is one further on
+    next_index = (index + 1).clamp(max=rows.tokens.shape[1] - 1)
+    targets = torch.where(valid, rows.tokens.gather(1, next_index), torch.zeros_like(next_index))
     query, key = owner.unsqueeze(2), owner.unsqueeze(1)
     causal = torch.ones((s, s), dtype=torch.bool).tril()
     visible = causal & (((key == PROMPT) & (query != PADDING)) | (key == query)) & (key != PADDING)
     visible |= torch.eye(s, dtype=torch.bool)  # padding sees itself: every query sees a key
     return SharedPromptRows(
         tokens=tokens.to(device), positions=positions.to(device), mask=(~visible).unsqueeze(1).to(device),
-        head=(head_group.to(device), head_pos.to(device)), targets=targets.to(device),
-        rows_per_group=[len(g) for g in groups],
+        head=(head_group.to(device), head_pos.to(device)), targets=targets,
     )
 
 
@@ -113,9 +116,7 @@ def sharing_pays(rows: CompactRows, groups: list[list[int]], layer_params: int, 
     if len(groups) == len(rows.prompt_lens):
         return False  # no prompt is shared
     b, width = rows.tokens.shape
-    prompt_lens = rows.prompt_lens.tolist()
-    response_lens = (rows.total_lens - rows.prompt_lens).tolist()
-    s = max(prompt_lens[g[0]] + sum(response_lens[i] for i in g) for g in groups)
+    s = max(sequence_lengths(rows, groups))
     padded = b * width * layer_params + b * width * width * attention_width
     shared = len(groups) * s * layer_params + 2 * len(groups) * s * s * attention_width
     return shared < padded

@@ -97,17 +97,17 @@ def balance_order(attention_mask: torch.Tensor, dp: int,
     if units is not None:
         unit_parts = balanced_partition([sum(lengths[i] for i in unit) for unit in units], dp, equal_size=True)
         whole = [[i for u in part for i in units[u]] for part in unit_parts]
-        if _largest(whole, lengths) <= (1 + GROUP_BALANCE_SLACK) * _largest(parts, lengths):
+        if max(_part_sums(whole, lengths)) <= (1 + GROUP_BALANCE_SLACK) * max(_part_sums(parts, lengths)):
             parts = whole
     order = torch.tensor([i for part in parts for i in part], dtype=torch.long)
     shard = b // dp
     before = [sum(lengths[d * shard:(d + 1) * shard]) for d in range(dp)]
-    after = [sum(lengths[i] for i in part) for part in parts]
+    after = _part_sums(parts, lengths)
     return order, seqlen_metrics(before, after)
 
 
-def _largest(parts: list[list[int]], lengths: Sequence[int]) -> int:
-    return max(sum(lengths[i] for i in part) for part in parts)
+def _part_sums(parts: list[list[int]], lengths: Sequence[int]) -> list[int]:
+    return [sum(lengths[i] for i in part) for part in parts]
 
 
 def _whole_groups(groups: Sequence[Hashable], dp: int) -> list[list[int]] | None:

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 # state of each sequence (`HFRolloutEngine._decode` shares a prompt's prefill among its responses).
 _REPEATABLE_CACHE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
+
 class HFRolloutEngine(RolloutEngine):
     """Generates with a ``transformers`` causal LM held in this process.
 
@@ -144,7 +145,7 @@ class HFRolloutEngine(RolloutEngine):
         if not share_prefill:
             ids, mask = ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
         positions = prompt_position_ids(mask)
-        rows = ids.shape[0] * (n if share_prefill else 1)
+        rows = input_ids.shape[0] * n
 
         stop_ids = torch.tensor(sorted(set(self.options.eos_token_ids) | set(params.stop_token_ids)), device=self.device)
         generator = self._generator

@@ -125,6 +125,14 @@ def save_hf_model(model: torch.nn.Module) -> str:
     return path
 
 
+def hf_weight_names(hf_dir: str) -> list[str]:
+    """The tensor names of a directory written by `save_hf_model`."""
+    from safetensors import safe_open
+
+    with safe_open(f"{hf_dir}/model.safetensors", framework="pt") as f:
+        return list(f.keys())
+
+
 def make_batch(seed: int, batch: int = 4, prompt_len: int = 6, response_len: int = 5) -> dict[str, torch.Tensor]:
     """Left-padded prompts and right-padded responses of varied lengths (verl's columns)."""
     g = torch.Generator().manual_seed(seed)

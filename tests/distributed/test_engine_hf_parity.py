@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _launch import run_distributed
-from engine_helpers import hf_logprobs, make_batch, make_hf_model, save_hf_model
+from engine_helpers import hf_logprobs, hf_weight_names, make_batch, make_hf_model, save_hf_model
 
 pytestmark = pytest.mark.distributed
 
@@ -77,7 +77,7 @@ def _values_and_scores(rank: int, world: int, port: int, hf_dir: str, head: torc
     out = {}
     for role in ("value", "reward"):
         engine = _engine(hf_dir, {"micro_batch_size": 3, "role": role})
-        hf_sd = read_hf_tensors(hf_dir, [n for n in _hf_names(hf_dir) if n != "lm_head.weight"])
+        hf_sd = read_hf_tensors(hf_dir, [n for n in hf_weight_names(hf_dir) if n != "lm_head.weight"])
         engine.load_hf_state_dict({**hf_sd, "score.weight": head})
         out[role] = engine.compute_values(batch) if role == "value" else engine.compute_rm_score(batch)
     critic = _engine(hf_dir, {"micro_batch_size": 2, "role": "value", "lr": 3e-3})
@@ -91,12 +91,6 @@ def _values_and_scores(rank: int, world: int, port: int, hf_dir: str, head: torc
     out["critic_losses"] = losses
     return out
 
-
-def _hf_names(hf_dir: str) -> list[str]:
-    from safetensors import safe_open
-
-    with safe_open(f"{hf_dir}/model.safetensors", framework="pt") as f:
-        return list(f.keys())
 
 
 def test_values_and_reward_scores_equal_hf_hidden_states_times_head() -> None:

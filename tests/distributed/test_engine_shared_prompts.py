@@ -3,8 +3,8 @@ sequence give the log-probs, entropy, values and gradient of HF transformers run
 alone (float64), and the model sees one sequence per prompt.
 
 The batch holds groups of rows with one prompt and different responses of varied lengths (GRPO's
-layout), a row whose prompt is a prefix of another group's prompt (a different prompt: it must not
-share), and micro-batches that cut a group in two.
+layout), a prompt that is another group's prompt without its first tokens (a different prompt: it
+must not share), and micro-batches that cut a group in two.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 
 from _launch import run_distributed
 from engine_helpers import (
-    GRAD_RTOL, VOCAB, gather_hf_grads, hf_logprobs, make_hf_model, pg_loss_fn, reference_gradients,
-    relative_error, save_hf_model,
+    GRAD_RTOL, VOCAB, gather_hf_grads, hf_logprobs, hf_weight_names, make_hf_model, pg_loss_fn,
+    reference_gradients, relative_error, save_hf_model,
 )
 
 pytestmark = pytest.mark.distributed
@@ -77,17 +77,10 @@ def _shared_passes(rank: int, world: int, port: int, hf_dir: str, batch: dict, h
         engine.train_step(batch, pg_loss_fn, mini_batch_size=len(batch["responses"]), calculate_entropy=True)
         out[mode]["grads"] = gather_hf_grads(engine)
     critic = _engine(hf_dir, micro_batch_size=4, log_prob_micro_batch_size=4, prompt_sharing="always", role="value")
-    weights = read_hf_tensors(hf_dir, [n for n in _hf_names(hf_dir) if n != "lm_head.weight"])
+    weights = read_hf_tensors(hf_dir, [n for n in hf_weight_names(hf_dir) if n != "lm_head.weight"])
     critic.load_hf_state_dict({**weights, "score.weight": head})
     out["values"] = critic.compute_values(batch)
     return out
-
-
-def _hf_names(hf_dir: str) -> list[str]:
-    from safetensors import safe_open
-
-    with safe_open(f"{hf_dir}/model.safetensors", framework="pt") as f:
-        return list(f.keys())
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])

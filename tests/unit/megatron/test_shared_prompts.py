@@ -44,7 +44,6 @@ def test_layout_of_two_rows_sharing_a_prompt_and_one_alone() -> None:
     assert group[2].tolist()[0] == 0 and position[2].tolist()[0] == 1
     assert group[1].tolist() == [1, 1, 1] and position[1].tolist() == [0, 1, 2]
     assert shared.targets.tolist() == [[7, 8, 0], [9, 9, 9], [4, 0, 0]]
-    assert shared.rows_per_group == [2, 1]
 
 
 def test_sharing_pays_for_short_responses_not_for_long_ones() -> None:
