@@ -11,6 +11,8 @@ valid (unpadded) tokens. Runs in this process as a world of 1 (gloo without CUDA
     python benchmarks/engine.py --hidden 512 --layers 8 --batch 64
     python benchmarks/engine.py --family qwen3_moe --out benchmarks/results/engine_moe.json
     python benchmarks/engine.py --profile DIR        # also: where each side's time goes (torch.profiler)
+    python benchmarks/engine.py --group-size 8       # GRPO's layout: 8 rows per prompt; adds a third
+                                                     # engine with prompt_sharing=always ("engine_shared")
 
 Prints a table and writes JSON to --out (default benchmarks/results/engine.json).
 """
@@ -86,13 +88,20 @@ def _profile(fns: dict[str, Callable[[], Any]], out_dir: str, top: int = 25) -> 
     return summary
 
 
-def make_batch(batch: int, prompt_len: int, response_len: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+def make_batch(batch: int, prompt_len: int, response_len: int, vocab: int, seed: int,
+               group_size: int = 1) -> dict[str, torch.Tensor]:
+    """Left-padded prompts, right-padded responses of varied length; each run of `group_size` rows
+    shares one prompt (GRPO's n samples per prompt)."""
     g = torch.Generator().manual_seed(seed)
     mask = torch.ones(batch, prompt_len + response_len, dtype=torch.long)
     for i in range(batch):
-        mask[i, : int(torch.randint(0, prompt_len // 2, (1,), generator=g))] = 0
+        if i % group_size == 0:
+            pad = int(torch.randint(0, prompt_len // 2, (1,), generator=g))
+        mask[i, :pad] = 0
         mask[i, prompt_len + int(torch.randint(response_len // 2, response_len + 1, (1,), generator=g)):] = 0
-    ids = torch.randint(0, vocab, (batch, prompt_len + response_len), generator=g) * mask
+    ids = torch.randint(0, vocab, (batch, prompt_len + response_len), generator=g)
+    ids[:, :prompt_len] = ids[::group_size, :prompt_len].repeat_interleave(group_size, 0)
+    ids = ids * mask
     return {
         "input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
         "responses": ids[:, prompt_len:], "response_mask": mask[:, prompt_len:].float(),
@@ -129,6 +138,8 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--group-size", type=int, default=1,
+                        help="rows per prompt; above 1 a third engine shares each prompt (prompt_sharing=always)")
     # One intra-op thread by default: on a shared machine, OpenMP threads that wait on descheduled
     # siblings slow the many small kernels of both sides unevenly.
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -172,7 +183,10 @@ def main() -> None:
     hf.save_pretrained(hf_dir)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     hf = hf.to(device)
-    batch = make_batch(args.batch, args.prompt_len, args.response_len, args.vocab, seed=1)
+    if args.group_size < 1 or args.batch % args.group_size:
+        parser.error(f"--group-size {args.group_size} must be >= 1 and divide --batch {args.batch}")
+    batch = make_batch(args.batch, args.prompt_len, args.response_len, args.vocab, seed=1,
+                       group_size=args.group_size)
     dev_batch = {k: v.to(device) for k, v in batch.items()}
     tokens = int(batch["attention_mask"].sum())
     params = sum(p.numel() for p in hf.parameters())
@@ -181,14 +195,17 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     layout = init_distributed(0, 1, "127.0.0.1", port, ParallelLayout())
-    def build(packed: bool) -> MegatronEngine:
+    def build(packed: bool, sharing: str = "never") -> MegatronEngine:
         eng = MegatronEngine(ModelSpec.from_hf_config(hf_dir), layout, EngineConfig(
             micro_batch_size=args.micro_batch_size, dtype=args.dtype, lr=1e-5, clip_grad=1.0,
-            use_sequence_packing=packed))
+            use_sequence_packing=packed, prompt_sharing=sharing), use_te=False if sharing != "never" else None)
         eng.load_hf_weights(hf_dir)
         return eng
 
     engine, packed_engine = build(False), build(True)
+    engines = {"engine": engine, "engine_packed": packed_engine}
+    if args.group_size > 1:  # the local layer spec: TransformerEngine's attention takes no mask
+        engines["engine_shared"] = build(False, "always")
     rss_after_build = _peak_rss_mib()
 
     results: dict[str, Any] = {}
@@ -201,9 +218,8 @@ def main() -> None:
 
     ref = hf_forward()
     results["log_prob_max_abs_diff"] = max(
-        float((e.compute_log_prob(batch)["log_probs"] - ref)[mask].abs().max()) for e in (engine, packed_engine))
-    t = _timed_interleaved({"engine": lambda: engine.compute_log_prob(batch),
-                            "engine_packed": lambda: packed_engine.compute_log_prob(batch),
+        float((e.compute_log_prob(batch)["log_probs"] - ref)[mask].abs().max()) for e in engines.values())
+    t = _timed_interleaved({**{name: (lambda e=e: e.compute_log_prob(batch)) for name, e in engines.items()},
                             "hf": hf_forward}, args.repeats)
     results["log_prob_tokens_per_s"] = {k: tokens / v for k, v in t.items()}
     rss_after_logprob = _peak_rss_mib()
@@ -220,9 +236,8 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         opt.step()
 
-    t = _timed_interleaved({"engine": lambda: engine.train_step(batch, pg_loss, mini_batch_size=args.batch),
-                            "engine_packed": lambda: packed_engine.train_step(batch, pg_loss, mini_batch_size=args.batch),
-                            "hf": hf_train}, args.repeats)
+    t = _timed_interleaved({**{name: (lambda e=e: e.train_step(batch, pg_loss, mini_batch_size=args.batch))
+                               for name, e in engines.items()}, "hf": hf_train}, args.repeats)
     results["train_step_tokens_per_s"] = {k: tokens / v for k, v in t.items()}
     if args.profile:
         results["profile"] = _profile({
@@ -253,6 +268,9 @@ def main() -> None:
     for name, row in (("log-prob tokens/s", lp), ("train-step tokens/s", tr)):
         print(f"{name:24s}{row['engine']:12.0f}{row['engine_packed']:12.0f}{row['hf']:12.0f}"
               f"{row['engine'] / row['hf']:12.2f}{row['engine_packed'] / row['hf']:12.2f}")
+    if "engine_shared" in lp:
+        print(f"shared prompts (groups of {args.group_size}): log-prob {lp['engine_shared'] / lp['engine']:.2f}x, "
+              f"train step {tr['engine_shared'] / tr['engine']:.2f}x the padded engine")
     print(f"log-prob max |engine - HF| = {results['log_prob_max_abs_diff']:.2e}; "
           f"offload+onload {results['offload_onload_s'] * 1e3:.1f} ms (again {cycles[1] * 1e3:.1f} ms); peak RSS {results['peak_rss_mib']['after_train']:.0f} MiB")
 

@@ -6,6 +6,9 @@
 - Rollout tokens/s, vLLM against the HF engine: benchmarks/rollout.py with bf16 and larger batches.
 - Weight sync: benchmarks/reshard.py at its largest size (100M parameters). The 0.5B-1.5B sizes of
   the issue need a size entry there; until then the 100M figure is the largest measured.
+- Prompt sharing: benchmarks/engine.py on the same model with GRPO's layout (4 prompts x 8 responses,
+  512-token prompts, 128-token responses): log-prob and train-step tokens/s with
+  prompt_sharing=always ("engine_shared") against the padded engine, in one run.
 
     python benchmarks/gpu.py [--out benchmarks/results/sections/gpu.json]
 """
@@ -41,6 +44,9 @@ PEAK_BF16_FLOPS: dict[str, float] = {
 ENGINE_0_5B = ["--hidden", "896", "--layers", "24", "--heads", "14", "--kv-heads", "2", "--vocab", "151936",
                "--batch", "32", "--prompt-len", "256", "--response-len", "256", "--micro-batch-size", "8",
                "--dtype", "bf16", "--repeats", "3"]
+ENGINE_SHARED_0_5B = [*ENGINE_0_5B[:ENGINE_0_5B.index("--batch")], "--batch", "32", "--prompt-len", "512",
+                      "--response-len", "128", "--micro-batch-size", "8", "--dtype", "bf16", "--repeats", "3",
+                      "--group-size", "8"]
 ROLLOUT_ARGS = ["--num-prompts", "64", "--n", "8", "--max-new-tokens", "256", "--dtype", "bfloat16", "--repeats", "3"]
 
 
@@ -96,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     result["rollout"] = _run_json([py, str(bench / "rollout.py"), *ROLLOUT_ARGS], parts_dir / "rollout.json", args.timeout)
     result["sync"] = _run_json([py, str(bench / "reshard.py"), "--sizes", "100M", "--repeats", "3"],
                                parts_dir / "reshard.json", args.timeout)
+    shared = _run_json([py, str(bench / "engine.py"), *ENGINE_SHARED_0_5B], parts_dir / "engine_shared.json",
+                       args.timeout)
+    if shared["status"] == "ok":
+        r = shared["result"]
+        shared["speedup"] = {phase: r[key]["engine_shared"] / r[key]["engine"] for phase, key in
+                             (("log_prob", "log_prob_tokens_per_s"), ("train_step", "train_step_tokens_per_s"))}
+    result["prompt_sharing"] = shared
     result["load_average_end"] = load_average()
     write_json(args.out, result)
     print(json.dumps({k: v.get("status") for k, v in result.items() if isinstance(v, dict) and "status" in v}))

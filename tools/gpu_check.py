@@ -56,7 +56,7 @@ LOGPROB_DIFF_MAX = "training/rollout_logprob_abs_diff_max"  # max |rollout - tra
 # The step's peak allocated device memory over the larger of its training-phase and rollout-phase
 # peaks (megarl.tracking.memory.colocated_peak_ratio); logged with CUDA only.
 PEAK_RATIO, PEAK_RATIO_MAX = "perf/colocated_peak_ratio", 1.1
-BENCH_PARTS = ("train_step", "rollout", "sync")
+BENCH_PARTS = ("train_step", "rollout", "sync", "prompt_sharing")
 
 
 def _fail(lines: Iterable[str]) -> int:

@@ -232,7 +232,7 @@ step_train() {
 
 # shellcheck disable=SC2329 # run by run_step
 step_bench() {
-    "${python_abs}" "${src}/benchmarks/gpu.py" --out "${out}/bench/gpu.json" --timeout 100 || return 1
+    "${python_abs}" "${src}/benchmarks/gpu.py" --out "${out}/bench/gpu.json" --timeout 150 || return 1
     # shellcheck disable=SC2086 # cuda_flag is empty or one word
     "${python_abs}" "${check}" bench-result "${out}/bench/gpu.json" ${cuda_flag}
 }

@@ -103,6 +103,10 @@ def test_gpu_section_assembles_mfu_with_a_device(tmp_path: Path, monkeypatch: py
 
     def fake_run_json(cmd: list[str], out: Path, timeout_s: float) -> dict:
         calls.append(Path(cmd[1]).name)
+        if cmd[1].endswith("engine.py") and "--group-size" in cmd:
+            return {"status": "ok", "result": {
+                "log_prob_tokens_per_s": {"engine": 30_000.0, "engine_shared": 60_000.0},
+                "train_step_tokens_per_s": {"engine": 20_000.0, "engine_shared": 50_000.0}}}
         if cmd[1].endswith("engine.py"):
             return {"status": "ok", "result": {"params": 494_000_000,
                                                "train_step_tokens_per_s": {"engine": 20_000.0, "hf": 10_000.0}}}
@@ -112,7 +116,8 @@ def test_gpu_section_assembles_mfu_with_a_device(tmp_path: Path, monkeypatch: py
     out = tmp_path / "gpu.json"
     assert gpu.main(["--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert calls == ["engine.py", "rollout.py", "reshard.py"]
+    assert calls == ["engine.py", "rollout.py", "reshard.py", "engine.py"]
+    assert result["prompt_sharing"]["speedup"] == {"log_prob": 2.0, "train_step": 2.5}
     assert result["peak_bf16_flops"] == 989e12
     assert result["train_step"]["mfu_train_step"] == pytest.approx(6 * 494e6 * 20_000 / 989e12)
     assert result["train_step"]["mfu_train_step_hf"] == pytest.approx(6 * 494e6 * 10_000 / 989e12)
@@ -182,7 +187,7 @@ def test_metrics_are_read_from_the_jsonl_format(tmp_path: Path):
 
 def test_bench_verdict_names_a_failed_part():
     result = {"device": "x", "train_step": {"status": "ok"}, "rollout": {"status": "failed", "error": "vllm"},
-              "sync": {"status": "timeout"}}
+              "sync": {"status": "timeout"}, "prompt_sharing": {"status": "ok"}}
     problems = gpu_check.bench_problems(result, cuda=True)
     assert [p.split(":")[0] for p in problems] == ["rollout", "sync"]
 
