@@ -120,6 +120,11 @@ def build_model_chunk(spec: ModelSpec, role: str, params_dtype: torch.dtype, tp:
     )
     if scalar and post:
         model.output_layer = ScalarHead(config.hidden_size, params_dtype, config.sequence_parallel)
+    if torch.cuda.is_available():
+        # Megatron creates its own layers on the current device, but the local spec's torch norms and
+        # the scalar head start in host memory (Megatron's get_model moves the whole model the same
+        # way). The distributed optimizer's parameter buffer used to hide this; plain DDP does not.
+        model.cuda(torch.cuda.current_device())
     return model
 
 

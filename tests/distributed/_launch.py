@@ -6,7 +6,7 @@ The processes are forked from a fork server that imported torch, Megatron-Core a
 once for the whole test run: a spawned process spent 3-6 s of CPU on those imports on a 2-core
 machine, and the distributed tier starts about 75 worlds of 2-4 processes (13.5 min in all there
 when spawned, 2.6 min forked). The fork server forks before any process group, thread pool or model
-exists, and each child still sets up everything of its own.
+exists, and each child still sets up everything of its own. With CUDA the ranks are spawned.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import socket
 import traceback
 from typing import Any, Callable
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -27,10 +28,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-# Imported once in the fork server (the engine brings torch, torch.distributed and Megatron-Core);
-# a module that fails to import there is imported by the child.
-_CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["megarl.megatron.engine", "transformers"])
+if torch.cuda.is_available():
+    # The preloaded imports initialise CUDA in the fork server, and a process forked after that
+    # cannot use CUDA: GPU tests spawn each rank instead.
+    _CONTEXT = mp.get_context("spawn")
+else:
+    # Imported once in the fork server (the engine brings torch, torch.distributed and Megatron-Core);
+    # a module that fails to import there is imported by the child.
+    _CONTEXT = mp.get_context("forkserver")
+    _CONTEXT.set_forkserver_preload(["megarl.megatron.engine", "transformers"])
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, results: Any) -> None:
