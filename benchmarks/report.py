@@ -299,6 +299,14 @@ def _gpu(result: dict[str, Any]) -> list[str]:
     sync = result.get("sync", {})
     rows.append(["weight sync", component_headline("reshard", sync["result"]) if sync.get("status") == "ok"
                  else sync.get("status", "-")])
+    shared = result.get("prompt_sharing", {})
+    if shared.get("status") == "ok":  # benchmarks/engine.py --group-size 8 (GRPO's layout)
+        r = shared["result"]
+        tps = r["log_prob_tokens_per_s"], r["train_step_tokens_per_s"]
+        rows.append(["prompt sharing (0.5B, bf16, 4 prompts x 8 responses, 512+128 tokens): log-prob / "
+                     "train-step tokens/s, shared vs padded engine",
+                     f"{fmt(tps[0]['engine_shared'])} vs {fmt(tps[0]['engine'])} ({fmt(shared['speedup']['log_prob'])}x) / "
+                     f"{fmt(tps[1]['engine_shared'])} vs {fmt(tps[1]['engine'])} ({fmt(shared['speedup']['train_step'])}x)"])
     for variant in result.get("core_attention", []):  # benchmarks/engine.py --core-attention, one call
         tps = variant["log_prob_tokens_per_s"], variant["train_step_tokens_per_s"]
         rows.append([f"core attention {variant['name']}: log-prob / train-step tokens/s, engine (packed)",
