@@ -14,7 +14,11 @@ processes x 1 thread at data-parallel size 2; TRL: 1 process x 2 threads). Two s
   every time (megarl `rollout.ignore_eos`, TRL `min_new_tokens`: the two sample differently from the
   same model, and at equal lengths their throughputs compare), lr 1e-5.
 
-    python benchmarks/e2e.py [--size quickstart|25m] [--steps N] [--quick] [--out PATH]
+    python benchmarks/e2e.py [--size quickstart|25m] [--steps N] [--rounds R] [--quick] [--out PATH]
+
+`--rounds R` runs the pair R times in turn (megarl, TRL, megarl, TRL, ...), so that a slow spell of
+a shared machine falls on both sides, and reports each round's ratios and their median and range
+(`rounds` in the JSON); the detailed sections (phases, MFU, the plot) are the first round's.
 
 Step 1 is left out of the time averages. Generated tokens/s and training tokens/s are per step
 wall time (response tokens, and prompt + response tokens, over the step's seconds). Useful-token
@@ -265,11 +269,33 @@ def compare(megarl: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def round_ratios(megarl: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
+    """The headline numbers of one megarl/TRL pair."""
+    return {"megarl_step_s": megarl["summary"]["step_s_mean"], "trl_step_s": trl["summary"]["step_s_mean"],
+            **{k: v for k, v in compare(megarl, trl).items() if k in ("step_time", "generated_tokens_per_s")},
+            "reward_ratio_at_equal_time": reward_vs_wall_clock(megarl["records"], trl["records"])
+            .get("reward_ratio_at_equal_time")}
+
+
+def summarise_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median, smallest and largest of each ratio over the rounds."""
+    out: dict[str, Any] = {"rounds": len(rounds)}
+    for key in ("step_time", "generated_tokens_per_s", "reward_ratio_at_equal_time"):
+        values = sorted(r[key] for r in rounds if r.get(key) is not None)
+        if values:
+            mid = len(values) // 2
+            median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+            out[key] = {"median": median, "min": values[0], "max": values[-1]}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", choices=sorted(SIZES), default="quickstart")
     p.add_argument("--steps", type=int, default=None, help="default: 120 at the quickstart size, 8 at 25m")
     p.add_argument("--quick", action="store_true", help="3 steps: a smoke test of both sides")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the megarl/TRL pair this many times in turn; ratios per round, median and range")
     p.add_argument("--work-dir", type=Path, default=None, help="runs and data (default: a temporary folder)")
     p.add_argument("--bench-python", type=Path, default=BENCH_PYTHON, help="python of the TRL environment")
     p.add_argument("--megarl-python", type=Path, default=Path(sys.executable),
@@ -284,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="reward-vs-time PNG (default: results/e2e_<size>_reward_vs_time.png without --out, else "
                         "<out stem>_reward_vs_time.png next to --out)")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     size = SIZES[args.size]
     steps = 3 if args.quick else (args.steps or size["steps"])
     default_out = RESULTS_DIR / "sections" / "e2e.json" if args.size == "quickstart" else RESULTS_DIR / f"e2e_{args.size}.json"
@@ -306,6 +334,16 @@ def main(argv: list[str] | None = None) -> int:
                     reward_options=reward_options)
     trl = run_trl(args.bench_python, run_dir / "initial_model", task["tokenizer"], prompts_file, steps, work, args.timeout,
                   **trl_args)
+    rounds = [round_ratios(megarl, trl)]
+    for i in range(2, args.rounds + 1):  # same task, seed and prompts; TRL from round 1's initial model
+        run_i = work / f"e2e_megarl_round{i}"
+        megarl_i = run_megarl(run_i, base_overrides(task, run_i, steps) + size_overrides(args.size)
+                              + args.megarl_override, prompts=PROMPTS, n=N, timeout_s=args.timeout,
+                              python=str(args.megarl_python))
+        trl_i = run_trl(args.bench_python, run_dir / "initial_model", task["tokenizer"], prompts_file, steps, work,
+                        args.timeout, **trl_args)
+        rounds.append(round_ratios(megarl_i, trl_i))
+        print(f"round {i}/{args.rounds}: {json.dumps(rounds[-1])}")
     variants = {}
     for threads in TRL_THREAD_VARIANTS:
         try:
@@ -339,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         "megarl": megarl,
         "trl": trl,
         "ratios_megarl_over_trl": compare(megarl, trl),
+        "rounds": {"per_round": rounds, "summary": summarise_rounds(rounds),
+                   "order": "megarl then TRL in each round, rounds one after another"},
         "reward_vs_wall_clock": reward_vs_wall_clock(megarl["records"], trl["records"]),
         # Parameters that multiply each token: all but the input embedding table.
         "mfu": useful_mfu(megarl, trl, parameter_count(run_dir / "initial_model", skip=("embed_tokens.weight",)), rate),
@@ -354,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
                               else out.with_name(f"{out.stem}_reward_vs_time.png"))
     plot = plot_reward_vs_wall_clock(megarl["records"], trl["records"], plot_path)
     print(f"wrote {plot}")
-    print(json.dumps({"ratios_megarl_over_trl": result["ratios_megarl_over_trl"], "mfu": result["mfu"],
+    print(json.dumps({"ratios_megarl_over_trl": result["ratios_megarl_over_trl"],
+                      "rounds": result["rounds"]["summary"], "mfu": result["mfu"],
                       "reward_vs_wall_clock": result["reward_vs_wall_clock"],
                       "megarl": megarl["summary"], "trl": trl["summary"]}, indent=2, default=str))
     return 0

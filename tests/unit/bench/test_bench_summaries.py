@@ -144,3 +144,17 @@ def test_trl_scores_with_the_megarl_runs_scorer_options(tmp_path):
 
     assert score_builtin("arithmetic", "72", "7", options={"arithmetic": {"mode": "startswith"}})["score"] == 1.0
     assert score_builtin("arithmetic", "72", "7")["score"] == 0.0
+
+
+def test_rounds_give_the_median_and_range_of_each_ratio():
+    from e2e import summarise_rounds
+
+    rounds = [{"step_time": 1.10, "generated_tokens_per_s": 0.9, "reward_ratio_at_equal_time": None},
+              {"step_time": 0.95, "generated_tokens_per_s": 1.1, "reward_ratio_at_equal_time": 1.2},
+              {"step_time": 0.99, "generated_tokens_per_s": 1.0, "reward_ratio_at_equal_time": 0.8}]
+    out = summarise_rounds(rounds)
+    assert out["rounds"] == 3
+    assert out["step_time"] == {"median": 0.99, "min": 0.95, "max": 1.10}
+    assert out["generated_tokens_per_s"] == {"median": 1.0, "min": 0.9, "max": 1.1}
+    # A round without a reward ratio is left out: the median of two values is their mean.
+    assert out["reward_ratio_at_equal_time"]["median"] == pytest.approx(1.0)
