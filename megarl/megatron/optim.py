@@ -114,7 +114,49 @@ def build_optimizer(cfg: EngineConfig, model_chunks: list[torch.nn.Module]) -> A
     )
     optimizer = get_megatron_optimizer(opt_config, model_chunks)
     fuse_host_adam(optimizer)
+    use_foreach_multi_tensor_ops()
     return optimizer
+
+
+def foreach_l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]],
+                    per_tensor: bool, *args: Any) -> tuple[torch.Tensor, None]:
+    """Megatron's `local_multi_tensor_l2_norm` (the L2 norm of all tensors together, as a 1-element
+    tensor) with one `torch._foreach_norm` instead of a `torch.norm` call per tensor."""
+    tensors = [t for tensor_list in tensor_lists for t in tensor_list]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float, device=noop_flag.device), None
+    norms = torch._foreach_norm(tensors)
+    return torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1), None
+
+
+def foreach_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]],
+                  scale: Any) -> None:
+    """Megatron's `local_multi_tensor_scale` (dst = src * scale for each pair) as foreach kernels."""
+    src, dst = tensor_lists
+    if not dst:
+        return
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def use_foreach_multi_tensor_ops() -> None:
+    """Where neither apex nor TransformerEngine is installed, Megatron clips gradients and copies
+    fp32 main parameters with Python loops of one op per tensor (`megatron.core.utils.local_multi_
+    tensor_*`). Swap in the foreach equivalents above: the same values (the scale bit for bit, the
+    norm to fp32 rounding) in a few kernels. Clipping the quickstart model's 51 gradients (norm, then
+    scale) on one CPU thread: 2.2-2.6 ms with Megatron's loops, 0.9-1.0 ms with these. Fused apex/TE
+    kernels, where present, are left in place."""
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    if getattr(clip_grads, "l2_norm_impl", None) is mcore_utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = foreach_l2_norm
+    for module in (clip_grads, mcore_optimizer):
+        if getattr(module, "multi_tensor_scale_impl", None) is mcore_utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = foreach_scale
 
 
 def fuse_host_adam(optimizer: Any) -> None:

@@ -67,31 +67,42 @@ def sequence_lengths(rows: CompactRows, groups: list[list[int]]) -> list[int]:
 def share_prompts(rows: CompactRows, groups: list[list[int]]) -> SharedPromptRows:
     """The shared layout of `rows` for `groups` (`prompt_groups`)."""
     device = rows.tokens.device
-    prompt_lens = rows.prompt_lens.tolist()
-    response_lens = (rows.total_lens - rows.prompt_lens).tolist()
-    b, r, s = len(prompt_lens), rows.response_len, max(sequence_lengths(rows, groups))
-    tokens = torch.zeros((len(groups), s), dtype=torch.long)
-    positions = torch.zeros((len(groups), s), dtype=torch.long)
-    owner = torch.full((len(groups), s), PADDING, dtype=torch.long)
-    head_group = torch.zeros((b, r), dtype=torch.long)
-    head_pos = torch.zeros((b, r), dtype=torch.long)
     cpu_tokens = rows.tokens.cpu()
-    for g, members in enumerate(groups):
-        p = prompt_lens[members[0]]
-        tokens[g, :p] = cpu_tokens[members[0], :p]
-        positions[g, :p] = torch.arange(p)
-        owner[g, :p] = PROMPT
-        start = p
-        for i in members:
-            n = response_lens[i]
-            tokens[g, start:start + n] = cpu_tokens[i, p:p + n]
-            positions[g, start:start + n] = torch.arange(p, p + n)
-            owner[g, start:start + n] = i
-            head_group[i] = g
-            # token 0 from the prompt's last position, token t from the response's token t-1
-            head_pos[i] = p - 1
-            head_pos[i, 1:n] = torch.arange(start, start + n - 1)
-            start += n
+    prompt_lens = rows.prompt_lens.cpu()
+    response_lens = rows.total_lens.cpu() - prompt_lens
+    b, r, width = len(prompt_lens), rows.response_len, cpu_tokens.shape[1]
+    s = max(sequence_lengths(rows, groups))
+    # Rows in group order; each row's group, and where its response starts in the group's sequence:
+    # the prompt, then the responses of the group's earlier members.
+    order = torch.tensor([i for members in groups for i in members], dtype=torch.long)
+    sizes = torch.tensor([len(members) for members in groups], dtype=torch.long)
+    group_of = torch.empty(b, dtype=torch.long)
+    group_of[order] = torch.repeat_interleave(torch.arange(len(groups)), sizes)
+    ordered = response_lens[order]
+    before = ordered.cumsum(0) - ordered  # response tokens of the rows before, over all groups
+    first = sizes.cumsum(0) - sizes  # each group's first position in `order`
+    start = torch.empty(b, dtype=torch.long)
+    start[order] = prompt_lens[order] + before - before[first].repeat_interleave(sizes)
+    # The prompts: each group's first member's prompt tokens.
+    heads = torch.tensor([members[0] for members in groups], dtype=torch.long)
+    column = torch.arange(s)
+    in_prompt = column.unsqueeze(0) < prompt_lens[heads].unsqueeze(1)  # (G, S)
+    tokens = torch.zeros((len(groups), s), dtype=torch.long)
+    tokens[:, :min(s, width)] = cpu_tokens[heads, :min(s, width)]
+    tokens = torch.where(in_prompt, tokens, 0)
+    positions = torch.where(in_prompt, column, 0)
+    owner = torch.where(in_prompt, PROMPT, PADDING)
+    # The responses: token t of row i goes to column start_i + t of its group's sequence.
+    t = torch.arange(r).unsqueeze(0)
+    valid = t < response_lens.unsqueeze(1)  # (b, R)
+    rows_at, t_at = valid.nonzero(as_tuple=True)
+    dest = (group_of[rows_at], start[rows_at] + t_at)
+    tokens[dest] = cpu_tokens[rows_at, prompt_lens[rows_at] + t_at]
+    positions[dest] = prompt_lens[rows_at] + t_at
+    owner[dest] = rows_at
+    head_group = group_of.unsqueeze(1).expand(b, r).clone()
+    # token 0 from the prompt's last position, token t from the response's token t-1
+    head_pos = torch.where((t >= 1) & valid, start.unsqueeze(1) + t - 1, (prompt_lens - 1).unsqueeze(1))
     index, valid = response_index(rows)  # the position predicting token t; the token is one further on
     next_index = (index + 1).clamp(max=rows.tokens.shape[1] - 1)
     targets = torch.where(valid, rows.tokens.gather(1, next_index), torch.zeros_like(next_index))
