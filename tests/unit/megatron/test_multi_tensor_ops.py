@@ -49,6 +49,14 @@ def test_scale_is_megatrons_scale_bit_for_bit():
         foreach_scale(0, flag, [src, dst], 0.37)
         for a, b in zip(dst, want):
             assert torch.equal(a, b)
+    # The fp16 optimizer's copy of fp32 main parameters into bf16 model parameters (scale 1.0).
+    src = _tensors(2)
+    dst = [torch.empty_like(t, dtype=torch.bfloat16) for t in src]
+    want = [torch.empty_like(t) for t in dst]
+    local_multi_tensor_scale(0, flag, [src, want], 1.0)
+    foreach_scale(0, flag, [src, dst], 1.0)
+    for a, b in zip(dst, want):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
 
 
 def test_only_megatrons_fallbacks_are_swapped(monkeypatch):
