@@ -46,6 +46,17 @@ def test_layout_of_two_rows_sharing_a_prompt_and_one_alone() -> None:
     assert shared.targets.tolist() == [[7, 8, 0], [9, 9, 9], [4, 0, 0]]
 
 
+def test_a_row_with_an_empty_response_adds_no_tokens() -> None:
+    # row 1 shares row 0's prompt and has no response token: the sequence is the one of row 0 alone
+    rows = rows_of([[5, 6], [5, 6]], [[7, 8], []])
+    shared = share_prompts(rows, prompt_groups(rows))
+    assert shared.tokens.tolist() == [[5, 6, 7, 8]]
+    assert shared.positions.tolist() == [[0, 1, 2, 3]]
+    # every head index of the empty row points at the prompt's last position (its outputs are masked)
+    assert shared.head[0][1].tolist() == [0, 0, 0] and shared.head[1][1].tolist() == [1, 1, 1]
+    assert shared.head[1][0].tolist() == [1, 2, 1]  # row 0: prompt's last, then its own first token
+
+
 def test_sharing_pays_for_short_responses_not_for_long_ones() -> None:
     # 8 responses to one 4-token prompt, hidden 256 (a quickstart-sized layer: ~590k parameters)
     short = rows_of([[1, 2, 3, 4]] * 8, [[5] * 4] * 8, prompt_w=4, response_w=4)
