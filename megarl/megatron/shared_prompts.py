@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.megatron.packing import CompactRows, response_index
+from megarl.megatron.packing import CompactRows
 
 PROMPT = -1  # owner of a prompt position (a response position holds its row's index)
 PADDING = -2
@@ -71,7 +71,6 @@ def share_prompts(rows: CompactRows, groups: list[list[int]]) -> SharedPromptRow
     prompt_lens = rows.prompt_lens.cpu()
     response_lens = rows.total_lens.cpu() - prompt_lens
     b, r, width = len(prompt_lens), rows.response_len, cpu_tokens.shape[1]
-    s = max(sequence_lengths(rows, groups))
     # Rows in group order; each row's group, and where its response starts in the group's sequence:
     # the prompt, then the responses of the group's earlier members.
     order = torch.tensor([i for members in groups for i in members], dtype=torch.long)
@@ -83,6 +82,7 @@ def share_prompts(rows: CompactRows, groups: list[list[int]]) -> SharedPromptRow
     first = sizes.cumsum(0) - sizes  # each group's first position in `order`
     start = torch.empty(b, dtype=torch.long)
     start[order] = prompt_lens[order] + before - before[first].repeat_interleave(sizes)
+    s = int((start + response_lens).max())  # a group's last member ends its sequence
     # The prompts: each group's first member's prompt tokens.
     heads = torch.tensor([members[0] for members in groups], dtype=torch.long)
     column = torch.arange(s)
@@ -97,22 +97,22 @@ def share_prompts(rows: CompactRows, groups: list[list[int]]) -> SharedPromptRow
     valid = t < response_lens.unsqueeze(1)  # (b, R)
     rows_at, t_at = valid.nonzero(as_tuple=True)
     dest = (group_of[rows_at], start[rows_at] + t_at)
-    tokens[dest] = cpu_tokens[rows_at, prompt_lens[rows_at] + t_at]
+    response_tokens = cpu_tokens[rows_at, prompt_lens[rows_at] + t_at]
+    tokens[dest] = response_tokens
     positions[dest] = prompt_lens[rows_at] + t_at
     owner[dest] = rows_at
     head_group = group_of.unsqueeze(1).expand(b, r).clone()
     # token 0 from the prompt's last position, token t from the response's token t-1
     head_pos = torch.where((t >= 1) & valid, start.unsqueeze(1) + t - 1, (prompt_lens - 1).unsqueeze(1))
-    index, valid = response_index(rows)  # the position predicting token t; the token is one further on
-    next_index = (index + 1).clamp(max=rows.tokens.shape[1] - 1)
-    targets = torch.where(valid, rows.tokens.gather(1, next_index), torch.zeros_like(next_index))
+    targets = torch.zeros((b, r), dtype=torch.long)
+    targets[rows_at, t_at] = response_tokens
     query, key = owner.unsqueeze(2), owner.unsqueeze(1)
     causal = torch.ones((s, s), dtype=torch.bool).tril()
     visible = causal & (((key == PROMPT) & (query != PADDING)) | (key == query)) & (key != PADDING)
     visible |= torch.eye(s, dtype=torch.bool)  # padding sees itself: every query sees a key
     return SharedPromptRows(
         tokens=tokens.to(device), positions=positions.to(device), mask=(~visible).unsqueeze(1).to(device),
-        head=(head_group.to(device), head_pos.to(device)), targets=targets,
+        head=(head_group.to(device), head_pos.to(device)), targets=targets.to(device),
     )
 
 
