@@ -93,6 +93,7 @@ def _e2e(result: dict[str, Any]) -> list[str]:
         for row, (value, rat) in zip(rows, extra):
             row += [value, rat]
     lines = table(header, rows)
+    lines += _e2e_rounds(result.get("rounds") or {})
     curves = {"megarl": _scores(m), "TRL": _scores(t)}
     steps = max(len(c) for c in curves.values())
     if steps >= 8:
@@ -115,6 +116,25 @@ def _e2e(result: dict[str, Any]) -> list[str]:
     if setup:
         lines += ["", "Setup:", ""] + [f"- {k}: {v}" for k, v in setup.items()]
     return lines
+
+
+def _e2e_rounds(rounds: dict[str, Any]) -> list[str]:
+    """The megarl/TRL pair run several times in turn: each round's ratios, then their median and
+    range (the table above and the rest of the section are round 1's)."""
+    per_round, summary = rounds.get("per_round") or [], rounds.get("summary") or {}
+    if len(per_round) < 2:
+        return []
+    keys = (("step_time", "step time, megarl / TRL"), ("generated_tokens_per_s", "generated tokens/s, megarl / TRL"),
+            ("reward_ratio_at_equal_time", "reward over the common time span, megarl / TRL"))
+    rows = [["megarl step (s)", *[r.get("megarl_step_s") for r in per_round], "", ""],
+            ["TRL step (s)", *[r.get("trl_step_s") for r in per_round], "", ""]]
+    for key, label in keys:
+        s = summary.get(key) or {}
+        span = f"{fmt(s.get('min'))}-{fmt(s.get('max'))}" if s else ""
+        rows.append([label, *[r.get(key) for r in per_round], s.get("median"), span])
+    return (["", f"The pair ran {len(per_round)} times in turn ({rounds.get('order', 'megarl then TRL')}); "
+             "the table above is round 1's. Each round's ratios, their median and range:", ""]
+            + table(["", *[f"round {i + 1}" for i in range(len(per_round))], "median", "range"], rows))
 
 
 def _scores(run: dict[str, Any]) -> list[float]:

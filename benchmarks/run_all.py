@@ -161,7 +161,12 @@ def main_from_args(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    section_args = {"e2e": ["--steps", str(args.e2e_steps)]} if args.e2e_steps else {}
+    # The rounds of one run on a shared machine differ by more than most changes (REPORT.md shows each).
+    rounds = args.e2e_rounds if args.e2e_rounds is not None else (1 if args.quick else 3)
+    if rounds < 1:
+        print(f"error: --e2e-rounds must be >= 1, got {rounds}", file=sys.stderr)
+        return 2
+    section_args = {"e2e": ["--rounds", str(rounds), *(["--steps", str(args.e2e_steps)] if args.e2e_steps else [])]}
     out_dir = args.out_dir or RESULTS_DIR
     bench = run_all(sections, out_dir, args.quick, args.fresh, args.timeout, section_args)
     print(f"[bench] wrote {out_dir / 'bench.json'} and {out_dir / 'REPORT.md'}")

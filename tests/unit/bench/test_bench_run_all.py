@@ -3,10 +3,13 @@ and the markdown report have the documented structure. No timing is asserted."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 
 import pytest
+
+from megarl.bench import add_arguments
 
 pytestmark = pytest.mark.unit
 
@@ -143,3 +146,45 @@ def test_cli_rejects_unknown_sections(capsys):
 
     assert main(["bench", "--sections", "e2e,nonsense"]) == 2
     assert "nonsense" in capsys.readouterr().err
+
+
+def test_report_shows_every_round_with_median_and_range():
+    from report import render_report
+
+    bench = _fabricated_bench()
+    per_round = [{"megarl_step_s": 0.2, "trl_step_s": 0.25, "step_time": 0.8, "generated_tokens_per_s": 1.25,
+                  "reward_ratio_at_equal_time": 1.1},
+                 {"megarl_step_s": 0.3, "trl_step_s": 0.2, "step_time": 1.5, "generated_tokens_per_s": 0.667,
+                  "reward_ratio_at_equal_time": None},
+                 {"megarl_step_s": 0.22, "trl_step_s": 0.2, "step_time": 1.1, "generated_tokens_per_s": 0.909,
+                  "reward_ratio_at_equal_time": 0.9}]
+    bench["sections"]["e2e"]["result"]["rounds"] = {
+        "per_round": per_round, "order": "megarl then TRL",
+        "summary": {"rounds": 3, "step_time": {"median": 1.1, "min": 0.8, "max": 1.5},
+                    "generated_tokens_per_s": {"median": 0.909, "min": 0.667, "max": 1.25},
+                    "reward_ratio_at_equal_time": {"median": 1.0, "min": 0.9, "max": 1.1}}}
+    md = render_report(bench)
+    assert "The pair ran 3 times in turn (megarl then TRL)" in md
+    rounds = next(t for t in _tables(md) if t[0][1:4] == ["round 1", "round 2", "round 3"])
+    assert {len(row) for row in rounds} == {6}
+    assert rounds[1] == ["megarl step (s)", "0.2", "0.3", "0.22", "", ""]
+    assert rounds[3] == ["step time, megarl / TRL", "0.8", "1.5", "1.1", "1.1", "0.8-1.5"]
+    assert rounds[5] == ["reward over the common time span, megarl / TRL", "1.1", "-", "0.9", "1", "0.9-1.1"]
+    bench["sections"]["e2e"]["result"]["rounds"] = {"per_round": per_round[:1], "summary": {"rounds": 1}}
+    assert "times in turn" not in render_report(bench)  # one round: the main table says it all
+
+
+def test_bench_command_passes_the_rounds_to_the_e2e_section(tmp_path, monkeypatch):
+    import run_all
+
+    seen = {}
+    monkeypatch.setattr(run_all, "run_all", lambda sections, out_dir, quick, fresh, timeout, section_args: seen.update(
+        quick=quick, args=section_args) or {"sections": {name: {"status": "ok"} for name in sections}})
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run_all.main_from_args(parser.parse_args(["--sections", "e2e", "--out-dir", str(tmp_path)])) == 0
+    assert seen["args"]["e2e"] == ["--rounds", "3"]
+    run_all.main_from_args(parser.parse_args(["--sections", "e2e", "--quick", "--e2e-steps", "5", "--out-dir",
+                                              str(tmp_path)]))
+    assert seen["args"]["e2e"] == ["--rounds", "1", "--steps", "5"]
+    assert run_all.main_from_args(parser.parse_args(["--sections", "e2e", "--e2e-rounds", "0"])) == 2
