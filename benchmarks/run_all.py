@@ -166,8 +166,10 @@ def main_from_args(args: argparse.Namespace) -> int:
     if rounds < 1:
         print(f"error: --e2e-rounds must be >= 1, got {rounds}", file=sys.stderr)
         return 2
-    section_args = {"e2e": ["--rounds", str(rounds), *(["--steps", str(args.e2e_steps)] if args.e2e_steps else [])]}
     out_dir = args.out_dir or RESULTS_DIR
+    # The plot beside REPORT.md, which names it (results/sections/ is not kept).
+    section_args = {"e2e": ["--rounds", str(rounds), "--plot", str(out_dir / "e2e_quickstart_reward_vs_time.png"),
+                            *(["--steps", str(args.e2e_steps)] if args.e2e_steps else [])]}
     bench = run_all(sections, out_dir, args.quick, args.fresh, args.timeout, section_args)
     print(f"[bench] wrote {out_dir / 'bench.json'} and {out_dir / 'REPORT.md'}")
     statuses = {name: bench["sections"][name]["status"] for name in sections}

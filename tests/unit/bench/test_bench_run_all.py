@@ -183,8 +183,9 @@ def test_bench_command_passes_the_rounds_to_the_e2e_section(tmp_path, monkeypatc
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert run_all.main_from_args(parser.parse_args(["--sections", "e2e", "--out-dir", str(tmp_path)])) == 0
-    assert seen["args"]["e2e"] == ["--rounds", "3"]
+    plot = str(tmp_path / "e2e_quickstart_reward_vs_time.png")  # the name REPORT.md gives
+    assert seen["args"]["e2e"] == ["--rounds", "3", "--plot", plot]
     run_all.main_from_args(parser.parse_args(["--sections", "e2e", "--quick", "--e2e-steps", "5", "--out-dir",
                                               str(tmp_path)]))
-    assert seen["args"]["e2e"] == ["--rounds", "1", "--steps", "5"]
+    assert seen["args"]["e2e"] == ["--rounds", "1", "--plot", plot, "--steps", "5"]
     assert run_all.main_from_args(parser.parse_args(["--sections", "e2e", "--e2e-rounds", "0"])) == 2
