@@ -167,9 +167,10 @@ def main_from_args(args: argparse.Namespace) -> int:
         print(f"error: --e2e-rounds must be >= 1, got {rounds}", file=sys.stderr)
         return 2
     out_dir = args.out_dir or RESULTS_DIR
-    # The plot beside REPORT.md, which names it (results/sections/ is not kept).
+    # The plots beside REPORT.md, which names them (results/sections/ is not kept).
     section_args = {"e2e": ["--rounds", str(rounds), "--plot", str(out_dir / "e2e_quickstart_reward_vs_time.png"),
-                            *(["--steps", str(args.e2e_steps)] if args.e2e_steps else [])]}
+                            *(["--steps", str(args.e2e_steps)] if args.e2e_steps else [])],
+                    "e2e_25m": ["--plot", str(out_dir / "e2e_25m_reward_vs_time.png")]}
     bench = run_all(sections, out_dir, args.quick, args.fresh, args.timeout, section_args)
     print(f"[bench] wrote {out_dir / 'bench.json'} and {out_dir / 'REPORT.md'}")
     statuses = {name: bench["sections"][name]["status"] for name in sections}

@@ -188,4 +188,5 @@ def test_bench_command_passes_the_rounds_to_the_e2e_section(tmp_path, monkeypatc
     run_all.main_from_args(parser.parse_args(["--sections", "e2e", "--quick", "--e2e-steps", "5", "--out-dir",
                                               str(tmp_path)]))
     assert seen["args"]["e2e"] == ["--rounds", "1", "--plot", plot, "--steps", "5"]
+    assert seen["args"]["e2e_25m"] == ["--plot", str(tmp_path / "e2e_25m_reward_vs_time.png")]
     assert run_all.main_from_args(parser.parse_args(["--sections", "e2e", "--e2e-rounds", "0"])) == 2
