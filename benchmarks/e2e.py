@@ -64,6 +64,7 @@ from common import (  # noqa: E402
     write_json,
 )
 from megarl_run import base_overrides, prepare_task, run_megarl  # noqa: E402
+from report import reward_plot_name  # noqa: E402
 
 BENCH_PYTHON = REPO_ROOT / ".venv-bench" / "bin" / "python"
 PROMPTS, N, THREADS = 8, 8, 2
@@ -390,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     result = json.loads(json.dumps(result, default=str).replace(str(work), "<work>"))
     write_json(out, result)
     # Not beside the section's JSON by default: results/sections/ is not kept (bench.json sums it up).
-    plot_path = args.plot or (RESULTS_DIR / f"e2e_{args.size}_reward_vs_time.png" if args.out is None
+    plot_path = args.plot or (RESULTS_DIR / reward_plot_name(args.size) if args.out is None
                               else out.with_name(f"{out.stem}_reward_vs_time.png"))
     plot = plot_reward_vs_wall_clock(megarl["records"], trl["records"], plot_path)
     print(f"wrote {plot}")

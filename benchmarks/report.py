@@ -27,6 +27,12 @@ SECTION_TITLES = {
 }
 
 
+def reward_plot_name(size: str) -> str:
+    """The reward-vs-time plot of the end-to-end comparison at `size` (quickstart, 25m), as the
+    report names it; benchmarks/e2e.py writes it under that name beside the results."""
+    return f"e2e_{size}_reward_vs_time.png"
+
+
 def fmt(value: Any, digits: int = 3) -> str:
     """A number with `digits` significant digits ("-" for None); other values as text."""
     if value is None:
@@ -107,7 +113,7 @@ def _e2e(result: dict[str, Any]) -> list[str]:
         edges = timed["window_edges_s"]
         lines += ["", (f"Mean step reward against training time (sum of step times), over the {fmt(timed['span_s'])} s "
                        f"both ran; megarl / TRL over that span: {fmt(timed['reward_ratio_at_equal_time'])} (plot: "
-                       f"`e2e_{result.get('setup', {}).get('size', 'quickstart')}_reward_vs_time.png`):"), ""]
+                       f"`{reward_plot_name(result.get('setup', {}).get('size', 'quickstart'))}`):"), ""]
         windows = [f"{fmt(a, 2)}-{fmt(b, 2)} s" for a, b in zip(edges, edges[1:])]
         lines += table(["time", *windows, "whole span", "steps"],
                        [[name, *timed[f"{key}_window_mean"], timed[f"{key}_mean_in_span"], timed[f"{key}_steps_in_span"]]

@@ -30,7 +30,7 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import REPO_ROOT, RESULTS_DIR, load_average, machine_info, write_json  # noqa: E402
-from report import render_report  # noqa: E402
+from report import render_report, reward_plot_name  # noqa: E402
 
 from megarl.bench import SECTIONS, add_arguments  # noqa: E402  (the command line is megarl's)
 # Seconds per section: full sizes / --quick.
@@ -168,9 +168,9 @@ def main_from_args(args: argparse.Namespace) -> int:
         return 2
     out_dir = args.out_dir or RESULTS_DIR
     # The plots beside REPORT.md, which names them (results/sections/ is not kept).
-    section_args = {"e2e": ["--rounds", str(rounds), "--plot", str(out_dir / "e2e_quickstart_reward_vs_time.png"),
+    section_args = {"e2e": ["--rounds", str(rounds), "--plot", str(out_dir / reward_plot_name("quickstart")),
                             *(["--steps", str(args.e2e_steps)] if args.e2e_steps else [])],
-                    "e2e_25m": ["--plot", str(out_dir / "e2e_25m_reward_vs_time.png")]}
+                    "e2e_25m": ["--plot", str(out_dir / reward_plot_name("25m"))]}
     bench = run_all(sections, out_dir, args.quick, args.fresh, args.timeout, section_args)
     print(f"[bench] wrote {out_dir / 'bench.json'} and {out_dir / 'REPORT.md'}")
     statuses = {name: bench["sections"][name]["status"] for name in sections}
