@@ -26,11 +26,11 @@ from megarl_run import base_overrides, prepare_task, run_megarl  # noqa: E402
 PROMPTS, N = 8, 8
 SETUPS: dict[str, list[str]] = {
     "grpo": [],
-    # Critic and reference share the actor's processes, so they take its layout (TP=2), and its
+    # Critic and reference share the actor's processes, so they take its layout (the quickstart's
+    # DP=2; a layout of their own is refused unless they get a pool of their own), and its
     # micro-batch size (the quickstart's 32 sequences; their defaults, 4 and 8, would make them
     # look several times slower than the actor for the same work).
     "ppo": ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "actor.kl_loss_coef=0.001",
-            "critic.megatron.tensor_model_parallel_size=2", "ref.megatron.tensor_model_parallel_size=2",
             "critic.ppo_micro_batch_size_per_gpu=32", "ref.log_prob_micro_batch_size_per_gpu=32"],
 }
 
