@@ -176,6 +176,9 @@ class WorkerGroup(_Calls):
         self.kill_on_failure = kill_on_failure
         self._failure: str | None = None
         self._actors: list[ActorHandle] = []
+        # Calls sent so far (one per rank and method): the trainer probes a group's memory after a
+        # phase only if the phase sent it something.
+        self.calls_sent = 0
         pool.wait(pool_timeout_s)
         pool.claim(role)
         register_for_cleanup(self)
@@ -287,6 +290,7 @@ class WorkerGroup(_Calls):
             else:
                 ref = actor.call.remote(role, name, *args, **kwargs)
             calls.append(RankCall(self.role, rank, self._node_labels[rank], label, ref))
+        self.calls_sent += len(calls)
         return CallHandle(calls, finish, self._on_failure if self.kill_on_failure else None)
 
     def _on_failure(self) -> None:

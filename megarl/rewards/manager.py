@@ -271,8 +271,10 @@ class RewardManager:
         """Score a rollout Batch: decodes ``responses`` under ``response_mask`` (skipping special
         tokens) and reads ``ground_truth``, ``data_source`` and ``extra_info``."""
         responses, mask = batch["responses"], batch["response_mask"]
+        # Plain lists: indexing each row's tensor by its mask costs ~30 us a row.
         texts = tokenizer.batch_decode(
-            [row[m != 0].tolist() for row, m in zip(responses, mask)], skip_special_tokens=True
+            [[t for t, m in zip(row, keep) if m] for row, keep in zip(responses.tolist(), mask.tolist())],
+            skip_special_tokens=True,
         )
         extra = batch["extra_info"] if "extra_info" in batch.keys() else None
         result = self.score(texts, batch["ground_truth"], batch["data_source"], extra, None, mask)

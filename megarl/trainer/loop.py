@@ -308,17 +308,26 @@ class RLTrainer:
     # ------------------------------------------------------------------ phases
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Time `name`, show it in the progress display, and record the workers' memory peak in it."""
+        """Time `name`, show it in the progress display, and record the memory peak of the workers
+        it called."""
         self.current_phase = name
+        sent_before = {id(group): group.calls_sent for group in self.workers.groups}
         with self.timer(name), self.progress.phase(name):
             yield
         # Not the rollout pool while it generates the next batch: the probe would wait for it.
         busy = self.workers.rollout.group if self.prefetch is not None else None
+        # Only the groups this phase sent calls to: a phase that ran on the driver alone (reward
+        # scoring, advantages) leaves the workers idle, and the next probe's peak covers its span
+        # anyway. Two probes fewer per step cut the quickstart step's driver overhead (README,
+        # Performance).
+        called = [group for group in self.workers.groups
+                  if group is not busy and group.calls_sent != sent_before.get(id(group), 0)]
         # Sent without waiting: a worker runs the driver's calls in the order they were sent, so
         # the probe reads the peak of this phase before the next phase's calls start; the results
         # are read at the end of the step (`read_memory_probes`), saving a round trip per phase.
-        self.memory_probes.append((name, [(group, group.call_all_async(HostWorker.memory_stats))
-                                          for group in self.workers.groups if group is not busy]))
+        if called:
+            self.memory_probes.append((name, [(group, group.call_all_async(HostWorker.memory_stats))
+                                              for group in called]))
 
     def read_memory_probes(self) -> None:
         """Fold the memory probes sent so far into this step's `memory/<phase>/...` metrics."""
@@ -354,6 +363,14 @@ class RLTrainer:
         self.settle_rollout_sleep()
         self.pending_sleep = self.workers.rollout.call_all_async(RolloutRole.sleep)
         self.memory_trace.append((after, "rollout", "sleep"))
+
+    def rollout_wake_up(self, tags: tuple[str, ...] | None = None) -> CallHandle | None:
+        """Send the rollout engines `RolloutRole.wake_up(tags)` without waiting; None, and no call,
+        when they never sleep (`rollout.free_cache_engine` off: an engine starts awake and only the
+        driver puts it to sleep), which saves two round trips a step."""
+        if not self.spec.rollout.free_cache_engine:
+            return None
+        return self.workers.rollout.call_all_async(RolloutRole.wake_up, tags)
 
     def settle_rollout_sleep(self) -> None:
         """Read the answer of the sleep sent last, if any: when it discarded the rollout's weights,
@@ -402,9 +419,9 @@ class RLTrainer:
                 senders = sending.result(self.workers.actor.group.call_timeout_s)
             else:
                 # Both sent at once (a worker runs them in turn): one round trip instead of two.
-                waking = rollout.call_all_async(RolloutRole.wake_up, ("weights",))
+                waking = self.rollout_wake_up(("weights",))
                 per_rank = rollout.call_all(RolloutRole.sync_weights, self.weights_version)
-                if waking.result(rollout.group.call_timeout_s)[0]:
+                if waking is not None and waking.result(rollout.group.call_timeout_s)[0]:
                     self.memory_trace.append((self.current_phase, "rollout", "wake_up:weights"))
                 senders = []
         self.rollout_version = self.weights_version
@@ -431,7 +448,8 @@ class RLTrainer:
         before an update, never during one."""
         rollout, actor = self.workers.rollout, self.workers.actor
         sampling = with_seed(dataclasses.replace(self.spec.train_sampling, n=1), int(self.cfg.trainer.seed) * 100003 - 1)
-        if rollout.call_all(RolloutRole.wake_up)[0]:
+        waking = self.rollout_wake_up()
+        if waking is not None and waking.result(rollout.group.call_timeout_s)[0]:
             self.memory_trace.append((self.current_phase, "rollout", "wake_up"))
         with self.phase("probe"):
             gen = rollout.call_dp(RolloutRole.probe, self.run.probe_prompts, sampling,
@@ -454,10 +472,10 @@ class RLTrainer:
         rollout = self.workers.rollout
         self.sync_rollout()
         # The KV cache, after the sync's buffers are freed; the generation is sent behind it at once.
-        waking, woken_in = rollout.call_all_async(RolloutRole.wake_up), self.current_phase
+        waking, woken_in = self.rollout_wake_up(), self.current_phase
         with self.phase("gen"):
             out = rollout.call_dp(RolloutRole.generate, prompts, sampling, dispatch_coords=self.workers.rollout_coords)
-        if waking.result(rollout.group.call_timeout_s)[0]:
+        if waking is not None and waking.result(rollout.group.call_timeout_s)[0]:
             self.memory_trace.append((woken_in, "rollout", "wake_up"))
         out["rollout_weights_version"] = torch.full((len(out),), self.rollout_version, dtype=torch.int64)
         return self.take_busy_time(out)

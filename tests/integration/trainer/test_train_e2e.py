@@ -180,6 +180,9 @@ def test_offloaded_roles_train_exactly_like_resident_ones(tmp_path: Path, task_d
             expected += [onload, (phase, role, "offload")]
     assert read_memory_trace(offload_dir / "run")[2] == expected
     assert "memory/update_actor/peak_rss_gb" in got[2] and "perf/cpu_memory_used_gb" in got[2]
+    # A phase that ran on the driver alone sends the workers no memory probe (the next probed
+    # phase's peak covers its span).
+    assert not [k for k in got[2] if k.startswith("memory/adv/")], sorted(k for k in got[2] if k.startswith("memory/"))
 
 
 GRPO_KL = dict(actor={"use_kl_loss": True, "kl_loss_coef": 0.01, "old_log_prob_source": "recompute"})
