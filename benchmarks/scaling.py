@@ -1,6 +1,6 @@
 """How the cost of a megarl step grows: 1 vs 2 workers, and the model doubled twice.
 
-Workers: the quickstart step at 1 worker (TP=1) and at 2 workers (TP=2), one thread each.
+Workers: the quickstart step at 1 worker and at 2 workers (the quickstart's DP=2), one thread each.
 Model size: the 2-worker step with 4, 8 and 16 layers (the character vocabulary is tiny, so the
 parameter count doubles with the layer count). Reported per run: mean step time (steps 2..N),
 the time of each phase, tokens/s, peak memory, and the ratio of each run's step time to the base
