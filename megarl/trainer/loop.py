@@ -367,7 +367,7 @@ class RLTrainer:
     def rollout_wake_up(self, tags: tuple[str, ...] | None = None) -> CallHandle | None:
         """Send the rollout engines `RolloutRole.wake_up(tags)` without waiting; None, and no call,
         when they never sleep (`rollout.free_cache_engine` off: an engine starts awake and only the
-        driver puts it to sleep), which saves two round trips a step."""
+        driver puts it to sleep), which saves two calls to every rollout worker a step."""
         if not self.spec.rollout.free_cache_engine:
             return None
         return self.workers.rollout.call_all_async(RolloutRole.wake_up, tags)
