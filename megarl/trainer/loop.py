@@ -372,6 +372,12 @@ class RLTrainer:
             return None
         return self.workers.rollout.call_all_async(RolloutRole.wake_up, tags)
 
+    def settle_rollout_wake_up(self, waking: CallHandle | None, phase: str, transition: str = "wake_up") -> None:
+        """Wait for a wake-up sent by `rollout_wake_up`; when it woke the engines, record the
+        transition in `phase`'s memory trace."""
+        if waking is not None and waking.result(self.workers.rollout.group.call_timeout_s)[0]:
+            self.memory_trace.append((phase, "rollout", transition))
+
     def settle_rollout_sleep(self) -> None:
         """Read the answer of the sleep sent last, if any: when it discarded the rollout's weights,
         the next generation syncs them again."""
@@ -421,8 +427,7 @@ class RLTrainer:
                 # Both sent at once (a worker runs them in turn): one round trip instead of two.
                 waking = self.rollout_wake_up(("weights",))
                 per_rank = rollout.call_all(RolloutRole.sync_weights, self.weights_version)
-                if waking is not None and waking.result(rollout.group.call_timeout_s)[0]:
-                    self.memory_trace.append((self.current_phase, "rollout", "wake_up:weights"))
+                self.settle_rollout_wake_up(waking, self.current_phase, "wake_up:weights")
                 senders = []
         self.rollout_version = self.weights_version
         self.sync_metrics = {k: (sum if k.startswith("sync/bytes") else max)(r[k] for r in per_rank)
@@ -448,9 +453,7 @@ class RLTrainer:
         before an update, never during one."""
         rollout, actor = self.workers.rollout, self.workers.actor
         sampling = with_seed(dataclasses.replace(self.spec.train_sampling, n=1), int(self.cfg.trainer.seed) * 100003 - 1)
-        waking = self.rollout_wake_up()
-        if waking is not None and waking.result(rollout.group.call_timeout_s)[0]:
-            self.memory_trace.append((self.current_phase, "rollout", "wake_up"))
+        self.settle_rollout_wake_up(self.rollout_wake_up(), self.current_phase)
         with self.phase("probe"):
             gen = rollout.call_dp(RolloutRole.probe, self.run.probe_prompts, sampling,
                                   dispatch_coords=self.workers.rollout_coords)
@@ -475,8 +478,7 @@ class RLTrainer:
         waking, woken_in = self.rollout_wake_up(), self.current_phase
         with self.phase("gen"):
             out = rollout.call_dp(RolloutRole.generate, prompts, sampling, dispatch_coords=self.workers.rollout_coords)
-        if waking is not None and waking.result(rollout.group.call_timeout_s)[0]:
-            self.memory_trace.append((woken_in, "rollout", "wake_up"))
+        self.settle_rollout_wake_up(waking, woken_in)
         out["rollout_weights_version"] = torch.full((len(out),), self.rollout_version, dtype=torch.int64)
         return self.take_busy_time(out)
 
