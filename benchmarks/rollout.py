@@ -4,6 +4,11 @@ A tiny random Qwen2 (4 layers, hidden 256, head_dim 64) generates a fixed number
 sequence (EOS ignored), so both engines do the same work. vLLM is measured only where it can be
 imported (the CPU build lives in its own environment, see tools/vllm_env.sh).
 
+`--engines hf,hf_concat_cache` also times the HF engine with transformers' own `DynamicCache`,
+which concatenates each token's keys and values onto a copy of the whole cache, against the
+engine's preallocated cache (`megarl.rollout.hf_engine.decoding_cache`): the two alternate call by
+call, on the same prompts and seed.
+
     python benchmarks/rollout.py [--out benchmarks/results/rollout.json]
 
 Prints tokens/s per engine and the vLLM / HF ratio; writes the numbers as JSON.
@@ -24,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "rollout.json"
 
@@ -70,6 +76,36 @@ def measure(engine: Any, prompts: Any, params: Any, repeats: int) -> dict[str, A
     }
 
 
+def compare_caches(engine: Any, prompts: Any, params: Any, repeats: int) -> dict[str, Any]:
+    """The HF engine with its preallocated KV cache and with transformers' concatenating one,
+    alternating call by call after one warm-up call each."""
+    from megarl.rollout import hf_engine
+
+    preallocated = hf_engine.decoding_cache
+
+    def concatenating(config: Any, capacity: int) -> DynamicCache:
+        return DynamicCache(config=config)
+
+    seconds: dict[str, list[float]] = {"hf": [], "hf_concat_cache": []}
+    outputs = {}
+    try:
+        for call in range(repeats + 1):
+            for name, cache in (("hf", preallocated), ("hf_concat_cache", concatenating)):
+                hf_engine.decoding_cache = cache
+                start = time.perf_counter()
+                outputs[name] = engine.generate(prompts, dataclasses.replace(params, seed=call))
+                if call:
+                    seconds[name].append(time.perf_counter() - start)
+    finally:
+        hf_engine.decoding_cache = preallocated
+    tokens = int(outputs["hf"]["response_mask"].sum())
+    return {name: {"generated_tokens_per_call": tokens, "seconds": times, "tokens_per_s": tokens / min(times),
+                   "tokens_per_s_median": tokens / statistics.median(times),
+                   # the same seed, so the same samples unless the two caches' attention differed
+                   "same_responses_as_hf": bool(torch.equal(outputs[name]["responses"], outputs["hf"]["responses"]))}
+            for name, times in seconds.items()}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from megarl.rollout import EngineOptions, SamplingParams
     from megarl.rollout.hf_engine import HFRolloutEngine
@@ -93,7 +129,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     hf_engine = HFRolloutEngine(model, options)
     startup = time.perf_counter() - start
-    hf = measure(hf_engine, prompts, params, args.repeats)
+    if "hf_concat_cache" in args.engines:
+        caches = compare_caches(hf_engine, prompts, params, args.repeats)
+        hf = caches["hf"]
+        results["engines"]["hf_concat_cache"] = {**caches["hf_concat_cache"], "startup_s": startup, "update_weights_s": 0.0}
+        results["preallocated_over_concat_cache"] = hf["tokens_per_s_median"] / caches["hf_concat_cache"]["tokens_per_s_median"]
+    else:
+        hf = measure(hf_engine, prompts, params, args.repeats)
     start = time.perf_counter()
     hf_engine.update_weights(state.items())
     hf.update(startup_s=startup, update_weights_s=time.perf_counter() - start)
@@ -137,6 +179,8 @@ def report(results: dict[str, Any]) -> str:
         lines.append(
             f"{name:<12}{numbers['tokens_per_s']:>12.0f}{numbers['startup_s']:>12.2f}{numbers['update_weights_s']:>18.4f}"
         )
+    if "preallocated_over_concat_cache" in results:
+        lines.append(f"hf, preallocated / concatenating KV cache (medians): {results['preallocated_over_concat_cache']:.2f}x")
     if "vllm_over_hf" in results:
         lines.append(f"vllm / hf throughput: {results['vllm_over_hf']:.2f}x")
     else:
@@ -153,7 +197,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--vocab-size", type=int, default=320)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--engines", default="hf,vllm", help="comma-separated: hf,vllm")
+    parser.add_argument("--engines", default="hf,vllm", help="comma-separated: hf,vllm,hf_concat_cache")
     parser.add_argument("--seed", type=int, default=0, help="model, prompts and engine seed")
     return parser.parse_args(argv)
 

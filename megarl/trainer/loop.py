@@ -206,6 +206,7 @@ class RLTrainer:
         actor, ref, critic = self.workers.actor, self.workers.ref, self.workers.critic
         metrics: dict[str, Any] = {"training/global_step": step, "training/epoch": self.run.train_loader.epoch}
         self.step_version = self.weights_version  # the weights this step's batch is trained from
+        calls_before = self.worker_calls_sent()
         with self.timer("step"):
             # 1-3. prompts -> responses -> scores (DAPO: until enough groups carry a signal); with
             #      `score_beside_pass` the scores come with the first pass of step 4
@@ -298,12 +299,18 @@ class RLTrainer:
         if self.prefetch is None:  # else the sleep waits behind the next step's generation: read it then
             self.settle_rollout_sleep()
         self.read_memory_probes()
+        metrics["perf/worker_calls"] = float(self.worker_calls_sent() - calls_before)
         metrics.update(self.memory_metrics)
         metrics.update(memory_step_metrics(self.memory_metrics))
         self.write_memory_trace(step)
         if alg.use_kl_in_reward:
             metrics["actor/reward_kl_coef"] = self.kl_ctrl.value
         return metrics
+
+    def worker_calls_sent(self) -> int:
+        """Ray calls the driver has sent to worker processes so far (one per rank and method), over
+        every group; a step's count is its `perf/worker_calls`, the driver's overhead in calls."""
+        return sum(group.calls_sent for group in self.workers.groups)
 
     # ------------------------------------------------------------------ phases
     @contextlib.contextmanager

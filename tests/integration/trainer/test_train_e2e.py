@@ -141,10 +141,13 @@ OFFLOAD_CASES = {
              dict(actor={"param_offload": True, "grad_offload": True}, ref={"param_offload": True}),
              ("actor/kl_loss",), ["sync_weights:actor:params", "old_log_prob:actor:params", "ref:ref:params",
                                   "update_actor:actor"]),
-    # PPO with a colocated critic: the actor's optimizer state only, the critic's parameters and optimizer.
-    "ppo": (dict(algorithm={"adv_estimator": "gae", "lam": 0.95}, rollout={"n": 1}, actor={"ppo_micro_batch_size_per_gpu": 2},
+    # PPO with a colocated critic: the actor's optimizer state only, the critic's parameters and
+    # optimizer; the resident run's rollout never sleeps either (rollout.free_cache_engine false).
+    "ppo": (dict(algorithm={"adv_estimator": "gae", "lam": 0.95}, rollout={"n": 1, "free_cache_engine": False},
+                 actor={"ppo_micro_batch_size_per_gpu": 2},
                  critic={"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2}),
-            dict(actor={"optimizer_offload": True}, critic={"param_offload": True, "optimizer_offload": True}),
+            dict(actor={"optimizer_offload": True}, critic={"param_offload": True, "optimizer_offload": True},
+                 rollout={"free_cache_engine": True}),
             ("critic/vf_loss", "critic/values/mean"),
             # the actor's parameters stay resident: the sync and its log-probs move nothing of it
             ["values:critic:params", "update_critic:critic", "update_actor:actor"]),
@@ -169,7 +172,13 @@ def test_offloaded_roles_train_exactly_like_resident_ones(tmp_path: Path, task_d
             assert got[step][key] == want[step][key], (step, key)
     # The order of the transitions in a steady step (step 2): each offloaded role comes in for its
     # phase and goes out after it; the rollout wakes its weights, syncs, wakes its cache, sleeps.
-    assert read_memory_trace(resident_dir / "run")[2] == SYNC_AND_GEN
+    # A rollout that never sleeps is sent no sleep and no wake-ups at all.
+    resident_sleeps = base.get("rollout", {}).get("free_cache_engine", True)
+    assert read_memory_trace(resident_dir / "run")[2] == (SYNC_AND_GEN if resident_sleeps else [])
+    # The driver's calls to the 2 worker processes: each onloaded phase adds an onload and an
+    # offload to both ranks, a rollout that sleeps a sleep and two wake-ups to both.
+    added = 2 * (2 * len(onloads) + (0 if resident_sleeps else 3))
+    assert got[2]["perf/worker_calls"] - want[2]["perf/worker_calls"] == added, (got[2]["perf/worker_calls"], want[2]["perf/worker_calls"])
     expected = [] if onloads[0].startswith("sync_weights") else list(SYNC_AND_GEN)
     for phase_role in onloads:
         phase, role, *params = phase_role.split(":")

@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from transformers import DynamicCache
 from rollout_helpers import PAD, PROMPTS, argmax_decode, kept_response, prompt_batch, reference_log_softmax, tiny_model
 
 from megarl.errors import DataError
@@ -261,3 +262,35 @@ def test_the_responses_of_a_prompt_share_its_prefill(model: torch.nn.Module, mon
     torch.testing.assert_close(shared["rollout_log_probs"], repeated["rollout_log_probs"], atol=1e-6, rtol=0)
     # and the n samples of a prompt are not copies of one another
     assert len({tuple(shared["responses"][row].tolist()) for row in range(n)}) > 1
+
+
+@pytest.mark.parametrize("capacity", [4 + R, 3])  # sized for the decode; too small, so that it grows
+def test_the_preallocated_cache_holds_what_transformers_cache_holds(model: torch.nn.Module, capacity: int) -> None:
+    """`decoding_cache` against transformers' own `DynamicCache` on the same float64 decode: the same
+    keys, values and logits at every step, the prefill repeated along the batch as the engine does
+    for n > 1, and, once sized, a step writes into the same buffers (no copy of the cache a token)."""
+    wide = copy.deepcopy(model).double()
+    ids = torch.tensor([PROMPTS[0], PROMPTS[0][::-1]])
+    ours, theirs = hf_engine.decoding_cache(wide.config, capacity), DynamicCache(config=wide.config)
+    assert all(isinstance(layer, hf_engine.PreallocatedLayer) for layer in ours.layers)
+    with torch.inference_mode():
+        logits = [wide(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1] for cache in (ours, theirs)]
+        for cache in (ours, theirs):
+            cache.batch_repeat_interleave(2)
+        logits = [rows.repeat_interleave(2, dim=0) for rows in logits]
+        buffers = None
+        for step in range(R - 1):
+            torch.testing.assert_close(logits[0], logits[1], atol=1e-12, rtol=0)
+            tokens = logits[1].argmax(-1, keepdim=True)
+            logits = [wide(input_ids=tokens, past_key_values=cache, use_cache=True).logits[:, -1] for cache in (ours, theirs)]
+            for mine, reference in zip(ours.layers, theirs.layers):
+                assert torch.equal(mine.keys, reference.keys) and torch.equal(mine.values, reference.values)
+            assert ours.get_seq_length() == theirs.get_seq_length() == ids.shape[1] + step + 1
+            pointers = [layer.keys.data_ptr() for layer in ours.layers]
+            if capacity >= ours.get_seq_length():
+                assert buffers in (None, pointers)
+                buffers = pointers
+    ours.crop(-2)
+    theirs.crop(-2)
+    for mine, reference in zip(ours.layers, theirs.layers):
+        assert torch.equal(mine.keys, reference.keys) and torch.equal(mine.values, reference.values)
