@@ -31,7 +31,6 @@ from megarl.rollout.sampling import sample_next_tokens
 logger = logging.getLogger(__name__)
 
 
-
 class PreallocatedLayer(DynamicLayer):
     """A full-attention KV cache layer whose keys and values live in buffers sized for the whole
     decode (prompt columns + response tokens): a step writes its token's keys and values in place
