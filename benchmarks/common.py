@@ -195,14 +195,15 @@ def parameter_count(model_dir: Path, skip: tuple[str, ...] = ()) -> int | None:
     return total or None
 
 
-def matmul_flops(size: int, repeats: int = 10, threads: Optional[int] = None) -> float:
-    """fp32 FLOP/s of `torch.mm` on square matrices (best of `repeats`), with `threads` torch threads
-    (None: the process's current setting)."""
+def matmul_flops(size: int, repeats: int = 10, threads: Optional[int] = None,
+                 dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of `torch.mm` on square `dtype` matrices (best of `repeats`), with `threads` torch
+    threads (None: the process's current setting)."""
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        a, b = torch.randn(size, size), torch.randn(size, size)
+        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
         torch.mm(a, b)
         best = float("inf")
         for _ in range(repeats):

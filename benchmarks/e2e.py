@@ -14,7 +14,12 @@ processes x 1 thread at data-parallel size 2; TRL: 1 process x 2 threads). Two s
   every time (megarl `rollout.ignore_eos`, TRL `min_new_tokens`: the two sample differently from the
   same model, and at equal lengths their throughputs compare), lr 1e-5.
 
-    python benchmarks/e2e.py [--size quickstart|25m] [--steps N] [--rounds R] [--quick] [--out PATH]
+    python benchmarks/e2e.py [--size quickstart|25m] [--steps N] [--rounds R] [--precision fp32|bf16]
+                             [--quick] [--out PATH]
+
+`--precision bf16` runs both sides in bf16 mixed precision (bf16 matrix multiplies, fp32 weights
+and optimizer state): megarl with `model.dtype=bf16` (its rollout engine generates in bf16 too),
+TRL with `bf16=True`. On a CPU with bf16 matrix units (AMX) this is several times the fp32 rate.
 
 `--rounds R` runs the pair R times in turn (megarl, TRL, megarl, TRL, ...), so that a slow spell of
 a shared machine falls on both sides, and reports each round's ratios and their median and range
@@ -22,8 +27,8 @@ a shared machine falls on both sides, and reports each round's ratios and their 
 
 Step 1 is left out of the time averages. Generated tokens/s and training tokens/s are per step
 wall time (response tokens, and prompt + response tokens, over the step's seconds). Useful-token
-MFU of a phase: its useful FLOPs over its seconds, over the machine's fp32 matmul rate measured in
-the same run (torch.mm with the run's 2 threads, best of 10). Useful FLOPs count the real (unpadded)
+MFU of a phase: its useful FLOPs over its seconds, over the machine's matmul rate measured in the
+same run (torch.mm with the run's 2 threads, best of 10; in the run's precision). Useful FLOPs count the real (unpadded)
 tokens of the step and the parameters that multiply them (all but the input embedding table):
 6 x params x tokens for an update (forward and backward), 2 x params x tokens for a log-prob pass;
 attention's sequence-squared term is left out (under 1% at these lengths). TRL has no separate
@@ -47,6 +52,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -77,6 +83,13 @@ SIZES: dict[str, dict[str, Any]] = {
             "response_length": 64, "lr": 1e-5, "steps": 8, "full_length": True,
             "model": "random-init Qwen2, 8 layers, hidden 512, intermediate 1536, 8/4 heads, character vocabulary"},
 }
+# Per precision: megarl's overrides and whether TRL trains with bf16=True. bf16 is mixed precision on
+# both sides: bf16 matrix multiplies, fp32 weights, gradients and optimizer state (megarl's
+# `model.dtype=bf16`, whose rollout engine then generates in bf16 too; TRL's bf16 autocast).
+PRECISIONS: dict[str, dict[str, Any]] = {
+    "fp32": {"megarl_overrides": [], "trl_bf16": False, "torch_dtype": torch.float32},
+    "bf16": {"megarl_overrides": ["model.dtype=bf16"], "trl_bf16": True, "torch_dtype": torch.bfloat16},
+}
 # TRL also runs with 1 thread: a 2-thread OpenMP process slows down badly when the machine's
 # cores are oversubscribed (threads wait for each other at every parallel region), while
 # megarl's 1-thread workers do not; the 1-thread figure shows how much of a gap is that effect.
@@ -106,9 +119,11 @@ def size_overrides(size: str) -> list[str]:
             + (["rollout.ignore_eos=true"] if spec["full_length"] else []))
 
 
-def useful_mfu(megarl: dict[str, Any], trl: dict[str, Any], params: int, rate: float) -> dict[str, Any]:
+def useful_mfu(megarl: dict[str, Any], trl: dict[str, Any], params: int, rate: float,
+               precision: str = "fp32") -> dict[str, Any]:
     """Useful-token MFU of megarl's update and old-log-prob phases and of TRL's training part,
-    summed over the timed steps (see the module doc)."""
+    summed over the timed steps (see the module doc), against `rate`: torch.mm's FLOP/s in the
+    run's `precision` (bf16: the rate its matrix multiplies can reach)."""
     def share(flops: float, seconds: float) -> Optional[float]:
         return flops / seconds / rate if seconds > 0 else None
 
@@ -121,7 +136,8 @@ def useful_mfu(megarl: dict[str, Any], trl: dict[str, Any], params: int, rate: f
     trl_train_s = sum(r["step_s"] - (r["gen_and_score_s"] or 0.0) for r in trl_timed)
     return {
         "useful_params": params,
-        "matmul_fp32_flops_per_s": rate,
+        f"matmul_{precision}_flops_per_s": rate,
+        "mfu_precision": precision,
         "megarl_update_mfu": share(6.0 * params * tokens, update_s),
         "megarl_old_log_prob_mfu": share(2.0 * params * tokens, logprob_s),
         "megarl_update_gflops_per_s": 6.0 * params * tokens / update_s / 1e9 if update_s else None,
@@ -202,8 +218,9 @@ def plot_reward_vs_wall_clock(megarl_records: list[dict[str, Any]], trl_records:
 
 def run_trl(python: Path, model_dir: Path, tokenizer: Path, prompts_file: Path, steps: int,
             work_dir: Path, timeout_s: float, response_length: int, lr: float, full_length: bool,
-            reward_options: dict[str, Any], threads: int = THREADS) -> dict[str, Any]:
-    """Run benchmarks/trl_grpo.py in the benchmark environment, sampling its memory."""
+            reward_options: dict[str, Any], threads: int = THREADS, bf16: bool = False) -> dict[str, Any]:
+    """Run benchmarks/trl_grpo.py in the benchmark environment, sampling its memory. `bf16`: TRL's
+    mixed precision (GRPOConfig bf16=True)."""
     out = work_dir / f"e2e_trl_t{threads}.json"
     cmd = [str(python), str(REPO_ROOT / "benchmarks" / "trl_grpo.py"), "--model-dir", str(model_dir),
            "--tokenizer", str(tokenizer), "--prompts", str(prompts_file), "--steps", str(steps),
@@ -211,6 +228,7 @@ def run_trl(python: Path, model_dir: Path, tokenizer: Path, prompts_file: Path, 
            "--max-completion-length", str(response_length), "--lr", str(lr), "--threads", str(threads),
            "--reward-options", json.dumps(reward_options),
            "--work-dir", str(work_dir / "e2e_trl_output"), "--out", str(out)] + (["--full-length"] if full_length else [])
+    cmd += ["--bf16"] if bf16 else []
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     log_path = work_dir / f"e2e_trl_t{threads}.log"
     load_before = load_average()
@@ -305,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--megarl-override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra megarl config override, repeatable (e.g. actor.old_log_prob_source=recompute, "
                         "which runs the old-log-prob pass so that its MFU is measured)")
+    p.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
+                   help="both sides: fp32, or bf16 mixed precision (megarl model.dtype=bf16, TRL bf16=True); "
+                        "MFU is then against torch.mm's bf16 rate")
     p.add_argument("--out", type=Path, default=None,
                    help="default: results/sections/e2e.json (quickstart, a section of megarl bench), results/e2e_25m.json")
     p.add_argument("--plot", type=Path, default=None,
@@ -323,8 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     task = prepare_task(work)
     run_dir = work / "e2e_megarl"
 
-    rate = matmul_flops(1024, threads=THREADS)
-    megarl = run_megarl(run_dir, base_overrides(task, run_dir, steps) + size_overrides(args.size) + args.megarl_override,
+    precision = PRECISIONS[args.precision]
+    megarl_overrides = size_overrides(args.size) + precision["megarl_overrides"] + args.megarl_override
+    rate = matmul_flops(1024, threads=THREADS, dtype=precision["torch_dtype"])
+    megarl = run_megarl(run_dir, base_overrides(task, run_dir, steps) + megarl_overrides,
                         prompts=PROMPTS, n=N, timeout_s=args.timeout, python=str(args.megarl_python))
     prompts_file = work / "e2e_prompts.json"
     run_cfg = OmegaConf.load(run_dir / "config.yaml")  # the config the megarl run resolved and saved
@@ -332,14 +355,14 @@ def main(argv: list[str] | None = None) -> int:
     # Both sides score with the same rule: megarl's scorer options go to TRL's reward function.
     reward_options = megarl_reward_options(run_cfg)
     trl_args = dict(response_length=size["response_length"], lr=size["lr"], full_length=size["full_length"],
-                    reward_options=reward_options)
+                    reward_options=reward_options, bf16=precision["trl_bf16"])
     trl = run_trl(args.bench_python, run_dir / "initial_model", task["tokenizer"], prompts_file, steps, work, args.timeout,
                   **trl_args)
     rounds = [round_ratios(megarl, trl)]
     for i in range(2, args.rounds + 1):  # same task, seed and prompts; TRL from round 1's initial model
         run_i = work / f"e2e_megarl_round{i}"
-        megarl_i = run_megarl(run_i, base_overrides(task, run_i, steps) + size_overrides(args.size)
-                              + args.megarl_override, prompts=PROMPTS, n=N, timeout_s=args.timeout,
+        megarl_i = run_megarl(run_i, base_overrides(task, run_i, steps) + megarl_overrides,
+                              prompts=PROMPTS, n=N, timeout_s=args.timeout,
                               python=str(args.megarl_python))
         trl_i = run_trl(args.bench_python, run_dir / "initial_model", task["tokenizer"], prompts_file, steps, work,
                         args.timeout, **trl_args)
@@ -364,8 +387,8 @@ def main(argv: list[str] | None = None) -> int:
             "model": f"{size['model']} (same weights both sides)",
             "prompts_per_step": PROMPTS, "responses_per_prompt": N, "max_response_tokens": size["response_length"],
             "full_length": size["full_length"],
-            "steps": steps, "lr": size["lr"], "precision": "fp32", "kl": "none (beta 0)", "loss": "token-mean",
-            "megarl_overrides": args.megarl_override,
+            "steps": steps, "lr": size["lr"], "precision": args.precision, "kl": "none (beta 0)", "loss": "token-mean",
+            "megarl_overrides": precision["megarl_overrides"] + args.megarl_override,
             "megarl": "2 Ray workers x 1 thread, Megatron DP=2 on gloo unless megarl_overrides set the layout, rollout.engine auto (HF unless the python given "
                       "has vLLM), actor.old_log_prob_source auto (no separate old-log-prob pass: one epoch, one "
                       "mini-batch, the update's own log-probs)",
@@ -382,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
                    "order": "megarl then TRL in each round, rounds one after another"},
         "reward_vs_wall_clock": reward_vs_wall_clock(megarl["records"], trl["records"]),
         # Parameters that multiply each token: all but the input embedding table.
-        "mfu": useful_mfu(megarl, trl, parameter_count(run_dir / "initial_model", skip=("embed_tokens.weight",)), rate),
+        "mfu": useful_mfu(megarl, trl, parameter_count(run_dir / "initial_model", skip=("embed_tokens.weight",)), rate,
+                          args.precision),
         "trl_variants": variants,
         "ratios_megarl_over_trl_variants": {k: compare(megarl, v) for k, v in variants.items() if "summary" in v},
         "load_average_end": load_average(),

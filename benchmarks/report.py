@@ -366,8 +366,9 @@ def _async_modes(result: dict[str, Any]) -> list[str]:
 def _e2e_25m(result: dict[str, Any]) -> list[str]:
     """The e2e table, then the useful-token MFU of the update and log-prob phases."""
     mfu = result.get("mfu", {})
-    rate = mfu.get("matmul_fp32_flops_per_s")
-    lines = _e2e(result) + ["", f"Useful-token MFU against torch.mm fp32 at {fmt(rate / 1e9 if rate else None)} GFLOP/s "
+    precision = mfu.get("mfu_precision", "fp32")
+    rate = mfu.get(f"matmul_{precision}_flops_per_s")
+    lines = _e2e(result) + ["", f"Useful-token MFU against torch.mm {precision} at {fmt(rate / 1e9 if rate else None)} GFLOP/s "
                                 f"(2 threads, measured in the same run), {fmt(mfu.get('useful_params'))} parameters "
                                 "multiplying each token:", ""]
     rows = [["megarl update (6 x params x tokens)", mfu.get("megarl_update_mfu")],

@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help='JSON {scorer: {option: value}}: the megarl run\'s reward.reward_kwargs, so that both sides '
                         'score with the same rule (e.g. {"arithmetic": {"mode": "startswith"}})')
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--bf16", action="store_true",
+                   help="mixed precision (GRPOConfig bf16=True: bf16 autocast, fp32 weights and optimizer)")
     p.add_argument("--work-dir", required=True, help="TRL's output_dir (nothing is saved there)")
     p.add_argument("--out", required=True, help="JSON results path")
     return p.parse_args(argv)
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         max_steps=args.steps,
         seed=args.seed,
         use_cpu=True,
-        bf16=False,
+        bf16=args.bf16,
         fp16=False,
         logging_steps=1,
         save_strategy="no",

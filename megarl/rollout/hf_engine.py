@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from megarl.errors import ConfigError
 from megarl.protocol import Batch
@@ -29,6 +31,34 @@ from megarl.rollout.output import assemble_rollout_batch, check_prompt_tensors, 
 from megarl.rollout.sampling import sample_next_tokens
 
 logger = logging.getLogger(__name__)
+
+GROUPED_SDPA = "megarl_grouped_sdpa"
+
+
+def grouped_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                           **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' "sdpa" attention, without copying the KV cache at every decoded token.
+
+    With grouped-query attention and a padding mask, transformers repeats each key and value head
+    for every query head of its group (`repeat_kv`) before the attention call, because CUDA's
+    kernels would fall back to the math one with both: at each decoded token a copy of the layer's
+    whole cache, group-size times over. On CPU torch's own grouped attention (`enable_gqa`) takes
+    the mask, so a decoded token on CPU goes straight to it. Prompts (several query tokens) and
+    other devices go to transformers' function.
+    """
+    if (getattr(module, "num_key_value_groups", 1) == 1 or query.shape[2] != 1 or query.device.type != "cpu"
+            or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2), None  # [batch, 1, heads, head_dim], as transformers' function returns
+
+
+# Registered once for every model of the process; the masks are the "sdpa" ones.
+AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
+AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -148,6 +178,8 @@ class HFRolloutEngine(RolloutEngine):
             )
         self.model = model.to(dtype=options.torch_dtype).eval()
         self.model.requires_grad_(False)
+        if self.model.config._attn_implementation == "sdpa":
+            self.model.set_attn_implementation(GROUPED_SDPA)
         self.device = next(self.model.parameters()).device
         self._generator = torch.Generator(device=self.device).manual_seed(options.seed)
         self._canonical, self._update_parts = _weight_names(self.model)

@@ -294,3 +294,51 @@ def test_the_preallocated_cache_holds_what_transformers_cache_holds(model: torch
     theirs.crop(-2)
     for mine, reference in zip(ours.layers, theirs.layers):
         assert torch.equal(mine.keys, reference.keys) and torch.equal(mine.values, reference.values)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_grouped_attention_of_a_decoded_token_equals_dense_math(groups: int) -> None:
+    """`grouped_sdpa_attention` for one query token over a left-padded float64 cache, against the
+    attention written out per head (query head h reads key/value head h // groups), and against
+    transformers' own sdpa function, which repeats the key/value heads first."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    generator = torch.Generator().manual_seed(groups)
+    batch, kv_heads, keys, head_dim = 3, 2, 7, 8
+    heads = kv_heads * groups
+    query = torch.randn(batch, heads, 1, head_dim, dtype=torch.float64, generator=generator)
+    key, value = (torch.randn(batch, kv_heads, keys, head_dim, dtype=torch.float64, generator=generator)
+                  for _ in range(2))
+    mask = torch.ones(batch, 1, 1, keys, dtype=torch.bool)
+    mask[1, ..., :3] = False  # left padding of rows 1 and 2
+    mask[2, ..., :1] = False
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = groups, True
+    out, _ = hf_engine.grouped_sdpa_attention(module, query, key, value, mask, scaling=0.3)
+    assert out.shape == (batch, 1, heads, head_dim)
+    for b in range(batch):
+        for h in range(heads):
+            k, v = key[b, h // groups], value[b, h // groups]
+            scores = (k @ query[b, h, 0]) * 0.3
+            weights = torch.softmax(scores.masked_fill(~mask[b, 0, 0], float("-inf")), dim=0)
+            torch.testing.assert_close(out[b, 0, h], weights @ v, atol=1e-12, rtol=0)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    torch.testing.assert_close(out, theirs, atol=1e-12, rtol=0)
+
+
+def test_the_engine_decodes_with_grouped_attention() -> None:
+    """An sdpa model's decoding runs through `grouped_sdpa_attention` (4 query heads over 2
+    key/value heads), and its greedy tokens and log-probs are those of a copy of the model left on
+    transformers' sdpa, decoded without a cache."""
+    model = tiny_model(seed=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    theirs = copy.deepcopy(model)
+    theirs.set_attn_implementation("sdpa")
+    engine = make_engine(copy.deepcopy(model))
+    assert engine.model.config._attn_implementation == hf_engine.GROUPED_SDPA
+    out = engine.generate(prompt_batch(PROMPTS), SamplingParams.make_greedy(R))
+    for i, prompt in enumerate(PROMPTS):
+        expected = argmax_decode(theirs, prompt, R)
+        assert out["responses"][i].tolist() == expected
+        reference = reference_log_softmax(theirs, prompt, expected)
+        torch.testing.assert_close(out["rollout_log_probs"][i].double(), reference[torch.arange(R), torch.tensor(expected)],
+                                   atol=1e-5, rtol=0)
