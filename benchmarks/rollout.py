@@ -1,13 +1,17 @@
 """Rollout throughput: the HF transformers engine against the vLLM engine, side by side.
 
-A tiny random Qwen2 (4 layers, hidden 256, head_dim 64) generates a fixed number of tokens per
-sequence (EOS ignored), so both engines do the same work. vLLM is measured only where it can be
+A random Qwen2 (`--size tiny`: 4 layers, hidden 256, head_dim 64; `--size 25m`: the shape of
+benchmarks/e2e_25m.py) generates a fixed number of tokens per sequence (EOS ignored), so both
+engines do the same work. vLLM is measured only where it can be
 imported (the CPU build lives in its own environment, see tools/vllm_env.sh).
 
 `--engines hf,hf_concat_cache` also times the HF engine with transformers' own `DynamicCache`,
 which concatenates each token's keys and values onto a copy of the whole cache, against the
-engine's preallocated cache (`megarl.rollout.hf_engine.decoding_cache`): the two alternate call by
-call, on the same prompts and seed.
+engine's preallocated cache (`megarl.rollout.hf_engine.decoding_cache`); `hf_repeat_kv` times it
+with transformers' sdpa attention, which under a padding mask repeats the key/value heads of each
+group at every token, against the engine's grouped-query attention
+(`megarl.rollout.hf_engine.grouped_sdpa_attention`). The variants alternate with the engine as it
+is call by call, on the same prompts and seeds.
 
     python benchmarks/rollout.py [--out benchmarks/results/rollout.json]
 
@@ -26,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,13 +39,21 @@ from transformers import DynamicCache
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "rollout.json"
 
 
-def build_model(vocab_size: int, seed: int) -> torch.nn.Module:
+# Model shapes: the default tiny Qwen2, and the ~25M one of benchmarks/e2e_25m.py.
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "25m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=4),
+}
+
+
+def build_model(vocab_size: int, seed: int, size: str = "tiny") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(
-        vocab_size=vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-        tie_word_embeddings=False, pad_token_id=0,
+        vocab_size=vocab_size, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0,
+        **MODEL_SIZES[size],
     )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -76,32 +89,55 @@ def measure(engine: Any, prompts: Any, params: Any, repeats: int) -> dict[str, A
     }
 
 
-def compare_caches(engine: Any, prompts: Any, params: Any, repeats: int) -> dict[str, Any]:
-    """The HF engine with its preallocated KV cache and with transformers' concatenating one,
-    alternating call by call after one warm-up call each."""
+def _concatenating_cache(engine: Any) -> Callable[[], None]:
+    """Give the engine transformers' concatenating `DynamicCache`; returns the undo."""
     from megarl.rollout import hf_engine
 
     preallocated = hf_engine.decoding_cache
+    hf_engine.decoding_cache = lambda config, capacity: DynamicCache(config=config)
 
-    def concatenating(config: Any, capacity: int) -> DynamicCache:
-        return DynamicCache(config=config)
+    def undo() -> None:
+        hf_engine.decoding_cache = preallocated
+    return undo
 
-    seconds: dict[str, list[float]] = {"hf": [], "hf_concat_cache": []}
+
+def _repeated_kv_heads(engine: Any) -> Callable[[], None]:
+    """Put the engine's model back on transformers' sdpa attention (which repeats the key/value
+    heads of a grouped-query model under a padding mask); returns the undo."""
+    before = engine.model.config._attn_implementation
+    engine.model.set_attn_implementation("sdpa")
+    return lambda: engine.model.set_attn_implementation(before)
+
+
+# Variants of the HF engine that `--engines` can name, each timed against the engine as it is.
+HF_VARIANTS: dict[str, Callable[[Any], Callable[[], None]]] = {
+    "hf_concat_cache": _concatenating_cache,
+    "hf_repeat_kv": _repeated_kv_heads,
+}
+# JSON key of the engine-as-is / variant throughput ratio (medians).
+VARIANT_RATIO_KEYS = {"hf_concat_cache": "preallocated_over_concat_cache",
+                      "hf_repeat_kv": "grouped_attention_over_repeat_kv"}
+
+
+def compare_variants(engine: Any, prompts: Any, params: Any, repeats: int, variants: list[str]) -> dict[str, Any]:
+    """The HF engine as it is ("hf") and in each of `variants` (names of HF_VARIANTS), alternating
+    call by call after one warm-up call each, on the same prompts and seeds."""
+    seconds: dict[str, list[float]] = {name: [] for name in ["hf", *variants]}
     outputs = {}
-    try:
-        for call in range(repeats + 1):
-            for name, cache in (("hf", preallocated), ("hf_concat_cache", concatenating)):
-                hf_engine.decoding_cache = cache
+    for call in range(repeats + 1):
+        for name in seconds:
+            undo = HF_VARIANTS[name](engine) if name in HF_VARIANTS else (lambda: None)
+            try:
                 start = time.perf_counter()
                 outputs[name] = engine.generate(prompts, dataclasses.replace(params, seed=call))
                 if call:
                     seconds[name].append(time.perf_counter() - start)
-    finally:
-        hf_engine.decoding_cache = preallocated
+            finally:
+                undo()
     tokens = int(outputs["hf"]["response_mask"].sum())
     return {name: {"generated_tokens_per_call": tokens, "seconds": times, "tokens_per_s": tokens / min(times),
                    "tokens_per_s_median": tokens / statistics.median(times),
-                   # the same seed, so the same samples unless the two caches' attention differed
+                   # the same seed, so the same samples unless the variant computed differently
                    "same_responses_as_hf": bool(torch.equal(outputs[name]["responses"], outputs["hf"]["responses"]))}
             for name, times in seconds.items()}
 
@@ -111,7 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from megarl.rollout.hf_engine import HFRolloutEngine
     from megarl.rollout.vllm_engine import vllm_import_error
 
-    model = build_model(args.vocab_size, args.seed)
+    model = build_model(args.vocab_size, args.seed, args.size)
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     prompts = prompt_batch(args.num_prompts, args.vocab_size, args.seed)
     params = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0, ignore_eos=True)
@@ -129,17 +165,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     hf_engine = HFRolloutEngine(model, options)
     startup = time.perf_counter() - start
-    caches = compare_caches(hf_engine, prompts, params, args.repeats) if "hf_concat_cache" in args.engines else None
-    hf = measure(hf_engine, prompts, params, args.repeats) if caches is None else caches["hf"]
+    variants = [name for name in args.engines.split(",") if name in HF_VARIANTS]
+    compared = compare_variants(hf_engine, prompts, params, args.repeats, variants) if variants else None
+    hf = measure(hf_engine, prompts, params, args.repeats) if compared is None else compared["hf"]
     start = time.perf_counter()
     hf_engine.update_weights(state.items())
     hf.update(startup_s=startup, update_weights_s=time.perf_counter() - start)
     results["engines"]["hf"] = hf
-    if caches is not None:  # the same engine: its start-up and weight update are hf's
-        results["engines"]["hf_concat_cache"] = {**caches["hf_concat_cache"], "startup_s": startup,
-                                                 "update_weights_s": hf["update_weights_s"]}
-        results["preallocated_over_concat_cache"] = (hf["tokens_per_s_median"]
-                                                     / caches["hf_concat_cache"]["tokens_per_s_median"])
+    for name in variants:  # the same engine: its start-up and weight update are hf's
+        results["engines"][name] = {**compared[name], "startup_s": startup, "update_weights_s": hf["update_weights_s"]}
+        results[VARIANT_RATIO_KEYS[name]] = hf["tokens_per_s_median"] / compared[name]["tokens_per_s_median"]
     hf_engine.release()
 
     error = vllm_import_error() if "vllm" in args.engines else "not requested"
@@ -172,7 +207,7 @@ def report(results: dict[str, Any]) -> str:
     config = results["config"]
     lines = [
         f"rollout: {config['sequences']} sequences x {config['max_new_tokens']} new tokens, {config['dtype']}, "
-        f"tiny Qwen2 (4 layers, hidden 256), {results['machine']['threads']} threads",
+        f"{config['size']} Qwen2 ({MODEL_SIZES[config['size']]}), {results['machine']['threads']} threads",
         f"{'engine':<12}{'tokens/s':>12}{'startup s':>12}{'update_weights s':>18}",
     ]
     for name, numbers in results["engines"].items():
@@ -181,6 +216,9 @@ def report(results: dict[str, Any]) -> str:
         )
     if "preallocated_over_concat_cache" in results:
         lines.append(f"hf, preallocated / concatenating KV cache (medians): {results['preallocated_over_concat_cache']:.2f}x")
+    if "grouped_attention_over_repeat_kv" in results:
+        lines.append("hf, grouped-query attention / repeated key-value heads (medians): "
+                     f"{results['grouped_attention_over_repeat_kv']:.2f}x")
     if "vllm_over_hf" in results:
         lines.append(f"vllm / hf throughput: {results['vllm_over_hf']:.2f}x")
     else:
@@ -197,8 +235,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--vocab-size", type=int, default=320)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--engines", default="hf,vllm", help="comma-separated: hf,vllm,hf_concat_cache")
+    parser.add_argument("--engines", default="hf,vllm", help="comma-separated: hf,vllm,hf_concat_cache,hf_repeat_kv")
     parser.add_argument("--seed", type=int, default=0, help="model, prompts and engine seed")
+    parser.add_argument("--size", default="tiny", choices=sorted(MODEL_SIZES),
+                        help="tiny: 4 layers, hidden 256; 25m: the shape of benchmarks/e2e_25m.py")
     return parser.parse_args(argv)
 
 
