@@ -17,8 +17,8 @@ processes x 1 thread at data-parallel size 2; TRL: 1 process x 2 threads). Two s
     python benchmarks/e2e.py [--size quickstart|25m] [--steps N] [--rounds R] [--precision fp32|bf16]
                              [--quick] [--out PATH]
 
-`--precision bf16` runs both sides in bf16 mixed precision (bf16 matrix multiplies, fp32 weights
-and optimizer state): megarl with `model.dtype=bf16` (its rollout engine generates in bf16 too),
+`--precision bf16` runs both sides in bf16 mixed precision (bf16 matrix multiplies, fp32 master
+weights and optimizer state): megarl with `model.dtype=bf16` (its rollout engine generates in bf16 too),
 TRL with `bf16=True`. On a CPU with bf16 matrix units (AMX) this is several times the fp32 rate.
 
 `--rounds R` runs the pair R times in turn (megarl, TRL, megarl, TRL, ...), so that a slow spell of
@@ -28,8 +28,9 @@ a shared machine falls on both sides, and reports each round's ratios and their 
 Step 1 is left out of the time averages. Generated tokens/s and training tokens/s are per step
 wall time (response tokens, and prompt + response tokens, over the step's seconds). Useful-token
 MFU of a phase: its useful FLOPs over its seconds, over the machine's matmul rate measured in the
-same run (torch.mm with the run's 2 threads, best of 10; in the run's precision). Useful FLOPs count the real (unpadded)
-tokens of the step and the parameters that multiply them (all but the input embedding table):
+same run (torch.mm with the run's 2 threads, best of 10, in the run's precision). Useful FLOPs count
+the real (unpadded) tokens of the step and the parameters that multiply them (all but the input
+embedding table):
 6 x params x tokens for an update (forward and backward), 2 x params x tokens for a log-prob pass;
 attention's sequence-squared term is left out (under 1% at these lengths). TRL has no separate
 log-prob pass; its training time is the step minus generation and scoring.
@@ -84,7 +85,7 @@ SIZES: dict[str, dict[str, Any]] = {
             "model": "random-init Qwen2, 8 layers, hidden 512, intermediate 1536, 8/4 heads, character vocabulary"},
 }
 # Per precision: megarl's overrides and whether TRL trains with bf16=True. bf16 is mixed precision on
-# both sides: bf16 matrix multiplies, fp32 weights, gradients and optimizer state (megarl's
+# both sides: bf16 matrix multiplies, fp32 master weights and optimizer state (megarl's
 # `model.dtype=bf16`, whose rollout engine then generates in bf16 too; TRL's bf16 autocast).
 PRECISIONS: dict[str, dict[str, Any]] = {
     "fp32": {"megarl_overrides": [], "trl_bf16": False, "torch_dtype": torch.float32},
