@@ -105,6 +105,24 @@ def test_mfu_counts_six_flops_per_parameter_and_token():
     assert mfu(1, 1.0, None) is None
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_useful_mfu_of_the_e2e_comparison_by_hand(precision):
+    """Steps 2..N only; megarl's update 6 x params x tokens over its seconds, TRL's training part the
+    step minus generation and scoring; against the rate of the run's precision, named by it."""
+    from e2e import useful_mfu
+
+    megarl = {"records": [{"step": 1, "total_tokens": 999, "update_actor_s": 99.0},
+                          {"step": 2, "total_tokens": 100, "update_actor_s": 2.0},
+                          {"step": 3, "total_tokens": 300, "update_actor_s": 2.0}]}
+    trl = {"records": [{"step": 1, "prompt_tokens": 9, "response_tokens": 9, "step_s": 99.0, "gen_and_score_s": 1.0},
+                       {"step": 2, "prompt_tokens": 50, "response_tokens": 150, "step_s": 5.0, "gen_and_score_s": 3.0}]}
+    out = useful_mfu(megarl, trl, params=1000, rate=1e6, precision=precision)
+    assert out["mfu_precision"] == precision and out[f"matmul_{precision}_flops_per_s"] == 1e6
+    assert out["megarl_update_mfu"] == pytest.approx(6 * 1000 * 400 / 4.0 / 1e6)  # 0.6
+    assert out["trl_training_mfu"] == pytest.approx(6 * 1000 * 200 / 2.0 / 1e6)  # 0.6
+    assert out["megarl_old_log_prob_mfu"] is None  # no old-log-prob pass ran
+
+
 def test_reward_against_wall_clock_over_the_span_both_sides_ran():
     from e2e import reward_vs_wall_clock
 
