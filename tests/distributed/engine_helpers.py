@@ -7,6 +7,8 @@ functions that run in the rank processes, so that pytest's own process does not 
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from typing import Any
 
@@ -119,8 +121,25 @@ def with_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.
     return out
 
 
+_SCRATCH_DIRS: list[str] = []
+
+
+def _remove_scratch_dirs() -> None:
+    for path in _SCRATCH_DIRS:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def scratch_dir(prefix: str) -> str:
+    """A temporary folder removed when this process exits. Called in test bodies (the pytest
+    process), whose ranks are done with the folder by then."""
+    if not _SCRATCH_DIRS:
+        atexit.register(_remove_scratch_dirs)
+    _SCRATCH_DIRS.append(tempfile.mkdtemp(prefix=prefix))
+    return _SCRATCH_DIRS[-1]
+
+
 def save_hf_model(model: torch.nn.Module) -> str:
-    path = tempfile.mkdtemp(prefix="megarl_hf_")
+    path = scratch_dir("megarl_hf_")
     model.save_pretrained(path, safe_serialization=True)
     return path
 

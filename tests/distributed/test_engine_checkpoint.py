@@ -4,7 +4,6 @@ The resumed run's next step must equal the uninterrupted run's (weights, Adam st
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any
 
 import psutil
@@ -12,7 +11,9 @@ import pytest
 import torch
 
 from _launch import run_distributed
-from engine_helpers import adam_weight_atol, gather_hf_state, make_batch, make_hf_model, pg_loss_fn, save_hf_model
+from engine_helpers import (
+    adam_weight_atol, gather_hf_state, make_batch, make_hf_model, pg_loss_fn, save_hf_model, scratch_dir,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -70,7 +71,7 @@ def _save_then_resume(rank: int, world: int, port: int, hf_dir: str, batches: li
 def test_checkpoint_reshards_and_resumes_exactly(save_layout: dict, load_layout: dict, dtype: str) -> None:
     hf_dir = save_hf_model(make_hf_model("qwen3"))
     batches = [make_batch(seed=10 + i, batch=4) for i in range(3)]
-    ckpt_dir = os.path.join(tempfile.mkdtemp(prefix="megarl_ckpt_"), "step_2")
+    ckpt_dir = os.path.join(scratch_dir("megarl_ckpt_"), "step_2")
     res = run_distributed(_save_then_resume, 2, hf_dir, batches, ckpt_dir, save_layout, load_layout, dtype)[0]
     assert "metadata.json" in res["files"] and not os.path.exists(ckpt_dir + ".partial")
     # A save leaves no process behind that could outlive a killed worker (Megatron's writer would

@@ -24,6 +24,7 @@ from engine_helpers import (
     pg_loss_fn,
     reference_train_step,
     save_hf_model,
+    scratch_dir,
     with_state,
 )
 
@@ -186,11 +187,10 @@ def _save_ep2_resume_dp2(rank: int, world: int, port: int, hf_dir: str, batches:
 
 def test_checkpoint_saved_at_ep2_resumes_at_ep1_exactly() -> None:
     import os
-    import tempfile
 
     hf_dir = save_hf_model(make_moe_model("qwen2_moe", seed=3))
     batches = [make_batch(seed=20 + i, batch=4) for i in range(3)]
-    ckpt_dir = os.path.join(tempfile.mkdtemp(prefix="megarl_moe_ckpt_"), "step_2")
+    ckpt_dir = os.path.join(scratch_dir("megarl_moe_ckpt_"), "step_2")
     res = run_distributed(_save_ep2_resume_dp2, 2, hf_dir, batches, ckpt_dir)[0]
     # At ep=2 the expert parameters have their own distributed optimizer (expert DP group of 1);
     # at ep=1 they share the dense one: the checkpoint moves between the two arrangements.
@@ -232,12 +232,11 @@ def _save_etp1_resume_etp2(rank: int, world: int, port: int, hf_dir: str, batch:
 
 def test_checkpoint_saved_at_expert_tp1_resumes_at_expert_tp2() -> None:
     import os
-    import tempfile
 
     model = make_moe_model("qwen2_moe", seed=4)
     hf_dir = save_hf_model(model)
     batch = make_batch(seed=24, batch=4)
-    ckpt_dir = os.path.join(tempfile.mkdtemp(prefix="megarl_moe_etp_"), "step_1")
+    ckpt_dir = os.path.join(scratch_dir("megarl_moe_etp_"), "step_1")
     start, _ = hf_logprobs(model, batch)
     mask = batch["response_mask"].bool()
     for rank, res in enumerate(run_distributed(_save_etp1_resume_etp2, 4, hf_dir, batch, ckpt_dir, timeout=600)):
@@ -262,14 +261,13 @@ def _converted_log_probs(rank: int, world: int, port: int, hf_dir: str, ckpt: st
 
 
 def test_converted_moe_checkpoint_loads_at_ep2_and_tp2() -> None:
-    import tempfile
     from pathlib import Path
 
     from megarl.convert.hf_to_mcore import convert_hf_to_mcore
 
     model = make_moe_model("qwen2_moe", seed=9)
     hf_dir = save_hf_model(model)
-    ckpt = Path(tempfile.mkdtemp(prefix="megarl_moe_conv_")) / "mcore"
+    ckpt = Path(scratch_dir("megarl_moe_conv_")) / "mcore"
     convert_hf_to_mcore(hf_dir, ckpt, tp=1, progress=False)
     batch = make_batch(seed=13, batch=4)
     want, _ = hf_logprobs(model, batch)
