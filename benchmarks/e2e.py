@@ -53,7 +53,6 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -73,6 +72,8 @@ from common import (  # noqa: E402
 from megarl_run import base_overrides, prepare_task, run_megarl  # noqa: E402
 from report import reward_plot_name  # noqa: E402
 
+from megarl.dtypes import torch_dtype  # noqa: E402
+
 BENCH_PYTHON = REPO_ROOT / ".venv-bench" / "bin" / "python"
 PROMPTS, N, THREADS = 8, 8, 2
 # Per size: the model (HF config keys over the quickstart's), response tokens, learning rate, steps.
@@ -84,13 +85,10 @@ SIZES: dict[str, dict[str, Any]] = {
             "response_length": 64, "lr": 1e-5, "steps": 8, "full_length": True,
             "model": "random-init Qwen2, 8 layers, hidden 512, intermediate 1536, 8/4 heads, character vocabulary"},
 }
-# Per precision: megarl's overrides and whether TRL trains with bf16=True. bf16 is mixed precision on
-# both sides: bf16 matrix multiplies, fp32 master weights and optimizer state (megarl's
-# `model.dtype=bf16`, whose rollout engine then generates in bf16 too; TRL's bf16 autocast).
-PRECISIONS: dict[str, dict[str, Any]] = {
-    "fp32": {"megarl_overrides": [], "trl_bf16": False, "torch_dtype": torch.float32},
-    "bf16": {"megarl_overrides": ["model.dtype=bf16"], "trl_bf16": True, "torch_dtype": torch.bfloat16},
-}
+# Precisions of both sides: fp32, or bf16 mixed precision (bf16 matrix multiplies, fp32 master
+# weights and optimizer state): megarl's `model.dtype`, whose rollout engine then generates in
+# bf16 too, and TRL's `bf16=True` (autocast).
+PRECISIONS = ("fp32", "bf16")
 # TRL also runs with 1 thread: a 2-thread OpenMP process slows down badly when the machine's
 # cores are oversubscribed (threads wait for each other at every parallel region), while
 # megarl's 1-thread workers do not; the 1-thread figure shows how much of a gap is that effect.
@@ -324,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--megarl-override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra megarl config override, repeatable (e.g. actor.old_log_prob_source=recompute, "
                         "which runs the old-log-prob pass so that its MFU is measured)")
-    p.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="both sides: fp32, or bf16 mixed precision (megarl model.dtype=bf16, TRL bf16=True); "
                         "MFU is then against torch.mm's bf16 rate")
     p.add_argument("--out", type=Path, default=None,
@@ -345,9 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     task = prepare_task(work)
     run_dir = work / "e2e_megarl"
 
-    precision = PRECISIONS[args.precision]
-    megarl_overrides = size_overrides(args.size) + precision["megarl_overrides"] + args.megarl_override
-    rate = matmul_flops(1024, threads=THREADS, dtype=precision["torch_dtype"])
+    precision_overrides = [f"model.dtype={args.precision}"]
+    megarl_overrides = size_overrides(args.size) + precision_overrides + args.megarl_override
+    rate = matmul_flops(1024, threads=THREADS, dtype=torch_dtype(args.precision))
     megarl = run_megarl(run_dir, base_overrides(task, run_dir, steps) + megarl_overrides,
                         prompts=PROMPTS, n=N, timeout_s=args.timeout, python=str(args.megarl_python))
     prompts_file = work / "e2e_prompts.json"
@@ -356,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     # Both sides score with the same rule: megarl's scorer options go to TRL's reward function.
     reward_options = megarl_reward_options(run_cfg)
     trl_args = dict(response_length=size["response_length"], lr=size["lr"], full_length=size["full_length"],
-                    reward_options=reward_options, bf16=precision["trl_bf16"])
+                    reward_options=reward_options, bf16=args.precision == "bf16")
     trl = run_trl(args.bench_python, run_dir / "initial_model", task["tokenizer"], prompts_file, steps, work, args.timeout,
                   **trl_args)
     rounds = [round_ratios(megarl, trl)]
@@ -389,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompts_per_step": PROMPTS, "responses_per_prompt": N, "max_response_tokens": size["response_length"],
             "full_length": size["full_length"],
             "steps": steps, "lr": size["lr"], "precision": args.precision, "kl": "none (beta 0)", "loss": "token-mean",
-            "megarl_overrides": precision["megarl_overrides"] + args.megarl_override,
+            "megarl_overrides": precision_overrides + args.megarl_override,
             "megarl": "2 Ray workers x 1 thread, Megatron DP=2 on gloo unless megarl_overrides set the layout, rollout.engine auto (HF unless the python given "
                       "has vLLM), actor.old_log_prob_source auto (no separate old-log-prob pass: one epoch, one "
                       "mini-batch, the update's own log-probs)",

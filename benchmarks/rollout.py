@@ -29,22 +29,26 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from e2e import SIZES as E2E_SIZES  # noqa: E402
+
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "rollout.json"
 
 
-# Model shapes: the default tiny Qwen2, and the ~25M one of benchmarks/e2e_25m.py.
+# Model shapes: the default tiny Qwen2, and the ~25M one of benchmarks/e2e_25m.py (its context
+# length left to max_position_embeddings below).
 MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2),
-    "25m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                num_key_value_heads=4),
+    "25m": {k: v for k, v in E2E_SIZES["25m"]["hf_config"].items() if k != "max_position_embeddings"},
 }
 
 
@@ -109,14 +113,13 @@ def _repeated_kv_heads(engine: Any) -> Callable[[], None]:
     return lambda: engine.model.set_attn_implementation(before)
 
 
-# Variants of the HF engine that `--engines` can name, each timed against the engine as it is.
-HF_VARIANTS: dict[str, Callable[[Any], Callable[[], None]]] = {
-    "hf_concat_cache": _concatenating_cache,
-    "hf_repeat_kv": _repeated_kv_heads,
+# Variants of the HF engine that `--engines` can name, each timed against the engine as it is: the
+# function that sets the variant up (returning the undo), and the JSON key of the engine-as-is /
+# variant throughput ratio (medians).
+HF_VARIANTS: dict[str, tuple[Callable[[Any], Callable[[], None]], str]] = {
+    "hf_concat_cache": (_concatenating_cache, "preallocated_over_concat_cache"),
+    "hf_repeat_kv": (_repeated_kv_heads, "grouped_attention_over_repeat_kv"),
 }
-# JSON key of the engine-as-is / variant throughput ratio (medians).
-VARIANT_RATIO_KEYS = {"hf_concat_cache": "preallocated_over_concat_cache",
-                      "hf_repeat_kv": "grouped_attention_over_repeat_kv"}
 
 
 def compare_variants(engine: Any, prompts: Any, params: Any, repeats: int, variants: list[str]) -> dict[str, Any]:
@@ -126,7 +129,7 @@ def compare_variants(engine: Any, prompts: Any, params: Any, repeats: int, varia
     outputs = {}
     for call in range(repeats + 1):
         for name in seconds:
-            undo = HF_VARIANTS[name](engine) if name in HF_VARIANTS else (lambda: None)
+            undo = HF_VARIANTS[name][0](engine) if name in HF_VARIANTS else (lambda: None)
             try:
                 start = time.perf_counter()
                 outputs[name] = engine.generate(prompts, dataclasses.replace(params, seed=call))
@@ -174,7 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results["engines"]["hf"] = hf
     for name in variants:  # the same engine: its start-up and weight update are hf's
         results["engines"][name] = {**compared[name], "startup_s": startup, "update_weights_s": hf["update_weights_s"]}
-        results[VARIANT_RATIO_KEYS[name]] = hf["tokens_per_s_median"] / compared[name]["tokens_per_s_median"]
+        results[HF_VARIANTS[name][1]] = hf["tokens_per_s_median"] / compared[name]["tokens_per_s_median"]
     hf_engine.release()
 
     error = vllm_import_error() if "vllm" in args.engines else "not requested"

@@ -332,8 +332,8 @@ def test_the_engine_decodes_with_grouped_attention() -> None:
     transformers' sdpa, decoded without a cache."""
     model = tiny_model(seed=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     theirs = copy.deepcopy(model)
-    theirs.set_attn_implementation("sdpa")
     engine = make_engine(copy.deepcopy(model))
+    assert theirs.config._attn_implementation == "sdpa"
     assert engine.model.config._attn_implementation == hf_engine.GROUPED_SDPA
     out = engine.generate(prompt_batch(PROMPTS), SamplingParams.make_greedy(R))
     for i, prompt in enumerate(PROMPTS):
