@@ -69,7 +69,7 @@ from common import (  # noqa: E402
     ratio,
     write_json,
 )
-from megarl_run import base_overrides, prepare_task, run_megarl  # noqa: E402
+from megarl_run import base_overrides, prepare_task, run_megarl, wall_step_mean  # noqa: E402
 from report import reward_plot_name  # noqa: E402
 
 from megarl.dtypes import torch_dtype  # noqa: E402
@@ -153,10 +153,11 @@ def megarl_reward_options(cfg: DictConfig) -> dict[str, Any]:
 
 
 def reward_timeline(records: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    """(time the step ended, its mean reward) per step with a reward; time = sum of step times."""
+    """(time the step ended, its mean reward) per step with a reward; time = sum of the steps' wall
+    seconds (`wall_s`, from the previous step's end), the step timer where a record has none (the first)."""
     points, clock = [], 0.0
     for r in records:
-        clock += r["step_s"]
+        clock += r["wall_s"] if r.get("wall_s") is not None else r["step_s"]
         if r.get("score_mean") is not None:
             points.append((clock, float(r["score_mean"])))
     return points
@@ -165,7 +166,7 @@ def reward_timeline(records: list[dict[str, Any]]) -> list[tuple[float, float]]:
 def reward_vs_wall_clock(megarl_records: list[dict[str, Any]], trl_records: list[dict[str, Any]],
                          windows: int = 6) -> dict[str, Any]:
     """Reward against training time on both sides, over the span both ran (the shorter run's total
-    step time, T). A step's reward counts at the time its step ended (sum of step times so far).
+    time, T). A step's reward counts at the time its step ended (`reward_timeline`).
 
     Returns the edges of `windows` equal windows of [0, T], each side's mean step reward in each
     window (None where a side ended no step in it), each side's mean reward over all steps ended by
@@ -266,6 +267,7 @@ def summarise_trl(records: list[dict[str, Any]], reward_window: int = 5) -> dict
         "steps": len(records),
         "timed_steps": len(timed),
         "step_s_mean": mean([r["step_s"] for r in timed]),
+        "wall_step_s_mean": wall_step_mean(records),
         "generated_tokens_per_s": response / total if total else None,
         "training_tokens_per_s": (prompt + response) / total if total else None,
         "gen_and_score_share": gen / total if total else None,
@@ -280,6 +282,7 @@ def compare(megarl: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
     m, t = megarl["summary"], trl["summary"]
     return {
         "step_time": ratio(m["step_s_mean"], t["step_s_mean"]),
+        "wall_step_time": ratio(m.get("wall_step_s_mean"), t.get("wall_step_s_mean")),
         "generated_tokens_per_s": ratio(m["generated_tokens_per_s"], t["generated_tokens_per_s"]),
         "training_tokens_per_s": ratio(m["training_tokens_per_s"], t["training_tokens_per_s"]),
         "peak_memory_workload": ratio(megarl["memory"]["workload_mib"], trl["memory"]["workload_mib"]),
@@ -290,7 +293,10 @@ def compare(megarl: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
 def round_ratios(megarl: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
     """The headline numbers of one megarl/TRL pair."""
     return {"megarl_step_s": megarl["summary"]["step_s_mean"], "trl_step_s": trl["summary"]["step_s_mean"],
-            **{k: v for k, v in compare(megarl, trl).items() if k in ("step_time", "generated_tokens_per_s")},
+            "megarl_wall_step_s": megarl["summary"].get("wall_step_s_mean"),
+            "trl_wall_step_s": trl["summary"].get("wall_step_s_mean"),
+            **{k: v for k, v in compare(megarl, trl).items()
+               if k in ("step_time", "wall_step_time", "generated_tokens_per_s")},
             "reward_ratio_at_equal_time": reward_vs_wall_clock(megarl["records"], trl["records"])
             .get("reward_ratio_at_equal_time")}
 
@@ -298,7 +304,7 @@ def round_ratios(megarl: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
 def summarise_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Median, smallest and largest of each ratio over the rounds."""
     out: dict[str, Any] = {"rounds": len(rounds)}
-    for key in ("step_time", "generated_tokens_per_s", "reward_ratio_at_equal_time"):
+    for key in ("step_time", "wall_step_time", "generated_tokens_per_s", "reward_ratio_at_equal_time"):
         values = sorted(r[key] for r in rounds if r.get(key) is not None)
         if values:
             mid = len(values) // 2

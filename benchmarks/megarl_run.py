@@ -81,6 +81,7 @@ def step_record(row: dict[str, Any], sequences: int) -> dict[str, Any]:
     record: dict[str, Any] = {
         "step": row["step"],
         "step_s": m.get("timing_s/step"),
+        "logged_at": row.get("time"),  # unix seconds of the step's metrics line (wall clock between steps)
         "score_mean": m.get("critic/score/mean"),
         "total_tokens": m.get("perf/total_num_tokens"),
         "response_tokens": response_tokens,
@@ -89,6 +90,22 @@ def step_record(row: dict[str, Any], sequences: int) -> dict[str, Any]:
         if f"timing_s/{phase}" in m:
             record[f"{phase}_s"] = m[f"timing_s/{phase}"]
     return record
+
+
+def with_wall_seconds(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each record after the first gains `wall_s`: wall-clock seconds from the previous step's metrics
+    line to its own, everything the run did between them (the step timer leaves out the driver's
+    work between two steps, and work it overlaps with the next step's generation)."""
+    for prev, cur in zip(records, records[1:]):
+        if prev.get("logged_at") is not None and cur.get("logged_at") is not None:
+            cur["wall_s"] = cur["logged_at"] - prev["logged_at"]
+    return records
+
+
+def wall_step_mean(records: list[dict[str, Any]]) -> float | None:
+    """Mean `wall_s` of the steps after the first (None when no record has it)."""
+    walls = [r["wall_s"] for r in records if r["step"] > 1 and r.get("wall_s") is not None]
+    return mean(walls) if walls else None
 
 
 def summarise_steps(records: list[dict[str, Any]], reward_window: int = 5) -> dict[str, Any]:
@@ -103,6 +120,7 @@ def summarise_steps(records: list[dict[str, Any]], reward_window: int = 5) -> di
         "steps": len(records),
         "timed_steps": len(timed),
         "step_s_mean": mean([r["step_s"] for r in timed]),
+        "wall_step_s_mean": wall_step_mean(records),
         "generated_tokens_per_s": (sum(r["response_tokens"] for r in timed) / step_total) if step_total else None,
         "training_tokens_per_s": (sum(r["total_tokens"] or 0 for r in timed) / step_total) if step_total else None,
     }
@@ -173,7 +191,7 @@ def run_megarl(
         tail = log_path.read_text(errors="replace")[-3000:]
         reason = f"timed out after {timeout_s:.0f} s" if returncode is None else f"exit code {returncode}"
         raise RuntimeError(f"megarl train {reason}; log {log_path}:\n{tail}")
-    records = [step_record(row, prompts * n) for row in read_metrics(metrics_path)]
+    records = with_wall_seconds([step_record(row, prompts * n) for row in read_metrics(metrics_path)])
     return {
         "command": ["megarl", "train", config.name, *overrides],
         "records": records,

@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             return out
 
     step_seconds: list[float] = []
+    step_ends: list[float] = []  # perf_counter at each step's end: wall clock between steps
     logged_step_time: list[float] = []  # TRL's own "step_time" log entry, as a cross-check
 
     class StepTimer(TrainerCallback):
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             self._start = time.perf_counter()
 
         def on_step_end(self, *_: Any, **__: Any) -> None:
-            step_seconds.append(time.perf_counter() - self._start)
+            step_ends.append(time.perf_counter())
+            step_seconds.append(step_ends[-1] - self._start)
 
         def on_log(self, *_: Any, logs: dict[str, Any] | None = None, **__: Any) -> None:
             if logs and "step_time" in logs:
@@ -164,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         records.append({
             "step": i + 1,
             "step_s": seconds,
+            "wall_s": step_ends[i] - step_ends[i - 1] if i else None,  # from the previous step's end
             "gen_and_score_s": gen_seconds[i] if i < len(gen_seconds) else None,
             "prompt_tokens": prompt_tokens[i] if i < len(prompt_tokens) else None,
             "response_tokens": completion_tokens[i] if i < len(completion_tokens) else None,

@@ -386,6 +386,12 @@ class TrainerConfig:
     # global_seqlen/*); the rows keep their uid, the dumps keep the rollout order. With more than one
     # mini-batch per epoch the mini-batches hold other rows than without it.
     balance_batch: bool = True
+    # async_mode sync with the hybrid engine: the next step's weight sync and generation are sent to
+    # the workers right behind the actor update, so they run while the driver finishes the step
+    # (metrics, logging, the next batch); the same prompts, seeds and weights as one call after the
+    # other, and timing_s/gen is then the wait for it (the sync shows in sync/seconds_max). Not with
+    # an offloaded actor, nor before a checkpoint, profiled or probed step.
+    queue_generation: bool = True
     # Write each step's generations, scores and advantages as <dir>/<step>.jsonl; null: off
     rollout_data_dir: Optional[str] = None
     # Write validation generations as <dir>/<step>.jsonl; null: off

@@ -88,15 +88,22 @@ def sync_shards(plan: ReshardPlan, shards: Mapping[str, torch.Tensor], rollout_e
     """Reshard this rank's Megatron shards (local-spec names) into the rollout engine. `plan`
     covers this rank: its own plan or the whole-world one (see `execute_plan`).
 
-    Engine layout "hf" (rollout TP 1): full HF-named tensors through `update_weights`, so any
-    engine works. Layout "vllm": pieces are written straight into the vLLM model's parameters
+    Engine layout "hf" (rollout TP 1): full HF-named tensors, written into the engine's own
+    (`weight_targets`, the HF engine) or else handed to `update_weights`, so any engine works. Layout "vllm": pieces are written straight into the vLLM model's parameters
     of this process (vLLM's loaders want full HF tensors, which would defeat the sharding).
     `verify`: compare every bucket's sender and receiver fingerprints before the engine takes the
     weights (see `megarl.hybrid.verify`). `transport`: point-to-point over `group` by default.
     """
     if plan.engine == "hf":
-        tensors, stats = execute_plan(plan, shards, group, verify=verify, transport=transport)
-        rollout_engine.update_weights(tensors.items())
+        # Straight into the engine's own tensors where it offers them (the HF engine): no second
+        # copy of the model per sync. Otherwise (vLLM at TP 1) new full tensors to its loaders.
+        own = rollout_engine.weight_targets({t.name: t.shape for t in plan.engine_tensors[dist.get_rank(group)]})
+        with torch.no_grad():
+            tensors, stats = execute_plan(plan, shards, group, out=own, verify=verify, transport=transport)
+        if own is None:
+            rollout_engine.update_weights(tensors.items())
+        else:
+            rollout_engine.weights_written(tensors)
         return stats
     if rollout_engine.state.value not in ("awake", "weights_only"):
         raise ConfigError(f"rollout engine is {rollout_engine.state.value}; wake it up before a weight sync")
@@ -119,6 +126,10 @@ def checked_verify_every(verify_every: int) -> int:
 def verify_due(verify_every: int, syncs_done: int) -> bool:
     """Whether the next sync (after `syncs_done` of them) is verified."""
     return verify_every > 0 and syncs_done % verify_every == 0
+
+
+def _weights_device(train_engine: Any) -> torch.device:
+    return next(iter(train_engine.get_named_weights()))[1].device
 
 
 def engine_shards(train_engine: Any) -> dict[str, torch.Tensor]:
@@ -170,12 +181,18 @@ class WeightSync:
         self.syncs_done = 0
         self.group = group
         self.plan = own_plan(train_engine, rollout_tp, bucket_bytes, group)
+        # Whether any rank of the world receives a piece from another. When none does (each rank
+        # holds its whole rollout shard, e.g. data parallelism alone), every rank copies from itself,
+        # nothing crosses a process, and a sync needs no collective, the verification's included.
+        buckets = torch.tensor([len(self.plan.steps)], dtype=torch.int64, device=_weights_device(train_engine))
+        dist.all_reduce(buckets, group=group)
+        self.exchanges = bool(buckets.item())
 
     def sync(self, transport: Transport | None = None) -> ExecStats:
         """Reshard and deliver; returns this rank's transfer statistics. `transport`: how buckets
         move (default: point-to-point over the group)."""
         shards = engine_shards(self.train_engine)
-        verify = verify_due(self.verify_every, self.syncs_done)
+        verify = self.exchanges and verify_due(self.verify_every, self.syncs_done)
         stats = sync_shards(self.plan, shards, self.rollout_engine, self.group, verify=verify, transport=transport)
         self.syncs_done += 1
         return stats

@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -325,15 +325,28 @@ class RolloutEngine(abc.ABC):
         after a discarding sleep the engine generates again once every weight has been named
         (over one or several calls).
         """
-        if self._state not in (EngineState.AWAKE, EngineState.WEIGHTS_ONLY):
-            raise RolloutStateError(
-                f"{self.name} engine cannot update weights while {self._state.value}; "
-                "call wake_up() (or wake_up(('weights',))) first"
-            )
+        self._require_weights("update weights")
         loaded = self._update_weights(named_tensors)
         if self._weights_discarded and not self._missing_weights():
             self._weights_discarded = False
         return loaded
+
+    def weight_targets(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor] | None:
+        """The engine's own tensors under these HF names (full tensors of these shapes), for a weight
+        sync to write in place instead of handing new tensors to ``update_weights``; then
+        ``weights_written`` counts them as rewritten. None (the default): the engine takes weights
+        only through ``update_weights`` (vLLM's loaders fuse q/k/v and gate/up and shard them).
+        Names and shapes are checked as ``update_weights`` checks them."""
+        return None
+
+    def weights_written(self, names: Iterable[str]) -> None:
+        """After writing into ``weight_targets(...)``: these names count as rewritten, as if given to
+        ``update_weights``."""
+        self._require_weights("update weights")
+        for name in names:
+            self._note_written(name)
+        if self._weights_discarded and not self._missing_weights():
+            self._weights_discarded = False
 
     def sleep(self) -> None:
         """Free the KV cache and, per ``options.sleep_level``, move the weights to host memory (1)
@@ -401,6 +414,9 @@ class RolloutEngine(abc.ABC):
     def _weights_rewritten(self) -> None:
         """Forget what was computed with the old weights (default: nothing is kept)."""
 
+    def _note_written(self, name: str) -> None:
+        """Count the update name `name` as rewritten (default: the engine does not track names)."""
+
     def _missing_weights(self) -> list[str]:
         """Names an update must still give before a discarded model is whole again (default: the
         engine cannot tell, so any update counts as complete)."""
@@ -417,6 +433,13 @@ class RolloutEngine(abc.ABC):
             raise RolloutStateError(
                 f"{self.name} engine cannot {action} while {self._state.value}; it must be {state.value}"
                 + (" (call wake_up())" if self._state is not EngineState.RELEASED else "")
+            )
+
+    def _require_weights(self, action: str) -> None:
+        if self._state not in (EngineState.AWAKE, EngineState.WEIGHTS_ONLY):
+            raise RolloutStateError(
+                f"{self.name} engine cannot {action} while {self._state.value}; "
+                "call wake_up() (or wake_up(('weights',))) first"
             )
 
     def _require_generate(self) -> None:

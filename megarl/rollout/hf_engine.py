@@ -319,26 +319,36 @@ class HFRolloutEngine(RolloutEngine):
         targets = self.model.state_dict()
         loaded = 0
         for name, tensor in named_tensors:
-            target = targets.get(name)
-            if target is None:
-                target = _fused_expert_slice(targets, name)
-            if target is None:
-                close = difflib.get_close_matches(name, list(targets), n=3)
-                raise WeightUpdateError(
-                    f"hf engine: unknown parameter {name!r}" + (f"; did you mean {close}?" if close else "")
-                    + f" (the model has {len(targets)} HF-named tensors)"
-                )
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise WeightUpdateError(
-                    f"hf engine: parameter {name!r} has shape {tuple(target.shape)}, "
-                    f"the update gives {tuple(tensor.shape)}"
-                )
+            target = self._target(targets, name, tuple(tensor.shape))
             if tensor.is_floating_point() != target.is_floating_point():
                 raise WeightUpdateError(f"hf engine: parameter {name!r} is {target.dtype}, the update gives {tensor.dtype}")
             target.copy_(tensor)
             self._note_written(name)
             loaded += 1
         return loaded
+
+    def weight_targets(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        """The model's own tensors (views of its state dict; one expert of a fused expert
+        parameter is a view of it): a weight sync writes into them, with no copy of the model."""
+        self._require_weights("update weights")
+        targets = self.model.state_dict()
+        return {name: self._target(targets, name, tuple(shape)) for name, shape in shapes.items()}
+
+    def _target(self, targets: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The state-dict tensor (or fused-expert view) an update of `name` with `shape` writes."""
+        target = targets.get(name)
+        if target is None:
+            target = _fused_expert_slice(targets, name)
+        if target is None:
+            close = difflib.get_close_matches(name, list(targets), n=3)
+            raise WeightUpdateError(
+                f"hf engine: unknown parameter {name!r}" + (f"; did you mean {close}?" if close else "")
+                + f" (the model has {len(targets)} HF-named tensors)"
+            )
+        if tuple(target.shape) != shape:
+            raise WeightUpdateError(f"hf engine: parameter {name!r} has shape {tuple(target.shape)}, "
+                                    f"the update gives {shape}")
+        return target
 
     def _note_written(self, name: str) -> None:
         owner = self._canonical.get(name)

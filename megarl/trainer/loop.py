@@ -13,7 +13,8 @@ One step (see `RLTrainer.train_step`):
      `actor.old_log_prob_source`), reference log-probs, values (critic); first the rows are
      reordered so each actor DP rank gets about the same tokens (`trainer.balance_batch`)
   5. advantages on the driver's CPU (KL in the reward first when configured)
-  6. critic update, then actor update (after the critic warm-up)
+  6. critic update, then actor update (after the critic warm-up); in sync mode the next step's
+     weight sync and generation are sent right behind the update (`trainer.queue_generation`)
   7. metrics, validation every `test_freq` steps, checkpoint every `save_freq` steps
 
 Memory phases are lines of this file: a role whose `*_offload` keys are set is onloaded right
@@ -109,6 +110,10 @@ class RLTrainer:
         self.pipelined = mode != "sync"
         self.max_staleness = int(self.cfg.trainer.max_staleness) if mode == "bounded_staleness" else 1
         self.prefetch: Optional[tuple[int, Any, int, SamplingParams]] = None
+        # trainer.queue_generation (sync mode, hybrid engine): the weight sync sent with the next
+        # step's generation right behind the actor update, read when that generation is collected:
+        # (sync call, weights wake-up, KV-cache wake-up), the wake-ups None when the engines never sleep.
+        self.queued_sync: Optional[tuple[CallHandle, Optional[CallHandle], Optional[CallHandle]]] = None
         # trainer.partial_rollout: that generation runs in chunks and stops once newer weights exist,
         # which the driver announces over `weight_signal` (unless it stops after a fixed number of
         # chunks); the step that trains on it syncs them and has the unfinished rows finished.
@@ -207,6 +212,8 @@ class RLTrainer:
         metrics: dict[str, Any] = {"training/global_step": step, "training/epoch": self.run.train_loader.epoch}
         self.step_version = self.weights_version  # the weights this step's batch is trained from
         calls_before = self.worker_calls_sent()
+        # This step's batch was generated behind the last update (trainer.queue_generation).
+        metrics["training/generation_queued"] = float(self.queued_sync is not None)
         with self.timer("step"):
             # 1-3. prompts -> responses -> scores (DAPO: until enough groups carry a signal); with
             #      `score_beside_pass` the scores come with the first pass of step 4
@@ -277,6 +284,8 @@ class RLTrainer:
                 self.weights_version += 1
                 if self.weight_signal is not None:  # a partial rollout in flight stops at its next chunk
                     self.weight_signal.raise_to(self.weights_version)
+                if self.may_queue_generation(step):
+                    self.queue_generation(step)
                 if source != "recompute":
                     if source == "update":
                         batch["old_log_probs"] = update_log_probs
@@ -314,9 +323,9 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ phases
     @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str, ran_on: tuple[WorkerGroup, ...] = ()) -> Iterator[None]:
         """Time `name`, show it in the progress display, and record the memory peak of the workers
-        it called."""
+        it called, and of `ran_on` (groups that ran calls sent before it, e.g. a queued generation)."""
         self.current_phase = name
         sent_before = {id(group): group.calls_sent for group in self.workers.groups}
         with self.timer(name), self.progress.phase(name):
@@ -328,7 +337,7 @@ class RLTrainer:
         # anyway. Two probes fewer per step cut the quickstart step's driver overhead (README,
         # Performance).
         called = [group for group in self.workers.groups
-                  if group is not busy and group.calls_sent != sent_before.get(id(group), 0)]
+                  if group is not busy and (group.calls_sent != sent_before.get(id(group), 0) or group in ran_on)]
         # Sent without waiting: a worker runs the driver's calls in the order they were sent, so
         # the probe reads the peak of this phase before the next phase's calls start; the results
         # are read at the end of the step (`read_memory_probes`), saving a round trip per phase.
@@ -437,6 +446,16 @@ class RLTrainer:
                 self.settle_rollout_wake_up(waking, self.current_phase, "wake_up:weights")
                 senders = []
         self.rollout_version = self.weights_version
+        self.record_sync(per_rank)
+        if senders:  # separate placement: the reshard inside the training pool, before the bridge
+            self.sync_metrics["sync/bytes_within_training"] = sum(r["sync/bytes_within_training"] for r in senders)
+            self.sync_metrics["sync/bytes_sent"] = sum(r["sync/bytes_sent"] for r in senders)
+        freq = int(self.cfg.rollout.probe_freq)
+        if freq and self.rollout_version % freq == 0 and self.rollout_version != self.probed_version:
+            self.probe_sync()
+
+    def record_sync(self, per_rank: list[dict[str, float]]) -> None:
+        """`sync/*` of the step from each rollout rank's side of a weight sync."""
         self.sync_metrics = {k: (sum if k.startswith("sync/bytes") else max)(r[k] for r in per_rank)
                              for k in per_rank[0]
                              if k.startswith("sync/bytes") or k in ("sync/pieces_verified", "sync/verify_s")}
@@ -444,12 +463,50 @@ class RLTrainer:
         # Bytes a rollout rank received beyond its minimum: 0 on every rank is the zero-redundancy claim.
         self.sync_metrics["sync/bytes_excess_max"] = max(r["sync/bytes_received"] - r["sync/bytes_minimum"]
                                                          for r in per_rank)
-        if senders:  # separate placement: the reshard inside the training pool, before the bridge
-            self.sync_metrics["sync/bytes_within_training"] = sum(r["sync/bytes_within_training"] for r in senders)
-            self.sync_metrics["sync/bytes_sent"] = sum(r["sync/bytes_sent"] for r in senders)
+
+    def may_queue_generation(self, step: int) -> bool:
+        """Whether step `step`, its actor update just done, sends the next step's weight sync and
+        generation behind the update (`trainer.queue_generation`): sync mode with the rollout in the
+        actor's processes (the workers then run the calls in the order sent, so the generation uses
+        the updated weights), the actor's state not offloaded (its offload would wait for the update),
+        and a next step that may be prefetched (not the last, not at a checkpoint) and is not profiled,
+        nor a sync the probe (`rollout.probe_freq`) checks."""
+        trainer = self.cfg.trainer
+        if not trainer.queue_generation or self.pipelined or self.workers.separate_rollout:
+            return False
+        if self.spec.actor.offload.any or step in trainer.profile_steps or step + 1 in trainer.profile_steps:
+            return False
         freq = int(self.cfg.rollout.probe_freq)
-        if freq and self.rollout_version % freq == 0 and self.rollout_version != self.probed_version:
-            self.probe_sync()
+        if freq and self.weights_version % freq == 0:
+            return False
+        return self.may_prefetch(step)
+
+    def queue_generation(self, step: int) -> None:
+        """Send the weight sync and the generation of step `step + 1` now, right behind this step's
+        update: the workers sync and generate while the driver finishes the step (metrics, logging,
+        the next batch), with the prompts, seed and weights that step would have used (the order of
+        the calls is the one `generate` sends). Collected by `rollout_batch`."""
+        rollout = self.workers.rollout
+        self.settle_rollout_sleep()  # its answer is in: the update ran after it
+        prompts, sampling = self.run.train_loader.next_batch(), self.sampling((step + 1) * 1000)
+        waking = self.rollout_wake_up(("weights",))
+        syncing = rollout.call_all_async(RolloutRole.sync_weights, self.weights_version)
+        waking_cache = self.rollout_wake_up()
+        handle = rollout.call_dp_async(RolloutRole.generate, prompts, sampling,
+                                       dispatch_coords=self.workers.rollout_coords)
+        self.queued_sync = (syncing, waking, waking_cache)
+        self.rollout_version = self.weights_version
+        self.prefetch = (step + 1, handle, self.rollout_version, sampling)
+
+    def settle_queued_sync(self) -> None:
+        """Read the answers of a sync sent by `queue_generation` (the generation behind it is done)."""
+        if self.queued_sync is None:
+            return
+        (syncing, waking, waking_cache), self.queued_sync = self.queued_sync, None
+        self.settle_rollout_wake_up(waking, "gen", "wake_up:weights")
+        self.record_sync(syncing.result(self.workers.rollout.group.call_timeout_s))
+        self.synced_in_step = True
+        self.settle_rollout_wake_up(waking_cache, "gen")
 
     def probe_sync(self) -> None:
         """The end-to-end check of the weight sync just done (`rollout.probe_freq`): the rollout
@@ -508,9 +565,12 @@ class RLTrainer:
             launched_for, handle, version, sampling = self.prefetch
             if launched_for != step or attempt != 0:
                 raise RuntimeError(f"generation in flight for step {launched_for}, asked for step {step}")
-            with self.phase("gen"):  # here only the wait: what the training pool idles for
+            # Here only the wait: what the training pool idles for. A generation queued behind the
+            # update (trainer.queue_generation) ran on the workers since the last probe: probed here.
+            with self.phase("gen", ran_on=(rollout.group,) if self.queued_sync is not None else ()):
                 out = handle.result(rollout.group.call_timeout_s)
-            self.prefetch = None
+                self.prefetch = None  # the rollout is idle again: the phase's memory probe may go
+            self.settle_queued_sync()
             out = self.take_busy_time(out)
             if OPEN in out:
                 out = self.finish_partial(out, sampling)

@@ -18,25 +18,28 @@ def _metrics(step_s: float, gen_s: float, update_s: float, reward_s: float, tota
 
 
 def test_summary_from_a_metrics_file_written_by_the_tracker(tmp_path):
-    from megarl_run import read_metrics, step_record, summarise_steps
+    from megarl_run import read_metrics, step_record, summarise_steps, with_wall_seconds
 
     from megarl.tracking.jsonl import JsonlWriter
 
     writer = JsonlWriter(tmp_path)
     # Written out of order on purpose: the reader sorts by step.
-    writer.write(2, _metrics(2.0, 1.0, 0.5, 0.1, 16, 3.0, 0.5))
-    writer.write(1, _metrics(10.0, 5.0, 3.0, 1.0, 20, 2.0, 0.0))
-    writer.write(3, _metrics(4.0, 2.0, 1.5, 0.1, 24, 1.0, 1.0))
+    # Lines logged at 110, 112.5 and 117.5 s: steps 2 and 3 took 2.5 s and 5 s of wall clock.
+    writer.write(2, _metrics(2.0, 1.0, 0.5, 0.1, 16, 3.0, 0.5), timestamp=112.5)
+    writer.write(1, _metrics(10.0, 5.0, 3.0, 1.0, 20, 2.0, 0.0), timestamp=110.0)
+    writer.write(3, _metrics(4.0, 2.0, 1.5, 0.1, 24, 1.0, 1.0), timestamp=117.5)
     writer.close()
 
-    records = [step_record(row, sequences=4) for row in read_metrics(tmp_path / "metrics.jsonl")]
+    records = with_wall_seconds([step_record(row, sequences=4) for row in read_metrics(tmp_path / "metrics.jsonl")])
     assert [r["step"] for r in records] == [1, 2, 3]
+    assert "wall_s" not in records[0] and [r["wall_s"] for r in records[1:]] == [2.5, 5.0]
     assert records[1]["response_tokens"] == 12.0  # 3 tokens on average x 4 sequences
 
     s = summarise_steps(records)
     # Steps 2 and 3 only (step 1 is warm-up): 6 s in all.
     assert s["timed_steps"] == 2
     assert s["step_s_mean"] == pytest.approx(3.0)
+    assert s["wall_step_s_mean"] == pytest.approx(3.75)  # the step timers leave out 1.5 s
     assert s["generated_tokens_per_s"] == pytest.approx((12 + 4) / 6)
     assert s["training_tokens_per_s"] == pytest.approx((16 + 24) / 6)
     assert s["gen_phase_tokens_per_s"] == pytest.approx(16 / 3)
@@ -56,23 +59,28 @@ def test_trl_summary_and_ratios():
     from e2e import compare, summarise_trl
 
     records = [
-        {"step": 1, "step_s": 9.0, "gen_and_score_s": 8.0, "prompt_tokens": 32, "response_tokens": 64, "score_mean": 0.1},
-        {"step": 2, "step_s": 0.5, "gen_and_score_s": 0.2, "prompt_tokens": 32, "response_tokens": 48, "score_mean": 0.2},
-        {"step": 3, "step_s": 1.5, "gen_and_score_s": 0.3, "prompt_tokens": 32, "response_tokens": 16, "score_mean": 0.6},
+        {"step": 1, "step_s": 9.0, "wall_s": None, "gen_and_score_s": 8.0, "prompt_tokens": 32, "response_tokens": 64,
+         "score_mean": 0.1},
+        {"step": 2, "step_s": 0.5, "wall_s": 0.75, "gen_and_score_s": 0.2, "prompt_tokens": 32, "response_tokens": 48,
+         "score_mean": 0.2},
+        {"step": 3, "step_s": 1.5, "wall_s": 1.75, "gen_and_score_s": 0.3, "prompt_tokens": 32, "response_tokens": 16,
+         "score_mean": 0.6},
     ]
     t = summarise_trl(records, reward_window=2)
     assert t["step_s_mean"] == pytest.approx(1.0)
+    assert t["wall_step_s_mean"] == pytest.approx(1.25)
     assert t["generated_tokens_per_s"] == pytest.approx(64 / 2.0)
     assert t["training_tokens_per_s"] == pytest.approx((64 + 64) / 2.0)
     assert t["gen_and_score_share"] == pytest.approx(0.5 / 2.0)
     assert t["reward_last_window_mean"] == pytest.approx(0.4)
 
-    megarl = {"summary": {"step_s_mean": 4.0, "generated_tokens_per_s": 8.0, "training_tokens_per_s": 16.0,
-                          "reward_last_window_mean": 0.2},
+    megarl = {"summary": {"step_s_mean": 4.0, "wall_step_s_mean": 5.0, "generated_tokens_per_s": 8.0,
+                          "training_tokens_per_s": 16.0, "reward_last_window_mean": 0.2},
               "memory": {"workload_mib": 3000.0}}
     trl = {"summary": t, "memory": {"workload_mib": 1000.0}}
     r = compare(megarl, trl)
     assert r["step_time"] == pytest.approx(4.0)
+    assert r["wall_step_time"] == pytest.approx(4.0)  # 5.0 / 1.25
     assert r["generated_tokens_per_s"] == pytest.approx(8.0 / 32.0)
     assert r["training_tokens_per_s"] == pytest.approx(16.0 / 64.0)
     assert r["peak_memory_workload"] == pytest.approx(3.0)
@@ -176,3 +184,13 @@ def test_rounds_give_the_median_and_range_of_each_ratio():
     assert out["generated_tokens_per_s"] == {"median": 1.0, "min": 0.9, "max": 1.1}
     # A round without a reward ratio is left out: the median of two values is their mean.
     assert out["reward_ratio_at_equal_time"]["median"] == pytest.approx(1.0)
+
+
+def test_the_reward_timeline_runs_on_wall_clock_where_a_record_has_it():
+    from e2e import reward_timeline
+
+    # Step 1 has no wall time (nothing before it): its step timer counts; then 1.5 s and 2.5 s.
+    records = [{"step": 1, "step_s": 1.0, "score_mean": 0.1},
+               {"step": 2, "step_s": 1.0, "wall_s": 1.5, "score_mean": None},
+               {"step": 3, "step_s": 2.0, "wall_s": 2.5, "score_mean": 0.7}]
+    assert reward_timeline(records) == [(1.0, 0.1), (5.0, 0.7)]

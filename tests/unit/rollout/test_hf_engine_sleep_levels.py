@@ -17,7 +17,14 @@ from rollout_helpers import PAD, PROMPTS, VOCAB, argmax_decode, kept_response, p
 
 from megarl.errors import ConfigError
 from megarl.protocol import Batch
-from megarl.rollout import EngineOptions, EngineState, RolloutStateError, SamplingParams, create_rollout_engine
+from megarl.rollout import (
+    EngineOptions,
+    EngineState,
+    RolloutStateError,
+    SamplingParams,
+    WeightUpdateError,
+    create_rollout_engine,
+)
 from megarl.rollout.hf_engine import HFRolloutEngine
 
 pytestmark = pytest.mark.unit
@@ -303,3 +310,39 @@ def test_fused_experts_count_as_rewritten_once_every_expert_is_named() -> None:
         engine.generate(prompt_batch(PROMPTS), GREEDY)
     engine.update_weights([(last, state[last])])
     assert_identical(outputs(engine), before)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "fused_experts"])
+def test_weight_targets_are_the_model_tensors_a_sync_writes_in_place(moe: bool) -> None:
+    """`weight_targets`: the model's own tensors under the update names (one expert of a fused
+    expert parameter a view of it), so a weight sync writes into them with no copy of the model;
+    `weights_written` counts them as `update_weights` would, name by name."""
+    model = tiny_moe_model(seed=0) if moe else tiny_model(seed=0)
+    state = per_expert_state(model) if moe else saved_state(model)
+    engine = HFRolloutEngine(model, LEVEL2)
+    before = outputs(engine)
+    engine.sleep()
+    with pytest.raises(RolloutStateError, match="cannot update weights while asleep"):
+        engine.weight_targets({name: tuple(t.shape) for name, t in state.items()})
+    engine.wake_up()
+    targets = engine.weight_targets({name: tuple(t.shape) for name, t in state.items()})
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert sorted(targets) == sorted(state)
+    assert all(t.untyped_storage().data_ptr() in storages for t in targets.values())
+    last = sorted(state)[-1]
+    for name, target in targets.items():
+        target.copy_(state[name])
+    engine.weights_written(name for name in state if name != last)
+    with pytest.raises(RolloutStateError, match=rf"still missing 1: {re.escape(last)}$"):
+        engine.generate(prompt_batch(PROMPTS), GREEDY)
+    engine.weights_written([last])
+    assert not engine.needs_weight_sync
+    assert_identical(outputs(engine), before)
+
+
+def test_weight_targets_name_an_unknown_or_misshapen_parameter() -> None:
+    engine = HFRolloutEngine(tiny_model(seed=0), LEVEL1)
+    with pytest.raises(WeightUpdateError, match=r"unknown parameter 'model\.layers\.0\.self_attn\.qkv_proj\.weight'"):
+        engine.weight_targets({"model.layers.0.self_attn.qkv_proj.weight": (3,)})
+    with pytest.raises(WeightUpdateError, match=r"'model\.norm\.weight' has shape \(64,\), the update gives \(65,\)"):
+        engine.weight_targets({"model.norm.weight": (65,)})

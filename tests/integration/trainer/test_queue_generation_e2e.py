@@ -1,0 +1,51 @@
+"""`trainer.queue_generation`: in sync mode the next step's weight sync and generation are sent to
+the workers right behind the actor update, so they run while the driver finishes the step. The
+workers run the calls in the order sent, with the prompts, seeds and weights of the step-by-step
+order, so a run with it trains exactly like one without it (same seed: bit-identical metrics);
+`training/generation_queued` says which path ran. The time it saves is measured by
+benchmarks/e2e.py, not here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from test_train_e2e import read_metrics, run_train, task_dir, write_config  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.integration
+
+# Not compared: timings, memory, worker-call counts and the sync's own seconds.
+VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/", "memory/", "sync/seconds_max", "sync/verify_s",
+            "async/rollout_busy_s", "reward/time_s", "training/generation_queued")
+
+
+def test_a_generation_queued_behind_the_update_trains_like_one_sent_after_it(tmp_path: Path, task_dir: Path) -> None:  # noqa: F811
+    runs = {}
+    for queued in (True, False):
+        work = tmp_path / f"queued-{queued}"
+        work.mkdir()
+        # TP=2 training -> TP=1 rollout (the sync moves weights between ranks and verifies them);
+        # the engines sleep after each generation and wake around the queued sync; validation
+        # after step 2 runs behind the generation queued for step 3.
+        config = write_config(work, task_dir, trainer={"total_training_steps": 4, "queue_generation": queued,
+                                                       "test_freq": 2},
+                              rollout={"free_cache_engine": True})
+        assert run_train(config).returncode == 0
+        runs[queued] = read_metrics(work / "run")
+    assert sorted(runs[True]) == sorted(runs[False]) == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        queued, sent_after = runs[True][step], runs[False][step]
+        # Step 1's batch comes from the first sync; each later one was queued behind an update.
+        assert queued["training/generation_queued"] == float(step > 1)
+        assert sent_after["training/generation_queued"] == 0.0
+        keys = {k for k in sent_after if not k.startswith(VOLATILE) and k not in ("timing_s/sync_weights",)}
+        assert keys <= set(queued), (step, sorted(keys - set(queued)))
+        differ = [(key, queued[key], sent_after[key]) for key in sorted(keys) if queued[key] != sent_after[key]]
+        assert not differ, (step, differ)
+        # Every step synced the weights (sync/synced) and verified what moved between ranks.
+        assert queued["sync/synced"] == 1.0 and queued["sync/pieces_verified"] > 0
+        # A queued sync is not a phase of the step it lands in; the generation's memory is probed.
+        assert ("timing_s/sync_weights" in queued) == (step == 1)
+        assert "memory/gen/peak_rss_gb" in queued
+    assert "val/reward_mean" in runs[True][2]  # compared above with the rest
