@@ -31,7 +31,7 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Optional
 
 import numpy as np
@@ -272,20 +272,22 @@ class RLTrainer:
                 with self.phase("update_critic"), self.onloaded(critic, self.spec.critic):
                     metrics.update(critic.call_dp(CriticRole.update_critic, batch)[0])
             if step > cfg.trainer.critic_warmup:
+                queue = self.may_queue_generation(step, self.weights_version + 1)
                 with self.phase("update_actor"), self.onloaded(actor, self.spec.actor):
                     update = actor.call_dp_async(ActorRole.update_actor, batch)
                     # The trainer's log-probs of the sampling weights, asked for at once: each
                     # worker runs the request right after its update.
                     asked = (actor.call_dp_async(ActorRole.update_log_probs, batch.select("response_mask"))
                              if source != "recompute" else None)
+                    if queue:  # the update's memory probe first, then the next sync and generation
+                        self.probe_memory("update_actor", (actor.group,))
+                        self.queue_generation(step, self.weights_version + 1)
                     metrics.update(update.result(actor.group.call_timeout_s)[0])
                     if asked is not None:
                         update_log_probs = asked.result(actor.group.call_timeout_s)["update_log_probs"]
                 self.weights_version += 1
                 if self.weight_signal is not None:  # a partial rollout in flight stops at its next chunk
                     self.weight_signal.raise_to(self.weights_version)
-                if self.may_queue_generation(step):
-                    self.queue_generation(step)
                 if source != "recompute":
                     if source == "update":
                         batch["old_log_probs"] = update_log_probs
@@ -338,12 +340,16 @@ class RLTrainer:
         # Performance).
         called = [group for group in self.workers.groups
                   if group is not busy and (group.calls_sent != sent_before.get(id(group), 0) or group in ran_on)]
-        # Sent without waiting: a worker runs the driver's calls in the order they were sent, so
-        # the probe reads the peak of this phase before the next phase's calls start; the results
-        # are read at the end of the step (`read_memory_probes`), saving a round trip per phase.
-        if called:
-            self.memory_probes.append((name, [(group, group.call_all_async(HostWorker.memory_stats))
-                                              for group in called]))
+        self.probe_memory(name, called)
+
+    def probe_memory(self, phase: str, groups: Iterable[WorkerGroup]) -> None:
+        """Send `HostWorker.memory_stats` to `groups` for `phase`, without waiting: a worker runs the
+        driver's calls in the order they were sent, so the probe reads the peak of the calls sent
+        before it, before those sent after it start; the results are read at the end of the step
+        (`read_memory_probes`), saving a round trip per phase."""
+        handles = [(group, group.call_all_async(HostWorker.memory_stats)) for group in groups]
+        if handles:
+            self.memory_probes.append((phase, handles))
 
     def read_memory_probes(self) -> None:
         """Fold the memory probes sent so far into this step's `memory/<phase>/...` metrics."""
@@ -464,39 +470,40 @@ class RLTrainer:
         self.sync_metrics["sync/bytes_excess_max"] = max(r["sync/bytes_received"] - r["sync/bytes_minimum"]
                                                          for r in per_rank)
 
-    def may_queue_generation(self, step: int) -> bool:
-        """Whether step `step`, its actor update just done, sends the next step's weight sync and
-        generation behind the update (`trainer.queue_generation`): sync mode with the rollout in the
-        actor's processes (the workers then run the calls in the order sent, so the generation uses
-        the updated weights), the actor's state not offloaded (its offload would wait for the update),
-        and a next step that may be prefetched (not the last, not at a checkpoint) and is not profiled,
-        nor a sync the probe (`rollout.probe_freq`) checks."""
+    def may_queue_generation(self, step: int, version: int) -> bool:
+        """Whether step `step` sends the next step's weight sync (of weights `version`, those its actor
+        update makes) and generation right behind the update (`trainer.queue_generation`): sync mode
+        with the rollout in the actor's processes (the workers then run the calls in the order sent,
+        so the generation uses the updated weights), the actor's state not offloaded (its offload
+        comes after the update), and a next step that may be prefetched (not the last, not at a
+        checkpoint) and is not profiled, nor a sync the probe (`rollout.probe_freq`) checks."""
         trainer = self.cfg.trainer
         if not trainer.queue_generation or self.pipelined or self.workers.separate_rollout:
             return False
         if self.spec.actor.offload.any or step in trainer.profile_steps or step + 1 in trainer.profile_steps:
             return False
         freq = int(self.cfg.rollout.probe_freq)
-        if freq and self.weights_version % freq == 0:
+        if freq and version % freq == 0:
             return False
         return self.may_prefetch(step)
 
-    def queue_generation(self, step: int) -> None:
-        """Send the weight sync and the generation of step `step + 1` now, right behind this step's
-        update: the workers sync and generate while the driver finishes the step (metrics, logging,
-        the next batch), with the prompts, seed and weights that step would have used (the order of
-        the calls is the one `generate` sends). Collected by `rollout_batch`."""
+    def queue_generation(self, step: int, version: int) -> None:
+        """Send the weight sync and the generation of step `step + 1` right behind this step's
+        update (which makes weights `version`): the workers update, sync and generate in turn while
+        the driver waits for the update and finishes the step (metrics, logging, the next batch),
+        with the prompts, seed and weights that step would have used (the calls `generate` sends, in
+        its order). Collected by `rollout_batch`."""
         rollout = self.workers.rollout
-        self.settle_rollout_sleep()  # its answer is in: the update ran after it
+        self.settle_rollout_sleep()  # sent before the update: the rollout has slept by now or will first
         prompts, sampling = self.run.train_loader.next_batch(), self.sampling((step + 1) * 1000)
         waking = self.rollout_wake_up(("weights",))
-        syncing = rollout.call_all_async(RolloutRole.sync_weights, self.weights_version)
+        syncing = rollout.call_all_async(RolloutRole.sync_weights, version)
         waking_cache = self.rollout_wake_up()
         handle = rollout.call_dp_async(RolloutRole.generate, prompts, sampling,
                                        dispatch_coords=self.workers.rollout_coords)
         self.queued_sync = (syncing, waking, waking_cache)
-        self.rollout_version = self.weights_version
-        self.prefetch = (step + 1, handle, self.rollout_version, sampling)
+        self.rollout_version = version
+        self.prefetch = (step + 1, handle, version, sampling)
 
     def settle_queued_sync(self) -> None:
         """Read the answers of a sync sent by `queue_generation` (the generation behind it is done)."""
