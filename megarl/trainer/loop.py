@@ -79,6 +79,19 @@ from megarl.workers.specs import EngineRoleSpec
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass
+class QueuedSync:
+    """A weight sync `RLTrainer.queue_generation` sent with the next step's generation, read when that
+    generation is collected: its call, the engines' wake-ups around it (None when they never sleep),
+    its memory probe, and how many worker calls all of it took (they count in the next step)."""
+
+    syncing: CallHandle
+    waking: Optional[CallHandle]
+    waking_cache: Optional[CallHandle]
+    probe: list[tuple[WorkerGroup, CallHandle]]
+    calls: int
+
+
 class RLTrainer:
     """Runs the algorithm of `cfg.algorithm` with the workers of `start_workers`."""
 
@@ -113,7 +126,7 @@ class RLTrainer:
         # trainer.queue_generation (sync mode, hybrid engine): the weight sync sent with the next
         # step's generation right behind the actor update, read when that generation is collected:
         # (sync call, weights wake-up, KV-cache wake-up), the wake-ups None when the engines never sleep.
-        self.queued_sync: Optional[tuple[CallHandle, Optional[CallHandle], Optional[CallHandle]]] = None
+        self.queued_sync: Optional[QueuedSync] = None
         # trainer.partial_rollout: that generation runs in chunks and stops once newer weights exist,
         # which the driver announces over `weight_signal` (unless it stops after a fixed number of
         # chunks); the step that trains on it syncs them and has the unfinished rows finished.
@@ -211,7 +224,8 @@ class RLTrainer:
         actor, ref, critic = self.workers.actor, self.workers.ref, self.workers.critic
         metrics: dict[str, Any] = {"training/global_step": step, "training/epoch": self.run.train_loader.epoch}
         self.step_version = self.weights_version  # the weights this step's batch is trained from
-        calls_before = self.worker_calls_sent()
+        # Calls sent by the last step for this one (a queued generation) count as this step's.
+        calls_before = self.worker_calls_sent() - (self.queued_sync.calls if self.queued_sync is not None else 0)
         # This step's batch was generated behind the last update (trainer.queue_generation).
         metrics["training/generation_queued"] = float(self.queued_sync is not None)
         with self.timer("step"):
@@ -310,7 +324,8 @@ class RLTrainer:
         if self.prefetch is None:  # else the sleep waits behind the next step's generation: read it then
             self.settle_rollout_sleep()
         self.read_memory_probes()
-        metrics["perf/worker_calls"] = float(self.worker_calls_sent() - calls_before)
+        metrics["perf/worker_calls"] = float(self.worker_calls_sent() - calls_before
+                                             - (self.queued_sync.calls if self.queued_sync is not None else 0))
         metrics.update(self.memory_metrics)
         metrics.update(memory_step_metrics(self.memory_metrics))
         self.write_memory_trace(step)
@@ -496,24 +511,30 @@ class RLTrainer:
         rollout = self.workers.rollout
         self.settle_rollout_sleep()  # sent before the update: the rollout has slept by now or will first
         prompts, sampling = self.run.train_loader.next_batch(), self.sampling((step + 1) * 1000)
+        calls_before = self.worker_calls_sent()
         waking = self.rollout_wake_up(("weights",))
         syncing = rollout.call_all_async(RolloutRole.sync_weights, version)
+        # The sync's memory probe, where the end of its phase would send it (read with the sync).
+        probe = [(rollout.group, rollout.group.call_all_async(HostWorker.memory_stats))]
         waking_cache = self.rollout_wake_up()
         handle = rollout.call_dp_async(RolloutRole.generate, prompts, sampling,
                                        dispatch_coords=self.workers.rollout_coords)
-        self.queued_sync = (syncing, waking, waking_cache)
+        self.queued_sync = QueuedSync(syncing, waking, waking_cache, probe, self.worker_calls_sent() - calls_before)
         self.rollout_version = version
         self.prefetch = (step + 1, handle, version, sampling)
 
     def settle_queued_sync(self) -> None:
-        """Read the answers of a sync sent by `queue_generation` (the generation behind it is done)."""
+        """Read the answers of a sync sent by `queue_generation` (the generation behind it is done).
+        Its wake-ups enter this step's memory trace as a sync sent here would record them (under
+        `sync_weights`), so the trace is the same with and without the queue."""
         if self.queued_sync is None:
             return
-        (syncing, waking, waking_cache), self.queued_sync = self.queued_sync, None
-        self.settle_rollout_wake_up(waking, "gen", "wake_up:weights")
-        self.record_sync(syncing.result(self.workers.rollout.group.call_timeout_s))
+        queued, self.queued_sync = self.queued_sync, None
+        self.settle_rollout_wake_up(queued.waking, "sync_weights", "wake_up:weights")
+        self.record_sync(queued.syncing.result(self.workers.rollout.group.call_timeout_s))
+        self.memory_probes.append(("sync_weights", queued.probe))
         self.synced_in_step = True
-        self.settle_rollout_wake_up(waking_cache, "gen")
+        self.settle_rollout_wake_up(queued.waking_cache, "sync_weights")
 
     def probe_sync(self) -> None:
         """The end-to-end check of the weight sync just done (`rollout.probe_freq`): the rollout

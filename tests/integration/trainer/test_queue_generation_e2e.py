@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from test_train_e2e import read_metrics, run_train, task_dir, write_config  # noqa: F401 (fixture)
+from test_train_e2e import SYNC_AND_GEN, read_memory_trace, read_metrics, run_train, task_dir, write_config  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +21,7 @@ VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/", "memory/", "sync/secon
 
 
 def test_a_generation_queued_behind_the_update_trains_like_one_sent_after_it(tmp_path: Path, task_dir: Path) -> None:  # noqa: F811
-    runs = {}
+    runs, traces = {}, {}
     for queued in (True, False):
         work = tmp_path / f"queued-{queued}"
         work.mkdir()
@@ -33,6 +33,7 @@ def test_a_generation_queued_behind_the_update_trains_like_one_sent_after_it(tmp
                               rollout={"free_cache_engine": True})
         assert run_train(config).returncode == 0
         runs[queued] = read_metrics(work / "run")
+        traces[queued] = read_memory_trace(work / "run")
     assert sorted(runs[True]) == sorted(runs[False]) == [1, 2, 3, 4]
     for step in (1, 2, 3, 4):
         queued, sent_after = runs[True][step], runs[False][step]
@@ -45,7 +46,16 @@ def test_a_generation_queued_behind_the_update_trains_like_one_sent_after_it(tmp
         assert not differ, (step, differ)
         # Every step synced the weights (sync/synced) and verified what moved between ranks.
         assert queued["sync/synced"] == 1.0 and queued["sync/pieces_verified"] > 0
-        # A queued sync is not a phase of the step it lands in; the generation's memory is probed.
+        # A queued sync is not a timed phase of the step it lands in, but its memory and the
+        # generation's are probed as without the queue, and its calls count in that step.
         assert ("timing_s/sync_weights" in queued) == (step == 1)
-        assert "memory/gen/peak_rss_gb" in queued
+        assert "memory/sync_weights/peak_rss_gb" in queued and "memory/gen/peak_rss_gb" in queued
+        assert queued["perf/worker_calls"] == sent_after["perf/worker_calls"]
+    # The engines wake and sleep in the same order, recorded in the same steps and phases, except
+    # around the validation after step 2: without the queue it syncs the new weights itself and
+    # sleeps, and step 3 syncs them again; with it they were synced for step 3 already.
+    assert {k: v for k, v in traces[True].items() if k != 3} == {k: v for k, v in traces[False].items() if k != 3}
+    assert traces[True][2] == SYNC_AND_GEN
+    assert traces[False][3] == [*SYNC_AND_GEN[:2], ("val", "rollout", "sleep"), *SYNC_AND_GEN]
+    assert traces[True][3] == [("val", "rollout", "sleep"), *SYNC_AND_GEN]
     assert "val/reward_mean" in runs[True][2]  # compared above with the rest
