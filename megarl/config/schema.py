@@ -442,6 +442,10 @@ class ResourcesConfig:
     ray_num_cpus: Optional[int] = None
     object_store_memory_gb: float = 2.0
     num_cpus_per_worker: float = 1.0
+    # CPU training with plain DDP (use_distributed_optimizer false): how the data-parallel ranks sum
+    # their gradients. shared_memory: through one shared-memory segment when every rank of the group
+    # runs on one host (else gloo, with a warning when it cannot be set up); gloo: gloo's all-reduce.
+    cpu_grad_reduce: str = "shared_memory"
     # The pool the actor (with rollout and, by default, the reference) runs in.
     actor_pool: PoolConfig = field(default_factory=PoolConfig)
     # Separate pools: null shares the actor pool (colocated).

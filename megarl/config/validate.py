@@ -40,6 +40,7 @@ ENUMS: dict[str, set[str]] = {
     "model.prompt_sharing": {"auto", "always", "never"},
     "trainer.resume_mode": {"auto", "disable", "resume_path"},
     "resources.device": {"auto", "cpu", "cuda"},
+    "resources.cpu_grad_reduce": {"shared_memory", "gloo"},
     "actor.loss_agg_mode": LOSS_AGG_MODES,
     "critic.loss_agg_mode": LOSS_AGG_MODES,
     "actor.kl_loss_type": KL_TYPES,

@@ -43,6 +43,7 @@ from megarl.megatron import checkpoint as ckpt
 from megarl.megatron import offload as off
 from megarl.megatron.attention import local_attention_supported
 from megarl.megatron.context_parallel import SequenceShard, cp_alignment
+from megarl.megatron.host_reduce import install_host_grad_reduce
 from megarl.megatron.logprobs import vocab_parallel_logprobs_entropy
 from megarl.megatron.model import build_model_chunk, load_megatron_state, unwrap, wrap_for_training
 from megarl.megatron.optim import EngineConfig, build_optimizer, build_scheduler
@@ -113,6 +114,8 @@ class MegatronEngine:
                                        recompute_granularity=self.cfg.recompute_granularity,
                                        etp=self.ranks.etp_size)
         self.ddp = wrap_for_training(self.model, self.cfg.use_distributed_optimizer)
+        # Bucket groups whose data-parallel sum runs through shared memory (0: gloo's all-reduce).
+        self.host_reduced_buckets = install_host_grad_reduce(self.ddp) if self.cfg.host_grad_reduce else 0
         self.optimizer = build_optimizer(self.cfg, [self.ddp])
         self.scheduler = build_scheduler(self.cfg, self.optimizer)
         config = self.model.config

@@ -57,6 +57,9 @@ class EngineConfig:
     # transformer layer from its input (recompute_method="uniform", recompute_num_layers=1);
     # "selective" recomputes only the core attention (recompute_modules=["core_attn"]).
     recompute_granularity: str | None = None
+    # CPU plain DDP: sum the data-parallel gradients through shared memory when every rank of the
+    # group runs on this host (`megarl.megatron.host_reduce`), else with gloo.
+    host_grad_reduce: bool = False
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]

@@ -58,7 +58,7 @@ def parallel_layout(par: Any) -> ParallelLayout:
 
 
 def _engine_config(cfg: DictConfig, optim: Any, role: str, par: Any, total_steps: int, micro: int,
-                   log_prob_micro: int, use_dynamic_bsz: bool, max_tokens: int) -> EngineConfig:
+                   log_prob_micro: int, use_dynamic_bsz: bool, max_tokens: int, trained: bool = True) -> EngineConfig:
     warmup = optim.lr_warmup_steps or int(optim.lr_warmup_steps_ratio * total_steps)
     model = cfg.model
     return EngineConfig(
@@ -83,6 +83,8 @@ def _engine_config(cfg: DictConfig, optim: Any, role: str, par: Any, total_steps
         use_distributed_optimizer=bool(optim.use_distributed_optimizer),
         sequence_parallel=bool(par.sequence_parallel),
         recompute_granularity=str(model.recompute_granularity) if model.enable_gradient_checkpointing else None,
+        # A frozen role never sums gradients: it gets no shared memory for them.
+        host_grad_reduce=trained and str(cfg.resources.cpu_grad_reduce) == "shared_memory",
     )
 
 
@@ -137,7 +139,7 @@ def resolve_run_spec(cfg: DictConfig, model_dir: str, pad_token_id: int, eos_tok
             layout=parallel_layout(par),
             # A frozen role: the optimizer settings only shape the (unused) optimizer it is built with.
             engine=_engine_config(cfg, actor.optim, "policy", par, total_steps, micro=micro, log_prob_micro=micro,
-                                  use_dynamic_bsz=False, max_tokens=actor.ppo_max_token_len_per_gpu),
+                                  use_dynamic_bsz=False, max_tokens=actor.ppo_max_token_len_per_gpu, trained=False),
             offload=OffloadSpec(params=bool(ref.param_offload)),
             temperature=temperature,
             max_response_length=resp,
@@ -178,7 +180,7 @@ def resolve_run_spec(cfg: DictConfig, model_dir: str, pad_token_id: int, eos_tok
             layout=parallel_layout(par),
             # Frozen: the optimizer settings only shape the (unused) optimizer it is built with.
             engine=_engine_config(cfg, actor.optim, "reward", par, total_steps, micro=micro, log_prob_micro=micro,
-                                  use_dynamic_bsz=False, max_tokens=actor.ppo_max_token_len_per_gpu),
+                                  use_dynamic_bsz=False, max_tokens=actor.ppo_max_token_len_per_gpu, trained=False),
             offload=OffloadSpec(params=bool(rm.param_offload)),
             max_response_length=resp,
         )

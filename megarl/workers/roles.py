@@ -118,7 +118,10 @@ class EngineRole:
             batch, loss_fn, mini_batch_size=update.mini_batch_sequences // self.engine.ranks.dp_size,
             epochs=update.epochs, shuffle=update.shuffle, max_response_len=self.spec.max_response_length, **kwargs,
         )
-        return {k if "/" in k else f"{self.spec.name}/{k}": _mean(v) for k, v in history.items()}
+        metrics = {k if "/" in k else f"{self.spec.name}/{k}": _mean(v) for k, v in history.items()}
+        # 1: this role's data-parallel gradients were summed through shared memory (resources.cpu_grad_reduce)
+        metrics[f"{self.spec.name}/grad_reduce_shared_memory"] = float(self.engine.host_reduced_buckets > 0)
+        return metrics
 
 
 class FirstStepLogProbs:

@@ -249,9 +249,10 @@ def test_unknown_estimator_lists_valid(valid_file: Path) -> None:
 
 
 def test_enum_values(valid_file: Path) -> None:
-    msg = errors_of(valid_file, "actor.loss_agg_mode=mean", "rollout.engine=sglang")
+    msg = errors_of(valid_file, "actor.loss_agg_mode=mean", "rollout.engine=sglang", "resources.cpu_grad_reduce=shm")
     assert "actor.loss_agg_mode = 'mean': must be one of" in msg
     assert "rollout.engine = 'sglang': must be one of ['auto', 'hf', 'vllm']" in msg
+    assert "resources.cpu_grad_reduce = 'shm': must be one of ['gloo', 'shared_memory']" in msg
 
 
 def test_ranges(valid_file: Path) -> None:

@@ -61,6 +61,14 @@ def test_defaults_leave_optional_features_off(tmp_path: Path) -> None:
     assert engine.lr_schedule == "constant"
 
 
+def test_only_trained_roles_sum_gradients_through_shared_memory(tmp_path: Path) -> None:
+    spec = resolve(tmp_path, "algorithm.adv_estimator=gae", "actor.use_kl_loss=true")
+    assert spec.actor.engine.host_grad_reduce and spec.critic.engine.host_grad_reduce
+    assert not spec.ref.engine.host_grad_reduce  # frozen: it never sums gradients
+    spec = resolve(tmp_path, "algorithm.adv_estimator=gae", "resources.cpu_grad_reduce=gloo")
+    assert not spec.actor.engine.host_grad_reduce and not spec.critic.engine.host_grad_reduce
+
+
 def test_actor_loss_spec_takes_clip_ratio_when_low_and_high_are_null(tmp_path: Path) -> None:
     loss = resolve(tmp_path, "actor.clip_ratio=0.3", "actor.clip_ratio_high=0.28", "actor.use_kl_loss=true",
                    "actor.kl_loss_coef=0.05", "actor.entropy_coeff=0.01", "actor.policy_loss.loss_mode=gspo").actor.loss

@@ -1,0 +1,123 @@
+"""Data-parallel gradient sums through shared memory (`megarl.megatron.host_reduce`) on real gloo
+processes: the sum equals the inputs gathered and added in rank order (bit for bit, every rank the
+same), with two ranks gloo's all-reduce too; a training step of a data-parallel Megatron engine is
+bit-identical with it and with gloo's all-reduce; a segment that cannot be set up is refused on
+every rank, and none is left behind."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _launch import run_distributed  # noqa: E402
+from engine_helpers import make_batch, make_hf_model, pg_loss_fn, save_hf_model, scratch_dir  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+# Sizes around the chunk (64 elements a round below): one element, a partial chunk, exactly one,
+# several with a remainder smaller than the number of ranks.
+SIZES = (1, 37, 64, 3 * 64 + 2)
+
+
+def _sums(rank: int, world: int, port: int, directory: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from megarl.megatron.host_reduce import HostSumReducer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    out: dict[str, Any] = {"left_behind": None}
+    for dtype in (torch.float32, torch.bfloat16):
+        reducer = HostSumReducer(None, dtype=dtype, chunk_bytes=64 * torch.empty((), dtype=dtype).element_size(),
+                                 directory=Path(directory))
+        dist.barrier()  # rank 0 removes the name right after every rank has mapped the segment
+        out["left_behind"] = sorted(p.name for p in Path(directory).iterdir())
+        for n in SIZES:
+            x = torch.randn(n, generator=torch.Generator().manual_seed(100 * rank + n)).to(dtype) * (rank + 1)
+            gathered = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(gathered, x)
+            ordered = gathered[0].clone()
+            for other in gathered[1:]:
+                ordered += other
+            got = reducer(x.clone())
+            with_gloo = x.clone()
+            dist.all_reduce(with_gloo)
+            out[(str(dtype), n)] = (got, ordered, with_gloo)
+        reducer.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_shared_memory_sum_is_the_rank_ordered_sum(world: int) -> None:
+    directory = scratch_dir("megarl_shm_test_")
+    results = run_distributed(_sums, world, directory, timeout=120)
+    for rank, r in enumerate(results):
+        assert r["left_behind"] == [], "the segment's name must be gone once every rank mapped it"
+        for dtype in ("torch.float32", "torch.bfloat16"):
+            for n in SIZES:
+                got, ordered, with_gloo = r[(dtype, n)]
+                assert torch.equal(got, ordered), (rank, dtype, n)
+                assert torch.equal(got, results[0][(dtype, n)][0]), "every rank holds the same sum"
+                if world == 2:  # a + b is b + a: exactly gloo's result
+                    assert torch.equal(got, with_gloo), (rank, dtype, n)
+
+
+def _unavailable(rank: int, world: int, port: int) -> str:
+    import torch.distributed as dist
+
+    from megarl.megatron.host_reduce import HostReduceUnavailable, HostSumReducer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        HostSumReducer(None, directory=Path("/nonexistent/megarl"))
+    except HostReduceUnavailable as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_segment_that_cannot_be_made_is_refused_on_every_rank() -> None:
+    for message in run_distributed(_unavailable, 2, timeout=60):
+        assert message.startswith("shared-memory gradient reduction unavailable: rank 0 could not reserve")
+        assert "/nonexistent/megarl" in message
+
+
+def _train(rank: int, world: int, port: int, hf_dir: str) -> dict[str, Any]:
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.engine import MegatronEngine
+    from megarl.megatron.optim import EngineConfig
+    from megarl.megatron.parallel import destroy_distributed, init_distributed
+    from megarl.models.spec import ModelSpec
+
+    out = {}
+    for i, host in enumerate((True, False)):
+        init_distributed(rank, world, "127.0.0.1", port + 1 + i, ParallelLayout(dp=2))
+        engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), ParallelLayout(dp=2),
+                                EngineConfig(lr=1e-2, eps=1e-2, weight_decay=0.0, micro_batch_size=2,
+                                             use_distributed_optimizer=False, host_grad_reduce=host))
+        engine.load_hf_weights(hf_dir)
+        loaded = {n: t.detach().clone() for n, t in engine.get_named_weights()}
+        batch = make_batch(seed=10 + rank, batch=4)  # each rank its own rows: the sum matters
+        for _ in range(2):
+            engine.train_step(batch, pg_loss_fn, mini_batch_size=4, calculate_entropy=True)
+        params = {n: t.detach().clone() for n, t in engine.get_named_weights()}
+        out[host] = {"buckets": engine.host_reduced_buckets, "params": params,
+                     "moved": sum(not torch.equal(params[n], loaded[n]) for n in params)}
+        destroy_distributed()
+    return out
+
+
+def test_a_data_parallel_step_is_bit_identical_with_the_shared_memory_sum() -> None:
+    hf_dir = save_hf_model(make_hf_model("qwen2"))
+    results = run_distributed(_train, 2, hf_dir, timeout=300)
+    for rank, r in enumerate(results):
+        assert r[True]["buckets"] > 0 and r[False]["buckets"] == 0
+        assert r[True]["moved"] == len(r[True]["params"]) > 0  # every parameter trained
+        for name, tensor in r[False]["params"].items():
+            assert torch.equal(r[True]["params"][name], tensor), (rank, name)
+            # The ranks' rows differ, their summed gradients do not: the replicas stay equal.
+            assert torch.equal(r[True]["params"][name], results[0][True]["params"][name]), (rank, name)
