@@ -394,9 +394,11 @@ def main(argv: list[str] | None = None) -> int:
             "full_length": size["full_length"],
             "steps": steps, "lr": size["lr"], "precision": args.precision, "kl": "none (beta 0)", "loss": "token-mean",
             "megarl_overrides": precision_overrides + args.megarl_override,
-            "megarl": "2 Ray workers x 1 thread, Megatron DP=2 on gloo unless megarl_overrides set the layout, rollout.engine auto (HF unless the python given "
-                      "has vLLM), actor.old_log_prob_source auto (no separate old-log-prob pass: one epoch, one "
-                      "mini-batch, the update's own log-probs)",
+            "megarl": "2 Ray workers x 1 thread, Megatron DP=2 on gloo (gradients summed through shared memory: "
+                      "resources.cpu_grad_reduce) unless megarl_overrides set the layout, rollout.engine auto (HF "
+                      "unless the python given has vLLM), actor.old_log_prob_source auto (no separate "
+                      "old-log-prob pass: one epoch, one mini-batch, the update's own log-probs), the next "
+                      "generation queued behind each update (trainer.queue_generation)",
             "trl": f"1 process x {THREADS} threads, model.generate rollout, on-policy (no old-log-prob pass)",
             "trl_variants": f"TRL again with {', '.join(map(str, TRL_THREAD_VARIANTS))} thread(s): 2-thread OpenMP "
                             "slows down sharply on an oversubscribed machine, 1-thread processes do not",

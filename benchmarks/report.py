@@ -71,6 +71,8 @@ def _e2e(result: dict[str, Any]) -> list[str]:
     ms, ts, r = m["summary"], t["summary"], result["ratios_megarl_over_trl"]
     rows = [
         ["step time (s, mean of steps 2..N)", ms["step_s_mean"], ts["step_s_mean"], r["step_time"]],
+        ["wall clock per step (s, from the previous step's end)", ms.get("wall_step_s_mean"),
+         ts.get("wall_step_s_mean"), r.get("wall_step_time")],
         ["generated tokens/s", ms["generated_tokens_per_s"], ts["generated_tokens_per_s"], r["generated_tokens_per_s"]],
         ["training tokens/s (prompt + response)", ms["training_tokens_per_s"], ts["training_tokens_per_s"],
          r["training_tokens_per_s"]],
@@ -89,7 +91,8 @@ def _e2e(result: dict[str, Any]) -> list[str]:
         if "summary" not in variant:
             continue
         vs, vr = variant["summary"], result["ratios_megarl_over_trl_variants"][name]
-        extra = [(vs["step_s_mean"], vr["step_time"]), (vs["generated_tokens_per_s"], vr["generated_tokens_per_s"]),
+        extra = [(vs["step_s_mean"], vr["step_time"]), (vs.get("wall_step_s_mean"), vr.get("wall_step_time")),
+                 (vs["generated_tokens_per_s"], vr["generated_tokens_per_s"]),
                  (vs["training_tokens_per_s"], vr["training_tokens_per_s"]),
                  (variant["memory"]["workload_mib"], vr["peak_memory_workload"]),
                  (variant["memory"]["tree_mib"], None), (vs["reward_first"], None),
@@ -130,7 +133,8 @@ def _e2e_rounds(rounds: dict[str, Any]) -> list[str]:
     per_round, summary = rounds.get("per_round") or [], rounds.get("summary") or {}
     if len(per_round) < 2:
         return []
-    keys = (("step_time", "step time, megarl / TRL"), ("generated_tokens_per_s", "generated tokens/s, megarl / TRL"),
+    keys = (("step_time", "step time, megarl / TRL"), ("wall_step_time", "wall clock per step, megarl / TRL"),
+            ("generated_tokens_per_s", "generated tokens/s, megarl / TRL"),
             ("reward_ratio_at_equal_time", "reward over the common time span, megarl / TRL"))
     rows = [["megarl step (s)", *[r.get("megarl_step_s") for r in per_round], "", ""],
             ["TRL step (s)", *[r.get("trl_step_s") for r in per_round], "", ""]]
