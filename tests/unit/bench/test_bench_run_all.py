@@ -152,15 +152,16 @@ def test_report_shows_every_round_with_median_and_range():
     from report import render_report
 
     bench = _fabricated_bench()
-    per_round = [{"megarl_step_s": 0.2, "trl_step_s": 0.25, "step_time": 0.8, "generated_tokens_per_s": 1.25,
-                  "reward_ratio_at_equal_time": 1.1},
-                 {"megarl_step_s": 0.3, "trl_step_s": 0.2, "step_time": 1.5, "generated_tokens_per_s": 0.667,
-                  "reward_ratio_at_equal_time": None},
-                 {"megarl_step_s": 0.22, "trl_step_s": 0.2, "step_time": 1.1, "generated_tokens_per_s": 0.909,
-                  "reward_ratio_at_equal_time": 0.9}]
+    per_round = [{"megarl_step_s": 0.2, "trl_step_s": 0.25, "step_time": 0.8, "wall_step_time": 0.85,
+                  "generated_tokens_per_s": 1.25, "reward_ratio_at_equal_time": 1.1},
+                 {"megarl_step_s": 0.3, "trl_step_s": 0.2, "step_time": 1.5, "wall_step_time": 1.45,
+                  "generated_tokens_per_s": 0.667, "reward_ratio_at_equal_time": None},
+                 {"megarl_step_s": 0.22, "trl_step_s": 0.2, "step_time": 1.1, "wall_step_time": None,
+                  "generated_tokens_per_s": 0.909, "reward_ratio_at_equal_time": 0.9}]
     bench["sections"]["e2e"]["result"]["rounds"] = {
         "per_round": per_round, "order": "megarl then TRL",
         "summary": {"rounds": 3, "step_time": {"median": 1.1, "min": 0.8, "max": 1.5},
+                    "wall_step_time": {"median": 1.15, "min": 0.85, "max": 1.45},
                     "generated_tokens_per_s": {"median": 0.909, "min": 0.667, "max": 1.25},
                     "reward_ratio_at_equal_time": {"median": 1.0, "min": 0.9, "max": 1.1}}}
     md = render_report(bench)
@@ -169,7 +170,8 @@ def test_report_shows_every_round_with_median_and_range():
     assert {len(row) for row in rounds} == {6}
     assert rounds[1] == ["megarl step (s)", "0.2", "0.3", "0.22", "", ""]
     assert rounds[3] == ["step time, megarl / TRL", "0.8", "1.5", "1.1", "1.1", "0.8-1.5"]
-    assert rounds[5] == ["reward over the common time span, megarl / TRL", "1.1", "-", "0.9", "1", "0.9-1.1"]
+    assert rounds[4] == ["wall clock per step, megarl / TRL", "0.85", "1.45", "-", "1.15", "0.85-1.45"]
+    assert rounds[6] == ["reward over the common time span, megarl / TRL", "1.1", "-", "0.9", "1", "0.9-1.1"]
     bench["sections"]["e2e"]["result"]["rounds"] = {"per_round": per_round[:1], "summary": {"rounds": 1}}
     assert "times in turn" not in render_report(bench)  # one round: the main table says it all
 
