@@ -89,8 +89,9 @@ def sync_shards(plan: ReshardPlan, shards: Mapping[str, torch.Tensor], rollout_e
     covers this rank: its own plan or the whole-world one (see `execute_plan`).
 
     Engine layout "hf" (rollout TP 1): full HF-named tensors, written into the engine's own
-    (`weight_targets`, the HF engine) or else handed to `update_weights`, so any engine works. Layout "vllm": pieces are written straight into the vLLM model's parameters
-    of this process (vLLM's loaders want full HF tensors, which would defeat the sharding).
+    (`weight_targets`, the HF engine) or else handed to `update_weights`, so any engine works.
+    Layout "vllm": pieces are written straight into the vLLM model's parameters of this process
+    (vLLM's loaders want full HF tensors, which would defeat the sharding).
     `verify`: compare every bucket's sender and receiver fingerprints before the engine takes the
     weights (see `megarl.hybrid.verify`). `transport`: point-to-point over `group` by default.
     """
