@@ -88,17 +88,21 @@ def sync_shards(plan: ReshardPlan, shards: Mapping[str, torch.Tensor], rollout_e
     """Reshard this rank's Megatron shards (local-spec names) into the rollout engine. `plan`
     covers this rank: its own plan or the whole-world one (see `execute_plan`).
 
-    Engine layout "hf" (rollout TP 1): full HF-named tensors, written into the engine's own
-    (`weight_targets`, the HF engine) or else handed to `update_weights`, so any engine works.
+    Engine layout "hf" (rollout TP 1): full HF-named tensors, written into the engine's own when
+    the sync is not verified and the engine offers them (`weight_targets`, the HF engine), else
+    handed to `update_weights` after the check, so any engine works.
     Layout "vllm": pieces are written straight into the vLLM model's parameters of this process
     (vLLM's loaders want full HF tensors, which would defeat the sharding).
     `verify`: compare every bucket's sender and receiver fingerprints before the engine takes the
     weights (see `megarl.hybrid.verify`). `transport`: point-to-point over `group` by default.
     """
     if plan.engine == "hf":
-        # Straight into the engine's own tensors where it offers them (the HF engine): no second
-        # copy of the model per sync. Otherwise (vLLM at TP 1) new full tensors to its loaders.
-        own = rollout_engine.weight_targets({t.name: t.shape for t in plan.engine_tensors[dist.get_rank(group)]})
+        # Unverified, straight into the engine's own tensors where it offers them (the HF engine):
+        # no second copy of the model. A verified sync fills new tensors and hands them over only
+        # once the check passed, so a bucket that arrives changed never reaches the engine; so does
+        # an engine without tensors of its own to offer (vLLM at TP 1: its loaders fuse and shard).
+        own = None if verify else rollout_engine.weight_targets(
+            {t.name: t.shape for t in plan.engine_tensors[dist.get_rank(group)]})
         with torch.no_grad():
             tensors, stats = execute_plan(plan, shards, group, out=own, verify=verify, transport=transport)
         if own is None:
