@@ -28,8 +28,11 @@ FP32_GAP = 1e-5
 
 
 def trained(metrics: dict) -> dict:
-    """A step's metrics that do not depend on wall-clock time or on the probe."""
-    clocked = ("probe/", "timing_s/", "timing_per_token_ms/", "perf/", "memory/", "async/rollout_busy")
+    """A step's metrics that do not depend on wall-clock time or on the probe (a probed sync is not
+    queued behind the update: `training/generation_queued` says how the batch was scheduled, the
+    same batch either way)."""
+    clocked = ("probe/", "timing_s/", "timing_per_token_ms/", "perf/", "memory/", "async/rollout_busy",
+               "training/generation_queued")
     return {k: v for k, v in metrics.items()
             if not (k.startswith(clocked) or k.endswith("_s") or "seconds" in k or "time" in k)}
 
