@@ -221,11 +221,11 @@ SINGLE_KEY_TRACES = {
     "grpo-ref.param_offload": (GRPO_KL, {"ref": {"param_offload": True}},
                                [*WAKE_SYNC_WAKE, ("gen", "rollout", "sleep"), *around("ref", "ref", "onload:params")]),
     "grpo-rollout.free_cache_engine=false": (GRPO_KL, {"rollout": {"free_cache_engine": False}}, []),
+    # The PPO case's rollout never sleeps (rollout.free_cache_engine false in its base).
     "ppo-critic.param_offload": (PPO_CRITIC, {"critic": {"param_offload": True}}, [
-        *WAKE_SYNC_WAKE, ("gen", "rollout", "sleep"), *around("values", "critic", "onload:params"),
-        *around("update_critic", "critic")]),
+        *around("values", "critic", "onload:params"), *around("update_critic", "critic")]),
     "ppo-critic.optimizer_offload": (PPO_CRITIC, {"critic": {"optimizer_offload": True}}, [
-        *WAKE_SYNC_WAKE, ("gen", "rollout", "sleep"), *around("update_critic", "critic")]),
+        *around("update_critic", "critic")]),
 }
 
 
