@@ -29,14 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS_DIR, machine_info, ratio, write_json  # noqa: E402
 
-from megarl.megatron.host_reduce import DEFAULT_CHUNK_BYTES  # noqa: E402
+from megarl.megatron.host_reduce import DEFAULT_CHUNK_BYTES, HostSumReducer  # noqa: E402
 
 DEFAULT_SIZES = (2_368_000, 25_191_424)  # parameters of the e2e benchmark's two models
 
 
 def _rank(rank: int, world: int, port: int, sizes: list[int], repeats: int, chunk_bytes: int, out: Any) -> None:
-    from megarl.megatron.host_reduce import HostSumReducer  # in the spawned process
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     reducer = HostSumReducer(None, chunk_bytes=chunk_bytes)

@@ -133,8 +133,9 @@ def verify_due(verify_every: int, syncs_done: int) -> bool:
     return verify_every > 0 and syncs_done % verify_every == 0
 
 
-def _weights_device(train_engine: Any) -> torch.device:
-    return next(iter(train_engine.get_named_weights()))[1].device
+def _first_weight(train_engine: Any) -> torch.Tensor:
+    """One of the training engine's parameters (their device and dtype are those of all)."""
+    return next(iter(train_engine.get_named_weights()))[1]
 
 
 def engine_shards(train_engine: Any) -> dict[str, torch.Tensor]:
@@ -158,7 +159,7 @@ def own_plan(train_engine: Any, rollout_tp: int, bucket_bytes: int,
                           f"expert tensor-parallel rank {r.etp_rank} in Megatron, the plan's rank order puts it "
                           f"at {c.ep_rank}, {c.etp_rank}; the training process groups must use Megatron's "
                           "default order tp-cp-ep-dp-pp")
-    dtype = next(iter(train_engine.get_named_weights()))[1].dtype
+    dtype = _first_weight(train_engine).dtype
     planner = RankPlanner(train_engine.spec, layout, ParallelLayout.rollout(rollout_tp, layout.world_size),
                           "hf" if rollout_tp == 1 else "vllm", dtype, bucket_bytes)
     return planner.plan(dist.get_rank(group))
@@ -189,7 +190,7 @@ class WeightSync:
         # Whether any rank of the world receives a piece from another. When none does (each rank
         # holds its whole rollout shard, e.g. data parallelism alone), every rank copies from itself,
         # nothing crosses a process, and a sync needs no collective, the verification's included.
-        buckets = torch.tensor([len(self.plan.steps)], dtype=torch.int64, device=_weights_device(train_engine))
+        buckets = torch.tensor([len(self.plan.steps)], dtype=torch.int64, device=_first_weight(train_engine).device)
         dist.all_reduce(buckets, group=group)
         self.exchanges = bool(buckets.item())
 

@@ -103,7 +103,7 @@ class HostSumReducer:
             except OSError as exc:
                 error = f"rank {self.rank} could not open {path[0]}: {exc}"
         self._map = None
-        if not error:
+        if not error and path[0] is not None:  # no path: rank 0 failed, and says so below
             self._map = mmap.mmap(fd, nbytes)
         if fd >= 0:
             os.close(fd)
@@ -157,7 +157,7 @@ def install_host_grad_reduce(ddp: Any) -> int:
         return 0
     if cfg.check_for_nan_in_grad or cfg.check_for_large_grads or cfg.num_distributed_optimizer_instances != 1:
         return 0
-    reducers: dict[int, HostSumReducer | None] = {}
+    reducers: dict[tuple[int, torch.dtype], HostSumReducer | None] = {}
     installed = 0
     for bucket_group in [*ddp.bucket_groups, *ddp.expert_parallel_bucket_groups]:
         group = bucket_group.data_parallel_group
@@ -166,7 +166,7 @@ def install_host_grad_reduce(ddp: Any) -> int:
         buffers = [bucket.grad_data for bucket in bucket_group.buckets]
         if any(b.device.type != "cpu" for b in buffers) or len({b.dtype for b in buffers}) != 1:
             continue
-        key = id(group)
+        key = (id(group), buffers[0].dtype)
         if key not in reducers:  # every rank meets the same groups in the same order
             reducers[key] = None
             if group_on_one_host(group):
@@ -177,7 +177,7 @@ def install_host_grad_reduce(ddp: Any) -> int:
                 except HostReduceUnavailable as exc:
                     logger.warning("%s; the gradients are summed with gloo", exc)
         reducer = reducers[key]
-        if reducer is None or reducer.dtype != buffers[0].dtype:
+        if reducer is None:
             continue
         bucket_group.start_grad_sync = _host_grad_sync(bucket_group, reducer)
         installed += 1

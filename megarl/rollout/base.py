@@ -327,8 +327,7 @@ class RolloutEngine(abc.ABC):
         """
         self._require_weights("update weights")
         loaded = self._update_weights(named_tensors)
-        if self._weights_discarded and not self._missing_weights():
-            self._weights_discarded = False
+        self._settle_discarded()
         return loaded
 
     def weight_targets(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor] | None:
@@ -345,6 +344,10 @@ class RolloutEngine(abc.ABC):
         self._require_weights("update weights")
         for name in names:
             self._note_written(name)
+        self._settle_discarded()
+
+    def _settle_discarded(self) -> None:
+        """After an update: a discarded model counts as whole again once no weight is missing."""
         if self._weights_discarded and not self._missing_weights():
             self._weights_discarded = False
 

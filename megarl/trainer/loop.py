@@ -225,7 +225,7 @@ class RLTrainer:
         metrics: dict[str, Any] = {"training/global_step": step, "training/epoch": self.run.train_loader.epoch}
         self.step_version = self.weights_version  # the weights this step's batch is trained from
         # Calls sent by the last step for this one (a queued generation) count as this step's.
-        calls_before = self.worker_calls_sent() - (self.queued_sync.calls if self.queued_sync is not None else 0)
+        calls_before = self.worker_calls_sent() - self.queued_calls()
         # This step's batch was generated behind the last update (trainer.queue_generation).
         metrics["training/generation_queued"] = float(self.queued_sync is not None)
         with self.timer("step"):
@@ -324,14 +324,17 @@ class RLTrainer:
         if self.prefetch is None:  # else the sleep waits behind the next step's generation: read it then
             self.settle_rollout_sleep()
         self.read_memory_probes()
-        metrics["perf/worker_calls"] = float(self.worker_calls_sent() - calls_before
-                                             - (self.queued_sync.calls if self.queued_sync is not None else 0))
+        metrics["perf/worker_calls"] = float(self.worker_calls_sent() - calls_before - self.queued_calls())
         metrics.update(self.memory_metrics)
         metrics.update(memory_step_metrics(self.memory_metrics))
         self.write_memory_trace(step)
         if alg.use_kl_in_reward:
             metrics["actor/reward_kl_coef"] = self.kl_ctrl.value
         return metrics
+
+    def queued_calls(self) -> int:
+        """Worker calls sent for the next step by a queued generation still in flight (they count there)."""
+        return self.queued_sync.calls if self.queued_sync is not None else 0
 
     def worker_calls_sent(self) -> int:
         """Ray calls the driver has sent to worker processes so far (one per rank and method), over
