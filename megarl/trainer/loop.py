@@ -289,16 +289,14 @@ class RLTrainer:
                 queue = self.may_queue_generation(step, self.weights_version + 1)
                 with self.phase("update_actor"), self.onloaded(actor, self.spec.actor):
                     update = actor.call_dp_async(ActorRole.update_actor, batch)
-                    # The trainer's log-probs of the sampling weights, asked for at once: each
-                    # worker runs the request right after its update.
-                    asked = (actor.call_dp_async(ActorRole.update_log_probs, batch.select("response_mask"))
-                             if source != "recompute" else None)
                     if queue:  # the update's memory probe first, then the next sync and generation
                         self.probe_memory("update_actor", (actor.group,))
                         self.queue_generation(step, self.weights_version + 1)
-                    metrics.update(update.result(actor.group.call_timeout_s)[0])
-                    if asked is not None:
-                        update_log_probs = asked.result(actor.group.call_timeout_s)["update_log_probs"]
+                    per_rank = update.result(actor.group.call_timeout_s)  # ActorUpdate per DP rank, in order
+                    metrics.update(per_rank[0].metrics)
+                    if source != "recompute":  # the trainer's log-probs of the sampling weights
+                        # The padding rows of the split come last: the first len(batch) are the batch's.
+                        update_log_probs = torch.cat([shard.log_probs for shard in per_rank])[: len(batch)]
                 self.weights_version += 1
                 if self.weight_signal is not None:  # a partial rollout in flight stops at its next chunk
                     self.weight_signal.raise_to(self.weights_version)

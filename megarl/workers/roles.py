@@ -144,37 +144,39 @@ class FirstStepLogProbs:
             self.values[micro_batch[self.ROW].cpu()] = log_probs.float().cpu()
 
 
+@dataclasses.dataclass
+class ActorUpdate:
+    """What `ActorRole.update_actor` returns on a rank.
+
+    metrics: the update's metrics (`actor/...`).
+    log_probs: without the old-log-prob pass (`old_log_prob_source` update or rollout), the first
+        optimizer step's log-probs of this rank's rows (B_rank, R) float32, detached, NaN where that
+        step held no row; None with the pass. They come back with the update, not in a call of their
+        own: a call fewer per rank and step.
+    """
+
+    metrics: dict[str, float]
+    log_probs: torch.Tensor | None = None
+
+
 class ActorRole(EngineRole):
     """The policy being trained."""
-
-    last_update: FirstStepLogProbs | None = None
 
     def compute_log_prob(self, batch: Batch) -> Batch:
         """`old_log_probs` and `entropys` (B, R) under the current weights, at the rollout temperature."""
         out = self.engine.compute_log_prob(batch, temperature=self.spec.temperature, calculate_entropy=True)
         return Batch.from_dict({"old_log_probs": out["log_probs"], "entropys": out["entropys"]})
 
-    def update_actor(self, batch: Batch) -> dict[str, float]:
+    def update_actor(self, batch: Batch) -> ActorUpdate:
         """PPO epochs over `batch`. Without the old-log-prob pass (`old_log_prob_source` update or
-        rollout) the first optimizer step's log-probs are kept for `update_log_probs`."""
+        rollout) the first optimizer step's log-probs come back with the metrics (`ActorUpdate`)."""
         sink = None
         if self.spec.loss.old_log_prob_source != "recompute":
             sink = FirstStepLogProbs(len(batch), int(batch["responses"].shape[1]), self.engine)
             batch[FirstStepLogProbs.ROW] = torch.arange(len(batch))
-        self.last_update = sink
-        return self._train(batch, make_actor_loss(self.spec.loss, sink), temperature=self.spec.temperature,
-                           calculate_entropy=True)
-
-    def update_log_probs(self, batch: Batch) -> Batch:
-        """`update_log_probs` (B, R) float32 of this rank's rows of the last `update_actor` call (the same
-        `batch`, dispatched the same way): its first optimizer step's log-probs, detached; NaN elsewhere."""
-        captured = self.last_update
-        if captured is None or len(captured.values) != len(batch):
-            have = "no update that kept them" if captured is None else f"{len(captured.values)} rows"
-            raise RuntimeError(f"actor rank {getattr(self.context, 'rank', 0)}: update_log_probs for "
-                               f"{len(batch)} rows, but the last update_actor left {have}")
-        return Batch.from_dict({"update_log_probs": captured.values})
-
+        metrics = self._train(batch, make_actor_loss(self.spec.loss, sink), temperature=self.spec.temperature,
+                              calculate_entropy=True)
+        return ActorUpdate(metrics, sink.values if sink is not None else None)
 
     # ---------------------------------------------- weights to a rollout pool of its own
     bridge: BridgeSender | None = None

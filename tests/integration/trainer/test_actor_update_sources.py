@@ -74,8 +74,9 @@ def _updates(rank: int, world: int, port: int, hf_dir: str, batch: dict, rollout
             old = data["old_log_probs"].clone()
         elif loss.old_log_prob_source == "rollout":
             data["old_log_probs"] = data["rollout_log_probs"]
-        metrics = role.update_actor(data)
-        kept = None if loss.old_log_prob_source == "recompute" else role.update_log_probs(data)["update_log_probs"]
+        update = role.update_actor(data)
+        metrics, kept = update.metrics, update.log_probs
+        assert (kept is None) == (loss.old_log_prob_source == "recompute")
         out[name] = {"grads": gather_hf_grads(role.engine), "metrics": metrics, "old": old, "kept": kept}
     return out
 

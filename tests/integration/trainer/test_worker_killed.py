@@ -28,7 +28,7 @@ def test_killed_worker_fails_the_driver_with_a_named_error(tmp_path: Path, task_
     assert f"host {socket.gethostname()}" in first and " on node " in first
     # The kill is aimed at the update (the longest phase by far); on a loaded machine it can land in
     # the step's next call instead. Whichever it was, the error names it.
-    assert re.search(r"died during actor\.(update_actor|save_checkpoint|update_log_probs)\(\): "
+    assert re.search(r"died during actor\.(update_actor|save_checkpoint)\(\): "
                      r"its process exited unexpectedly", first), first
     # Ray's own multi-line text (actor id, namespace, a paragraph of possible causes) is not repeated.
     assert len(error) <= 4, error
