@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from megarl.config.schema import RewardConfig
 from megarl.data.tokenizer import build_char_tokenizer
@@ -188,6 +189,37 @@ def test_from_config_and_bad_config() -> None:
     config.custom_reward_function.path = "/nonexistent/reward.py"
     with pytest.raises(ConfigError, match="does not exist"):
         RewardManager.from_config(config, max_response_length=4)
+
+
+def test_config_options_reach_the_scorers_as_plain_python() -> None:
+    """The experiment config's reward_kwargs (OmegaConf nodes) become dicts and lists, all the way
+    down, with interpolations resolved; the scores are those of the same options given as dicts."""
+    node = OmegaConf.create({"mode": "startswith", "reward_kwargs": {"arithmetic": {"mode": "${mode}"},
+                                                                     "nested": {"xs": [1, {"y": [2, 3]}]}}})
+    with RewardManager(reward_kwargs=node.reward_kwargs, custom_fn_path=FNS, custom_fn_name="exact_match",
+                       num_workers=1) as manager:
+        plain = manager.reward_kwargs
+    assert plain == {"arithmetic": {"mode": "startswith"}, "nested": {"xs": [1, {"y": [2, 3]}]}}
+
+    def containers(value):
+        if isinstance(value, dict):
+            return [type(value)] + [t for item in value.values() for t in containers(item)]
+        if isinstance(value, list):
+            return [type(value)] + [t for item in value for t in containers(item)]
+        return []
+
+    assert not any(issubclass(t, (DictConfig, ListConfig)) for t in containers(plain))
+
+    config = OmegaConf.structured(RewardConfig())
+    config.reward_kwargs = {"arithmetic": {"mode": "startswith"}}
+    assert isinstance(config.reward_kwargs.arithmetic, DictConfig)  # what a run's config hands over
+    responses, truths = ["3", "34", "4", "x3"], ["3", "3", "3", "3"]
+    with RewardManager.from_config(config, max_response_length=4) as from_node, \
+            RewardManager(reward_kwargs={"arithmetic": {"mode": "startswith"}}, max_response_length=4) as from_dict:
+        assert type(from_node.reward_kwargs["arithmetic"]) is dict
+        got = from_node.score(responses, truths, ["arithmetic"] * 4, None, None, full_mask([1, 2, 1, 2], 2))
+        want = from_dict.score(responses, truths, ["arithmetic"] * 4, None, None, full_mask([1, 2, 1, 2], 2))
+    assert got.scores.tolist() == want.scores.tolist() == [1.0, 1.0, 0.0, 0.0]
 
 
 def test_mismatched_inputs_are_data_errors() -> None:
