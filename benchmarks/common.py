@@ -55,9 +55,37 @@ def load_average() -> list[float]:
         return []
 
 
+# CPU flags (as /proc/cpuinfo names them) that change how fast torch's CPU kernels run, with the
+# names the report gives them: fp32 matmuls use the widest vector unit, bf16 ones AMX where present.
+CPU_FEATURES = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX-512 BF16"), ("amx_bf16", "AMX"))
+
+
+def cpu_description(cpuinfo: str | None = None) -> str | None:
+    """The CPU's model name and its matmul-relevant features, e.g. "Intel(R) Xeon(R) Processor
+    (AVX2, AVX-512, AVX-512 BF16, AMX)"; None where /proc/cpuinfo cannot be read (not Linux)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():  # the first processor's block is enough
+        if not line.strip():
+            if fields:
+                break
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    model = fields.get("model name") or platform.processor() or "unknown CPU"
+    flags = set(fields.get("flags", "").split())
+    features = [name for flag, name in CPU_FEATURES if flag in flags]
+    return f"{model} ({', '.join(features)})" if features else model
+
+
 def machine_info() -> dict[str, Any]:
-    """Facts a reader needs to judge a number: CPU count, Python, torch version, load, time."""
+    """Facts a reader needs to judge a number: CPU model and count, Python, torch version, load, time."""
     info: dict[str, Any] = {
+        "cpu": cpu_description(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "platform": platform.platform(),

@@ -396,6 +396,14 @@ def _first_lines(text: str, n: int = 3) -> str:
     return " / ".join(lines[-n:]).replace("|", "\\|")[:400] or "(no message)"
 
 
+def _machine(entry: dict[str, Any]) -> str:
+    """Where a section ran: its GPU, else its CPU model and features ("-" in records older than the
+    CPU field; sections of one report can come from different machines)."""
+    machine = entry.get("result", {}).get("machine", {}) if isinstance(entry.get("result"), dict) else {}
+    name = machine.get("cuda") or machine.get("cpu") or "-"
+    return str(name).replace("|", "\\|")
+
+
 def render_report(bench: dict[str, Any]) -> str:
     """The markdown report of one `bench.json` dictionary."""
     machine = bench.get("machine", {})
@@ -403,18 +411,18 @@ def render_report(bench: dict[str, Any]) -> str:
         "# megarl benchmark report",
         "",
         f"Generated {bench.get('generated_utc', '-')} on {machine.get('cpu_count', '-')} CPUs "
-        f"({machine.get('platform', '-')}), torch {machine.get('torch', '-')}, GPU: {machine.get('cuda') or 'none'}. "
+        f"({', '.join(x for x in (machine.get('cpu'), machine.get('platform', '-')) if x)}), torch {machine.get('torch', '-')}, GPU: {machine.get('cuda') or 'none'}. "
         f"{'Quick (smoke) sizes. ' if bench.get('quick') else ''}"
         "Load average (1/5/15 min) is shown next to each number: on a shared machine, compare numbers taken "
         "under similar load only.",
         "",
-        "| section | status | seconds | load before | load after | measured (UTC) |",
-        "|---|---|---|---|---|---|",
+        "| section | status | seconds | load before | load after | measured (UTC) | machine |",
+        "|---|---|---|---|---|---|---|",
     ]
     sections = bench.get("sections", {})
     for name, entry in sections.items():
         out.append(f"| {name} | {entry['status']} | {fmt(entry.get('seconds'))} | {load(entry.get('load_average_before'))} "
-                   f"| {load(entry.get('load_average_after'))} | {entry.get('finished_utc', '-')} |")
+                   f"| {load(entry.get('load_average_after'))} | {entry.get('finished_utc', '-')} | {_machine(entry)} |")
     for name, entry in sections.items():
         out += ["", f"## {SECTION_TITLES.get(name, name)}", ""]
         if entry["status"] != "ok":

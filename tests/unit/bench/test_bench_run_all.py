@@ -81,13 +81,19 @@ def _tables(markdown: str) -> list[list[list[str]]]:
 def test_report_of_a_fabricated_result_has_every_section_and_even_tables():
     from report import render_report
 
-    md = render_report(_fabricated_bench())
+    bench = _fabricated_bench()
+    bench["sections"]["e2e"]["result"]["machine"] = {"cpu": "Intel(R) Xeon(R) Processor (AVX2, AVX-512, AMX)"}
+    bench["sections"]["gpu"]["result"]["machine"] = {"cpu": "AMD EPYC (AVX2)", "cuda": "NVIDIA H200"}
+    md = render_report(bench)
     for heading in ("End to end", "Phase breakdown", "Scaling", "Component benchmarks", "GPU"):
         assert re.search(rf"^## {heading}", md, re.M), heading
     tables = _tables(md)
     assert tables, md
     for t in tables:  # every row as wide as its header
         assert {len(row) for row in t} == {len(t[0])}, t
+    where = {row[0]: row[-1] for row in tables[0][1:]}  # each section's machine: GPU, else CPU, else "-"
+    assert where == {"e2e": "Intel(R) Xeon(R) Processor (AVX2, AVX-512, AMX)", "phases": "-", "scaling": "-",
+                     "components": "-", "gpu": "NVIDIA H200"}, where
     e2e = next(t for t in tables if t[0][:4] == ["", "megarl", "TRL (2 threads)", "megarl / TRL"])
     assert e2e[0][4:] == ["TRL (threads=1)", "megarl / TRL (threads=1)"]
     step_row = next(r for r in e2e if r[0].startswith("step time"))
@@ -192,3 +198,14 @@ def test_bench_command_passes_the_rounds_to_the_e2e_section(tmp_path, monkeypatc
     assert seen["args"]["e2e"] == ["--rounds", "1", "--plot", plot, "--steps", "5"]
     assert seen["args"]["e2e_25m"] == ["--plot", str(tmp_path / "e2e_25m_reward_vs_time.png")]
     assert run_all.main_from_args(parser.parse_args(["--sections", "e2e", "--e2e-rounds", "0"])) == 2
+
+
+def test_cpu_description_names_the_model_and_the_matmul_features():
+    from common import cpu_description
+
+    block = ("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Processor\n"
+             "flags\t\t: fpu sse2 avx2 fma avx512f avx512bw avx512_bf16 amx_tile amx_bf16 amx_int8\n\n"
+             "processor\t: 1\nmodel name\t: other\nflags\t\t: avx2\n")
+    assert cpu_description(block) == "Intel(R) Xeon(R) Processor (AVX2, AVX-512, AVX-512 BF16, AMX)"
+    assert cpu_description("model name\t: AMD EPYC 7B13\nflags\t\t: sse2 avx avx2 fma\n") == "AMD EPYC 7B13 (AVX2)"
+    assert cpu_description("model name\t: Old CPU\nflags\t\t: sse2\n") == "Old CPU"
