@@ -4,11 +4,12 @@ Megatron's local spec uses `DotProductAttention`, which materialises the [b, hea
 matrix, masks it, takes an fp32 softmax and multiplies by the values as separate kernels; it refuses
 context parallelism. `LocalAttention` computes the same function with torch's
 `scaled_dot_product_attention` (a fused kernel that never stores the probabilities: flash or
-memory-efficient attention on CUDA, the flash CPU kernel on CPU) and, at cp > 1, first all-gathers
-keys and values over the context-parallel group (`context_parallel.gather_keys_values`), keeping
-queries local. It is the local spec's core attention whenever the model's attention is plain
-softmax attention; sliding-window and off-by-one/learnable softmax keep Megatron's
-`DotProductAttention` at cp = 1 and are refused at cp > 1.
+memory-efficient attention on CUDA, the flash CPU kernel on CPU; for the short rows of a
+half-precision CPU training step torch's math kernel, which is faster there: `prefers_math_kernel`)
+and, at cp > 1, first all-gathers keys and values over the context-parallel group
+(`context_parallel.gather_keys_values`), keeping queries local. It is the local spec's core
+attention whenever the model's attention is plain softmax attention; sliding-window and
+off-by-one/learnable softmax keep Megatron's `DotProductAttention` at cp = 1 and are refused at cp > 1.
 
 Masks follow Megatron's convention: `attention_mask` is a bool tensor broadcastable to
 [b, heads, sq, sk], True = masked; None means causal (over global positions at cp > 1). Every query
@@ -17,6 +18,7 @@ must see at least one key (every mask megarl builds lets a position see itself).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Optional
 
@@ -27,10 +29,29 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megarl.errors import ConfigError
 from megarl.megatron.context_parallel import gather_keys_values, gathered_positions, shard_index
 from megarl.megatron.spec_rewrite import replace_modules
+
+
+# Longest key length at which a half-precision CPU training step takes torch's math attention kernel
+# instead of the flash one. On CPU the flash kernel's backward in bf16/fp16 costs a few ms per row
+# whatever the row's length, while the math kernel's cost grows with length squared. Measured at 1
+# thread, 8 query / 4 key-value heads of 64, fwd+bwd, bf16 (flash vs math): 64 rows of 36 keys
+# 134 vs 26 ms, 32 of 68 80-144 vs 34-44 ms, 16 of 128 55 vs 41 ms, 8 of 192 37 vs 50 ms, 4 of 512
+# 59 vs 200 ms; fp16 alike. In fp32 and without gradients the flash kernel is the faster one.
+HALF_PRECISION_MATH_MAX_KEYS = 128
+
+
+def prefers_math_kernel(query: torch.Tensor, keys: int) -> bool:
+    """Whether `LocalAttention` computes this call with torch's math kernel rather than the flash
+    one: on CPU, in bf16 or fp16, when gradients will flow, over at most
+    `HALF_PRECISION_MATH_MAX_KEYS` keys. The math kernel materialises the [b, heads, sq, sk]
+    scores, which at that length is small."""
+    return (query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
+            and torch.is_grad_enabled() and query.requires_grad and keys <= HALF_PRECISION_MATH_MAX_KEYS)
 
 
 def local_attention_supported(config: Any) -> str | None:
@@ -103,8 +124,11 @@ class LocalAttention(torch.nn.Module):
         dropout_p = self.dropout_p if self.training else 0.0
 
         def attend() -> torch.Tensor:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout_p, is_causal=is_causal,
-                                                  scale=self.softmax_scale, enable_gqa=k.shape[1] != np_)
+            kernel = sdpa_kernel(SDPBackend.MATH) if prefers_math_kernel(q, k.shape[2]) else contextlib.nullcontext()
+            with kernel:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout_p,
+                                                      is_causal=is_causal, scale=self.softmax_scale,
+                                                      enable_gqa=k.shape[1] != np_)
 
         if dropout_p > 0.0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():

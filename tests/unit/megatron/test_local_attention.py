@@ -15,7 +15,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megarl.errors import ConfigError
-from megarl.megatron.attention import LocalAttention, with_local_attention
+from megarl.megatron.attention import (
+    HALF_PRECISION_MATH_MAX_KEYS, LocalAttention, prefers_math_kernel, with_local_attention,
+)
 from megarl.megatron.packing import CompactRows, pack_rows
 
 pytestmark = pytest.mark.unit
@@ -121,3 +123,92 @@ def test_cp_without_dot_product_attention_is_refused() -> None:
     config.context_parallel_size = 2
     with pytest.raises(ConfigError, match="context_parallel_size=1"):
         with_local_attention(ModuleSpec(module=torch.nn.Identity), config)
+
+
+FLASH_BACKWARD = "ScaledDotProductFlashAttentionForCpuBackward0"
+
+
+def _graph_nodes(t: torch.Tensor) -> set[str]:
+    """The names of the autograd nodes `t` was computed by."""
+    names, todo, seen = set(), [t.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(node.name())
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def _dense_float64_with_error_scales(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                     masked: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
+    """Dense causal attention in float64 and its gradients for the upstream gradient `g`, worked out
+    by hand (q [s, b, np, hn], k/v [s, b, ng, hn], g [s, b, np*hn], masked [s, s] True = masked).
+
+    Returns the values (out, q, k, v gradients, in the inputs' layouts), the same sums taken over
+    the absolute value of every term (what rounding each term by a relative u can move a result
+    by), and the largest |score|."""
+    s, b, heads, hn = q.shape
+    per_group = heads // k.shape[2]
+    scale = 1.0 / math.sqrt(hn)
+    Q = q.double().permute(1, 2, 0, 3)  # [b, np, s, hn]
+    K = k.double().permute(1, 2, 0, 3).repeat_interleave(per_group, dim=1)  # each query head's group
+    V = v.double().permute(1, 2, 0, 3).repeat_interleave(per_group, dim=1)
+    G = g.double().view(s, b, heads, hn).permute(1, 2, 0, 3)
+    S = (Q @ K.transpose(-1, -2)) * scale
+    P = torch.softmax(S.masked_fill(masked, float("-inf")), dim=-1)
+    dP = G @ V.transpose(-1, -2)
+    dS = P * (dP - (P * dP).sum(-1, keepdim=True))
+    dP_abs = G.abs() @ V.abs().transpose(-1, -2)
+    dS_abs = P * (dP_abs + (P * dP_abs).sum(-1, keepdim=True))
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:  # [b, np, s, hn] -> [s, b, ng, hn], summed over each group
+        return t.view(b, heads // per_group, per_group, s, hn).sum(2).permute(2, 0, 1, 3)
+
+    def layout(t: torch.Tensor) -> torch.Tensor:  # [b, np, s, hn] -> [s, b, np, hn]
+        return t.permute(2, 0, 1, 3)
+
+    values = {"out": layout(P @ V).reshape(s, b, heads * hn), "q": layout(scale * dS @ K),
+              "k": grouped(scale * dS.transpose(-1, -2) @ Q), "v": grouped(P.transpose(-1, -2) @ G)}
+    scales = {"out": layout(P @ V.abs()).reshape(s, b, heads * hn), "q": layout(scale * dS_abs @ K.abs()),
+              "k": grouped(scale * dS_abs.transpose(-1, -2) @ Q.abs()), "v": grouped(P.transpose(-1, -2) @ G.abs())}
+    return values, scales, float(S.masked_fill(masked, 0.0).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_training_rows_match_float64_within_their_rounding(dtype: torch.dtype) -> None:
+    # Short rows of a half-precision CPU training step go to torch's math kernel
+    # (`prefers_math_kernel`). Inputs are exact in `dtype`; every rounding on the way (scores,
+    # probabilities, products, the output) is relative u = eps/2 of its term, and a score rounded by
+    # u|S| moves its probability by a relative 2u*max|S|: each result is off by at most
+    # u * (2 max|S| + 6) times the sum of its terms' absolute values.
+    attn = LocalAttention(_config(heads=4, groups=2), 1, AttnMaskType.causal, "self", pg_collection=_Groups())
+    q, k, v = (t.to(dtype) for t in _inputs(12, 3))
+    g = torch.randn(12, 3, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attn(*leaves, None)
+    out.backward(g)
+    assert FLASH_BACKWARD not in _graph_nodes(out)  # the math kernel ran
+    want, scales, max_score = _dense_float64_with_error_scales(q, k, v, g, torch.ones(12, 12, dtype=torch.bool).triu(1))
+    u = torch.finfo(dtype).eps / 2
+    for name, got in zip(("out", "q", "k", "v"), (out, *(t.grad for t in leaves))):
+        err = (got.double() - want[name]).abs()
+        assert bool((err <= u * (2 * max_score + 6) * scales[name]).all()), (name, float(err.max()))
+
+
+def test_the_math_kernel_only_for_short_half_precision_training_rows() -> None:
+    def query(dtype: torch.dtype, grad: bool = True) -> torch.Tensor:
+        return torch.zeros(1, 1, 1, 8, dtype=dtype, requires_grad=grad)
+
+    assert prefers_math_kernel(query(torch.bfloat16), HALF_PRECISION_MATH_MAX_KEYS)
+    assert prefers_math_kernel(query(torch.float16), 1)
+    assert not prefers_math_kernel(query(torch.bfloat16), HALF_PRECISION_MATH_MAX_KEYS + 1)
+    assert not prefers_math_kernel(query(torch.float32), 8)  # fp32: flash is the faster one
+    assert not prefers_math_kernel(query(torch.bfloat16, grad=False), 8)  # log-prob passes
+    with torch.no_grad():
+        assert not prefers_math_kernel(query(torch.bfloat16), 8)
+    # A long half-precision row keeps the flash kernel (its backward is the flash one).
+    attn = LocalAttention(_config(), 1, AttnMaskType.causal, "self", pg_collection=_Groups())
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in _inputs(HALF_PRECISION_MATH_MAX_KEYS + 1, 1))
+    assert FLASH_BACKWARD in _graph_nodes(attn(q, k, v, None))
