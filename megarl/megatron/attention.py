@@ -4,9 +4,9 @@ Megatron's local spec uses `DotProductAttention`, which materialises the [b, hea
 matrix, masks it, takes an fp32 softmax and multiplies by the values as separate kernels; it refuses
 context parallelism. `LocalAttention` computes the same function with torch's
 `scaled_dot_product_attention` (a fused kernel that never stores the probabilities: flash or
-memory-efficient attention on CUDA, the flash CPU kernel on CPU; for the short rows of a
-half-precision CPU training step torch's math kernel, which is faster there: `prefers_math_kernel`)
-and, at cp > 1, first all-gathers keys and values over the context-parallel group
+memory-efficient attention on CUDA, the flash CPU kernel on CPU; the short rows of a
+half-precision CPU training step instead go through `explicit_attention`, which is faster there:
+`prefers_explicit_attention`) and, at cp > 1, first all-gathers keys and values over the context-parallel group
 (`context_parallel.gather_keys_values`), keeping queries local. It is the local spec's core
 attention whenever the model's attention is plain softmax attention; sliding-window and
 off-by-one/learnable softmax keep Megatron's `DotProductAttention` at cp = 1 and are refused at cp > 1.
@@ -18,7 +18,6 @@ must see at least one key (every mask megarl builds lets a position see itself).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any, Optional
 
@@ -29,29 +28,62 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megarl.errors import ConfigError
 from megarl.megatron.context_parallel import gather_keys_values, gathered_positions, shard_index
 from megarl.megatron.spec_rewrite import replace_modules
 
 
-# Longest key length at which a half-precision CPU training step takes torch's math attention kernel
-# instead of the flash one. On CPU the flash kernel's backward in bf16/fp16 costs a few ms per row
-# whatever the row's length, while the math kernel's cost grows with length squared. Measured at 1
-# thread, 8 query / 4 key-value heads of 64, fwd+bwd, bf16 (flash vs math): 64 rows of 36 keys
-# 134 vs 26 ms, 32 of 68 80-144 vs 34-44 ms, 16 of 128 55 vs 41 ms, 8 of 192 37 vs 50 ms, 4 of 512
-# 59 vs 200 ms; fp16 alike. In fp32 and without gradients the flash kernel is the faster one.
-HALF_PRECISION_MATH_MAX_KEYS = 128
+# Longest key length at which a half-precision CPU training step computes attention with
+# `explicit_attention` instead of torch's flash kernel. On CPU the flash kernel's backward in
+# bf16/fp16 costs a few ms per row whatever the row's length, while explicit attention's cost grows
+# with length squared. benchmarks/attention.py (one thread, 8 query / 4 key-value heads of 64, a
+# padding mask; forward + backward, explicit / torch's math kernel / flash): 64 rows of 36 keys
+# 38 / 48 / 157 ms, 32 of 68 40 / 55 / 135 ms, 16 of 128 61 / 70 / 96 ms, 8 of 192 48 / 74 / 50 ms.
+# In fp32 and without gradients the flash kernel is kept.
+HALF_PRECISION_EXPLICIT_MAX_KEYS = 128
 
 
-def prefers_math_kernel(query: torch.Tensor, keys: int) -> bool:
-    """Whether `LocalAttention` computes this call with torch's math kernel rather than the flash
-    one: on CPU, in bf16 or fp16, when gradients will flow, over at most
-    `HALF_PRECISION_MATH_MAX_KEYS` keys. The math kernel materialises the [b, heads, sq, sk]
-    scores, which at that length is small."""
+def prefers_explicit_attention(query: torch.Tensor, keys: int) -> bool:
+    """Whether `LocalAttention` computes this call with `explicit_attention` rather than torch's
+    fused kernel: on CPU, in bf16 or fp16, when gradients will flow, over at most
+    `HALF_PRECISION_EXPLICIT_MAX_KEYS` keys. It materialises the [b, heads, sq, sk] scores, which at
+    that length are small."""
     return (query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
-            and torch.is_grad_enabled() and query.requires_grad and keys <= HALF_PRECISION_MATH_MAX_KEYS)
+            and torch.is_grad_enabled() and query.requires_grad and keys <= HALF_PRECISION_EXPLICIT_MAX_KEYS)
+
+
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: Optional[torch.Tensor],
+                       scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+    """Softmax attention as separate fp32 operations, for autograd to differentiate: q [b, np, sq, hn],
+    k/v [b, ng, sk, hn] with query head h reading key/value group h // (np / ng) (torch's
+    `enable_gqa`); `masked` a bool mask broadcastable to [b, np, sq, sk], True = masked (Megatron's
+    convention), every query seeing at least one key; None: every key visible. Returns [b, np, sq, hn] in q's dtype.
+
+    Scores, softmax and the weighted sum run in fp32 (as torch's math kernel computes half-precision
+    inputs on CPU), but each query group is one batched matmul against its key/value head (no copy
+    of the keys per query head) and the mask is one fill, where the math kernel also scans every
+    score row for being fully masked."""
+    b, heads, sq, hn = q.shape
+    groups, sk = k.shape[1], k.shape[2]
+    per_group = heads // groups
+    # copy=True: a new contiguous fp32 tensor, so that the in-place scaling never touches q.
+    qf = q.to(torch.float32, memory_format=torch.contiguous_format, copy=True).mul_(scale)
+    scores = torch.matmul(qf.view(b, groups, per_group * sq, hn), k.float().transpose(-1, -2))
+    scores = scores.view(b, groups, per_group, sq, sk)
+    if masked is not None:
+        if masked.dim() >= 3 and masked.shape[-3] == heads and heads > 1:  # one mask per query head
+            masked = masked.reshape(*masked.shape[:-3], groups, per_group, sq, sk)
+        else:  # one mask for all heads: [..., 1, sq, sk] or [sq, sk]
+            masked = masked.unsqueeze(-3)
+        # The most negative finite value rather than -inf: a fully masked row (which megarl's masks
+        # never make) then averages its values instead of turning into NaN.
+        scores = scores.masked_fill(masked, torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    out = torch.matmul(probs.view(b, groups, per_group * sq, sk), v.float())
+    return out.view(b, heads, sq, hn).to(q.dtype)
 
 
 def local_attention_supported(config: Any) -> str | None:
@@ -113,22 +145,18 @@ class LocalAttention(torch.nn.Module):
             kv = gather_keys_values(torch.cat([key, value], dim=-1), self.cp_group)
             key, value = kv[..., :hn], kv[..., hn:]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
-        visible = None
-        is_causal = False
-        if attention_mask is not None:
-            visible = ~attention_mask
-        elif self.causal and self.cp > 1:
-            visible = ~self._causal_mask(sq, query.device)
-        else:
-            is_causal = self.causal
+        explicit = prefers_explicit_attention(q, k.shape[2])
+        masked = attention_mask  # True = masked; None: causal (or nothing) without a mask tensor
+        if masked is None and self.causal and (self.cp > 1 or explicit):
+            masked = self._causal_mask(sq, query.device)  # over the CP-gathered keys at cp > 1
         dropout_p = self.dropout_p if self.training else 0.0
 
         def attend() -> torch.Tensor:
-            kernel = sdpa_kernel(SDPBackend.MATH) if prefers_math_kernel(q, k.shape[2]) else contextlib.nullcontext()
-            with kernel:
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout_p,
-                                                      is_causal=is_causal, scale=self.softmax_scale,
-                                                      enable_gqa=k.shape[1] != np_)
+            if explicit:
+                return explicit_attention(q, k, v, masked, self.softmax_scale, dropout_p)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=None if masked is None else ~masked,
+                                                  dropout_p=dropout_p, is_causal=masked is None and self.causal,
+                                                  scale=self.softmax_scale, enable_gqa=k.shape[1] != np_)
 
         if dropout_p > 0.0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():

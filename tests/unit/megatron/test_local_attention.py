@@ -16,7 +16,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megarl.errors import ConfigError
 from megarl.megatron.attention import (
-    HALF_PRECISION_MATH_MAX_KEYS, LocalAttention, prefers_math_kernel, with_local_attention,
+    HALF_PRECISION_EXPLICIT_MAX_KEYS, LocalAttention, explicit_attention, prefers_explicit_attention,
+    with_local_attention,
 )
 from megarl.megatron.packing import CompactRows, pack_rows
 
@@ -176,39 +177,79 @@ def _dense_float64_with_error_scales(q: torch.Tensor, k: torch.Tensor, v: torch.
     return values, scales, float(S.masked_fill(masked, 0.0).abs().max())
 
 
+def _masks(s: int, b: int, heads: int) -> dict[str, torch.Tensor | None]:
+    """Masks LocalAttention is called with (True = masked), each letting every query see itself:
+    none (causal), one per row (left padding + causal, as a prompt-sharing or padded batch), and
+    one per row and head."""
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+    pad = torch.tensor([0, 3, 5])[:b]
+    hides_key = torch.arange(s)[None, :] < pad[:, None]  # [b, s]: row r's first pad[r] keys
+    per_row = (causal[None] | hides_key[:, None, :]) & ~torch.eye(s, dtype=torch.bool)[None]
+    per_head = per_row[:, None].repeat(1, heads, 1, 1)
+    per_head[:, 1, :, 0] = True  # head 1 never sees key 0 ...
+    per_head[:, 1, 0, 0] = False  # ... except from query 0, which sees only it
+    return {"causal": None, "per_row": per_row[:, None], "per_head": per_head}
+
+
+@pytest.mark.parametrize("mask", ["causal", "per_row", "per_head"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_training_rows_match_float64_within_their_rounding(dtype: torch.dtype) -> None:
-    # Short rows of a half-precision CPU training step go to torch's math kernel
-    # (`prefers_math_kernel`). Inputs are exact in `dtype`; every rounding on the way (scores,
+def test_half_precision_training_rows_match_float64_within_their_rounding(dtype: torch.dtype, mask: str) -> None:
+    # Short rows of a half-precision CPU training step go to `explicit_attention`
+    # (`prefers_explicit_attention`). Inputs are exact in `dtype`; every rounding on the way (scores,
     # probabilities, products, the output) is relative u = eps/2 of its term, and a score rounded by
     # u|S| moves its probability by a relative 2u*max|S|: each result is off by at most
     # u * (2 max|S| + 6) times the sum of its terms' absolute values.
     attn = LocalAttention(_config(heads=4, groups=2), 1, AttnMaskType.causal, "self", pg_collection=_Groups())
     q, k, v = (t.to(dtype) for t in _inputs(12, 3))
     g = torch.randn(12, 3, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    masked = _masks(12, 3, 4)[mask]
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = attn(*leaves, None)
+    out = attn(*leaves, masked)
     out.backward(g)
-    assert FLASH_BACKWARD not in _graph_nodes(out)  # the math kernel ran
-    want, scales, max_score = _dense_float64_with_error_scales(q, k, v, g, torch.ones(12, 12, dtype=torch.bool).triu(1))
+    nodes = _graph_nodes(out)
+    assert FLASH_BACKWARD not in nodes and "MaskedFillBackward0" in nodes  # explicit attention ran
+    reference_mask = torch.ones(12, 12, dtype=torch.bool).triu(1) if masked is None else masked
+    want, scales, max_score = _dense_float64_with_error_scales(q, k, v, g, reference_mask)
     u = torch.finfo(dtype).eps / 2
     for name, got in zip(("out", "q", "k", "v"), (out, *(t.grad for t in leaves))):
         err = (got.double() - want[name]).abs()
         assert bool((err <= u * (2 * max_score + 6) * scales[name]).all()), (name, float(err.max()))
 
 
-def test_the_math_kernel_only_for_short_half_precision_training_rows() -> None:
+def test_explicit_attention_dropout_zeroes_probabilities_and_rescales_the_rest() -> None:
+    # With one-hot values (key j's value is unit vector j) the output row is the dropped-out
+    # probability row itself: each entry is 0 or p_j / (1 - p).
+    s, b, heads, p = 8, 3, 4, 0.5
+    q, k, _ = (t.to(torch.bfloat16) for t in _inputs(s, b, heads=heads, groups=2, hn=s))
+    v = torch.eye(s, dtype=torch.bfloat16)[:, None, None, :].expand(s, b, 2, s)
+    masked = torch.ones(s, s, dtype=torch.bool).triu(1)
+    qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    torch.manual_seed(3)
+    got = explicit_attention(qh.requires_grad_(), kh, vh, masked, 1.0 / math.sqrt(s), dropout_p=p).detach().double()
+    scores = qh.double() @ kh.double().repeat_interleave(2, dim=1).transpose(-1, -2) / math.sqrt(s)
+    probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
+    kept = got != 0
+    visible = ~masked.expand_as(kept)
+    share_dropped = 1 - kept[visible].double().mean()
+    assert 0.4 < share_dropped < 0.6  # 1,152 visible entries: p = 0.5 +- 3.4 standard deviations
+    assert not bool(kept[~visible].any())
+    # fp32 arithmetic, then one bf16 rounding (relative 2^-9) of the output: within 2^-8 relative.
+    rel = (got[kept] - probs[kept] / (1 - p)).abs() / (probs[kept] / (1 - p))
+    assert float(rel.max()) <= 2.0 ** -8
+
+
+def test_explicit_attention_only_for_short_half_precision_training_rows() -> None:
     def query(dtype: torch.dtype, grad: bool = True) -> torch.Tensor:
         return torch.zeros(1, 1, 1, 8, dtype=dtype, requires_grad=grad)
 
-    assert prefers_math_kernel(query(torch.bfloat16), HALF_PRECISION_MATH_MAX_KEYS)
-    assert prefers_math_kernel(query(torch.float16), 1)
-    assert not prefers_math_kernel(query(torch.bfloat16), HALF_PRECISION_MATH_MAX_KEYS + 1)
-    assert not prefers_math_kernel(query(torch.float32), 8)  # fp32: flash is the faster one
-    assert not prefers_math_kernel(query(torch.bfloat16, grad=False), 8)  # log-prob passes
+    assert prefers_explicit_attention(query(torch.bfloat16), HALF_PRECISION_EXPLICIT_MAX_KEYS)
+    assert prefers_explicit_attention(query(torch.float16), 1)
+    assert not prefers_explicit_attention(query(torch.bfloat16), HALF_PRECISION_EXPLICIT_MAX_KEYS + 1)
+    assert not prefers_explicit_attention(query(torch.float32), 8)  # fp32: the flash kernel
+    assert not prefers_explicit_attention(query(torch.bfloat16, grad=False), 8)  # log-prob passes
     with torch.no_grad():
-        assert not prefers_math_kernel(query(torch.bfloat16), 8)
+        assert not prefers_explicit_attention(query(torch.bfloat16), 8)
     # A long half-precision row keeps the flash kernel (its backward is the flash one).
     attn = LocalAttention(_config(), 1, AttnMaskType.causal, "self", pg_collection=_Groups())
-    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in _inputs(HALF_PRECISION_MATH_MAX_KEYS + 1, 1))
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in _inputs(HALF_PRECISION_EXPLICIT_MAX_KEYS + 1, 1))
     assert FLASH_BACKWARD in _graph_nodes(attn(q, k, v, None))
