@@ -29,7 +29,7 @@ from common import REPO_ROOT, RESULTS_DIR, load_average, machine_info, write_jso
 BENCH_DIR = REPO_ROOT / "benchmarks"
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 COMPONENTS = ("algorithms", "engine", "reshard", "rollout", "convert", "recompute", "memory_phases", "plan_scale",
-              "reliability", "packing", "batch_transfer", "host_reduce")
+              "reliability", "packing", "batch_transfer", "host_reduce", "attention")
 
 # Small sizes for a smoke run, used when a component has no --quick of its own.
 QUICK_ARGS: dict[str, list[str]] = {
@@ -49,13 +49,15 @@ QUICK_ARGS: dict[str, list[str]] = {
     "packing": ["--sizes", "quickstart", "--rows", "16", "--repeats", "1"],
     "batch_transfer": ["--repeats", "20"],
     "host_reduce": ["--sizes", "2368000", "--repeats", "5"],
+    "attention": ["--repeats", "1", "--skip-train-step"],
 }
 # Full runs: sizes that finish in minutes on a 2-core machine (each script's defaults otherwise).
 FULL_ARGS: dict[str, list[str]] = {
     "algorithms": ["--responses", "65536", "--length", "256"],
 }
 THREADS = {"algorithms": 2, "engine": 2, "rollout": 2, "reshard": 1, "convert": 2, "recompute": 2, "memory_phases": 1,
-           "plan_scale": 1, "reliability": 1, "packing": 2, "batch_transfer": 1, "host_reduce": 1}
+           "plan_scale": 1, "reliability": 1, "packing": 2, "batch_transfer": 1, "host_reduce": 1,
+           "attention": 1}
 
 
 def _help_text(python: str, script: Path) -> str:

@@ -284,10 +284,23 @@ def _batch_transfer(r: dict[str, Any]) -> str:
             f"{fmt(r['speedup_torch_over_batch']['actor_round_trip_ms'])}x)")
 
 
+def _attention(r: dict[str, Any]) -> str:
+    """Half-precision training attention (benchmarks/attention.py): explicit attention's time and the
+    math and flash kernels' pair ratios to it, per shape and for the 25M train step."""
+    parts = [f"{shape} {fmt(k['median']['explicit'])} ms (math {fmt(k['ratio_to_explicit']['math'])}x, "
+             f"flash {fmt(k['ratio_to_explicit']['flash'])}x)" for shape, k in r["kernel_ms"].items()]
+    text = f"{r['dtype']} fwd+bwd, explicit attention: " + "; ".join(parts)
+    step = r.get("train_step_25m_bf16")
+    if step:
+        text += (f"; 25M train step {fmt(step['median']['explicit'])} s (math "
+                 f"{fmt(step['ratio_to_explicit']['math'])}x, flash {fmt(step['ratio_to_explicit']['flash'])}x)")
+    return text
+
+
 COMPONENT_HEADLINES: dict[str, Callable[[dict[str, Any]], str]] = {
     "algorithms": _algorithms, "engine": _engine, "reshard": _reshard, "rollout": _rollout, "convert": _convert,
     "recompute": _recompute, "memory_phases": _memory_phases, "plan_scale": _plan_scale,
-    "reliability": _reliability_headline, "batch_transfer": _batch_transfer,
+    "reliability": _reliability_headline, "batch_transfer": _batch_transfer, "attention": _attention,
 }
 
 

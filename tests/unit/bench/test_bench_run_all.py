@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -209,3 +212,26 @@ def test_cpu_description_names_the_model_and_the_matmul_features():
     assert cpu_description(block) == "Intel(R) Xeon(R) Processor (AVX2, AVX-512, AVX-512 BF16, AMX)"
     assert cpu_description("model name\t: AMD EPYC 7B13\nflags\t\t: sse2 avx avx2 fma\n") == "AMD EPYC 7B13 (AVX2)"
     assert cpu_description("model name\t: Old CPU\nflags\t\t: sse2\n") == "Old CPU"
+
+
+def test_attention_component_headline_and_its_quick_run(tmp_path):
+    from common import REPO_ROOT
+    from components import COMPONENTS, command_for
+    from report import component_headline
+
+    result = {"dtype": "bf16", "kernel_ms": {"32x68": {"median": {"explicit": 40.0, "math": 55.0, "flash": 135.0},
+                                                         "ratio_to_explicit": {"math": 1.37, "flash": 3.37}}},
+              "train_step_25m_bf16": {"median": {"explicit": 1.95, "math": 2.2, "flash": 2.84},
+                                      "ratio_to_explicit": {"math": 1.12, "flash": 1.42}}}
+    assert component_headline("attention", result) == (
+        "bf16 fwd+bwd, explicit attention: 32x68 40 ms (math 1.37x, flash 3.37x); "
+        "25M train step 1.95 s (math 1.12x, flash 1.42x)")
+    # The quick run (one call of each way, kernel part only) writes the JSON the headline reads.
+    assert "attention" in COMPONENTS
+    out = tmp_path / "attention.json"
+    cmd = command_for("attention", True, out, sys.executable)
+    subprocess.run(cmd, check=True, cwd=REPO_ROOT, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    written = json.loads(out.read_text())
+    assert set(written["kernel_ms"]) == {"64x36", "32x68", "16x128", "8x192"}
+    assert "train_step_25m_bf16" not in written
+    assert component_headline("attention", written).startswith("bf16 fwd+bwd, explicit attention: 64x36 ")
