@@ -95,23 +95,10 @@ def masked_rows(rows: int, keys: int) -> torch.Tensor:
     return ((causal[None] | hides[:, None, :]) & ~torch.eye(keys, dtype=torch.bool)[None])[:, None]
 
 
-class _OneRank:
-    def size(self) -> int:
-        return 1
-
-    def rank(self) -> int:
-        return 0
-
-
-class _Groups:
-    tp = _OneRank()
-    cp = _OneRank()
-
-
 def kernel_times(rows: int, keys: int, dtype: torch.dtype, repeats: int) -> dict[str, Any]:
     config = TransformerConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
                                num_query_groups=GROUPS, kv_channels=HEAD_DIM, attention_dropout=0.0)
-    layer = attention.LocalAttention(config, 1, AttnMaskType.causal, "self", pg_collection=_Groups())
+    layer = attention.LocalAttention(config, 1, AttnMaskType.causal, "self")  # the world of 1's groups
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(keys, rows, n, HEAD_DIM, generator=g).to(dtype).requires_grad_()
                for n in (HEADS, GROUPS, GROUPS))
@@ -127,32 +114,25 @@ def kernel_times(rows: int, keys: int, dtype: torch.dtype, repeats: int) -> dict
     return summary(alternating({way: call(way) for way in WAYS}, repeats), scale=1e3)
 
 
-def train_step_times(repeats: int) -> dict[str, Any]:
+def train_step_times(layout: ParallelLayout, repeats: int) -> dict[str, Any]:
     torch.manual_seed(0)
     hf_config = transformers.Qwen2Config(
         vocab_size=32, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=HEADS,
         num_key_value_heads=GROUPS, max_position_embeddings=128, tie_word_embeddings=False)
-    model_dir = tempfile.mkdtemp(prefix="megarl_bench_attention_")
-    transformers.Qwen2ForCausalLM(hf_config).to(torch.bfloat16).save_pretrained(model_dir)
     batch = make_batch(32, 4, 64, hf_config.vocab_size, seed=1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    layout = init_distributed(0, 1, "127.0.0.1", port, ParallelLayout())
-    try:
+    with tempfile.TemporaryDirectory(prefix="megarl_bench_attention_") as model_dir:
+        transformers.Qwen2ForCausalLM(hf_config).to(torch.bfloat16).save_pretrained(model_dir)
         engine = MegatronEngine(ModelSpec.from_hf_config(model_dir), layout, EngineConfig(
             micro_batch_size=32, dtype="bf16", lr=1e-5, clip_grad=1.0, use_sequence_packing=False))
         engine.load_hf_weights(model_dir)
 
-        def call(way: str) -> Callable[[], None]:
-            def run() -> None:
-                with computed_by(way):
-                    engine.train_step(batch, pg_loss, mini_batch_size=32)
-            return run
+    def call(way: str) -> Callable[[], None]:
+        def run() -> None:
+            with computed_by(way):
+                engine.train_step(batch, pg_loss, mini_batch_size=32)
+        return run
 
-        times = alternating({way: call(way) for way in WAYS}, repeats)
-    finally:
-        destroy_distributed()
+    times = alternating({way: call(way) for way in WAYS}, repeats)
     out = summary(times)
     out["seconds"] = times
     out["tokens"] = int(batch["attention_mask"].sum())
@@ -167,6 +147,17 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/attention_bf16.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    layout = init_distributed(0, 1, "127.0.0.1", port, ParallelLayout())  # gloo, a world of 1
+    try:
+        run(args, layout)
+    finally:
+        destroy_distributed()
+
+
+def run(args: argparse.Namespace, layout: ParallelLayout) -> None:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     results: dict[str, Any] = {"machine": machine_info(), "load_before": load_average(), "threads": 1,
                                "dtype": args.dtype, "repeats": args.repeats, "kernel_ms": {}}
@@ -180,7 +171,7 @@ def main() -> None:
               f"   (math/explicit {r['ratio_to_explicit']['math']:.2f}, "
               f"flash/explicit {r['ratio_to_explicit']['flash']:.2f})")
     if not args.skip_train_step:
-        r = train_step_times(args.repeats)
+        r = train_step_times(layout, args.repeats)
         results["train_step_25m_bf16"] = r
         m = r["median"]
         print(f"25M bf16 train step, 32 rows of 68 tokens, median s: explicit {m['explicit']:.3f}, "

@@ -16,6 +16,8 @@ def _bench() -> dict:
         {"fault": "no space left on device during a checkpoint save", "detected": True, "survived": False,
          "data_lost": "last complete checkpoint does not verify", "time_to_detect_s": None, "details": {}},
         {"fault": "truncated engine shard", "error": "AssertionError: the run exited (1) before step 1"},
+        {"fault": "bit-flipped engine shard", "detected": True, "survived": True,
+         "data_lost": "none (a copy was damaged; the original verifies)", "time_to_detect_s": 9.0, "details": {}},
     ]
     reliability = {"status": "ok", "seconds": 300.0, "load_average_before": [1.0, 1.0, 1.0],
                    "result": {"benchmark": "reliability", "outcomes": outcomes}}
@@ -25,7 +27,7 @@ def _bench() -> dict:
 
 def test_reliability_outcomes_become_a_section_and_a_headline():
     md = render_report(_bench())
-    assert "| reliability | ok | 300 | 1.0 / 1.0 / 1.0 | 2/3 faults detected, 1 survived, data lost in 1 |" in md
+    assert "| reliability | ok | 300 | 1.0 / 1.0 / 1.0 | 3/4 faults detected, 2 survived, data lost in 1 |" in md
     section = md.split("## Reliability: injected faults (benchmarks/reliability.py)", 1)[1].strip().splitlines()
     assert section[0] == "| fault | detected | survived / resumed | data lost | time to detect (s) |"
     assert section[2] == "| SIGKILL of an actor worker during the update | yes | yes (rerun resumed) | none | 0.081 |"
