@@ -24,7 +24,6 @@ import contextlib
 import socket
 import statistics
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,7 +34,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import megarl.megatron.attention as attention
-from common import load_average, machine_info, write_json  # benchmarks/common.py (run from the repo root)
+from common import alternating_times, load_average, machine_info, write_json  # benchmarks/common.py
 from engine import make_batch, pg_loss
 from megarl.layout import ParallelLayout
 from megarl.megatron.engine import MegatronEngine
@@ -60,19 +59,6 @@ def computed_by(way: str) -> Iterator[None]:
             yield
     finally:
         attention.prefers_explicit_attention = chooser
-
-
-def alternating(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
-    """Seconds of each call, the functions alternating call by call after one warm-up call each."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def summary(times: dict[str, list[float]], scale: float = 1.0) -> dict[str, Any]:
@@ -111,7 +97,7 @@ def kernel_times(rows: int, keys: int, dtype: torch.dtype, repeats: int) -> dict
                 layer(q, k, v, mask).backward(grad)
         return run
 
-    return summary(alternating({way: call(way) for way in WAYS}, repeats), scale=1e3)
+    return summary(alternating_times({way: call(way) for way in WAYS}, repeats), scale=1e3)
 
 
 def train_step_times(layout: ParallelLayout, repeats: int) -> dict[str, Any]:
@@ -132,7 +118,7 @@ def train_step_times(layout: ParallelLayout, repeats: int) -> dict[str, Any]:
                 engine.train_step(batch, pg_loss, mini_batch_size=32)
         return run
 
-    times = alternating({way: call(way) for way in WAYS}, repeats)
+    times = alternating_times({way: call(way) for way in WAYS}, repeats)
     out = summary(times)
     out["seconds"] = times
     out["tokens"] = int(batch["attention_mask"].sum())

@@ -24,6 +24,7 @@ import platform
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -241,3 +242,22 @@ def matmul_flops(size: int, repeats: int = 10, threads: Optional[int] = None,
     finally:
         torch.set_num_threads(before)
     return 2.0 * size ** 3 / best
+
+
+def alternating_times(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each call of each function, `repeats` calls each after one warm-up call. Calls
+    alternate between the functions, so that load from other processes on a shared machine falls on
+    all of them alike (on CUDA each call is timed between two synchronisations)."""
+    for fn in fns.values():
+        fn()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+    return times

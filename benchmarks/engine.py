@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from common import machine_info, write_json  # benchmarks/common.py (run as a script from the repo root)
+from common import alternating_times, machine_info, write_json  # benchmarks/common.py (run as a script from the repo root)
 
 
 def _peak_rss_mib() -> float:
@@ -42,21 +42,8 @@ def _peak_device_mib() -> float | None:
 
 
 def _timed_interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median seconds per call of each function. Calls alternate between the functions, so that load
-    from other processes on a shared machine falls on all of them alike."""
-    for fn in fns.values():
-        fn()  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    """Median seconds per call of each function, the calls alternating (`common.alternating_times`)."""
+    return {name: statistics.median(t) for name, t in alternating_times(fns, repeats).items()}
 
 
 def _profile(fns: dict[str, Callable[[], Any]], out_dir: str, top: int = 25) -> dict[str, list[dict]]:
