@@ -100,17 +100,25 @@ def kernel_times(rows: int, keys: int, dtype: torch.dtype, repeats: int) -> dict
     return summary(alternating_times({way: call(way) for way in WAYS}, repeats), scale=1e3)
 
 
-def train_step_times(layout: ParallelLayout, repeats: int) -> dict[str, Any]:
+def engine_25m(layout: ParallelLayout, dtype: str) -> tuple[MegatronEngine, dict[str, torch.Tensor]]:
+    """A Megatron engine of the ~25M model of benchmarks/e2e_25m.py in `dtype` ("fp32", "bf16") and
+    one rank's batch of the e2e run: 32 rows of 4 prompt + 64 response tokens (one micro-batch)."""
     torch.manual_seed(0)
     hf_config = transformers.Qwen2Config(
         vocab_size=32, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=HEADS,
         num_key_value_heads=GROUPS, max_position_embeddings=128, tie_word_embeddings=False)
     batch = make_batch(32, 4, 64, hf_config.vocab_size, seed=1)
-    with tempfile.TemporaryDirectory(prefix="megarl_bench_attention_") as model_dir:
-        transformers.Qwen2ForCausalLM(hf_config).to(torch.bfloat16).save_pretrained(model_dir)
+    with tempfile.TemporaryDirectory(prefix="megarl_bench_25m_") as model_dir:
+        model = transformers.Qwen2ForCausalLM(hf_config)
+        (model.to(torch.bfloat16) if dtype == "bf16" else model).save_pretrained(model_dir)
         engine = MegatronEngine(ModelSpec.from_hf_config(model_dir), layout, EngineConfig(
-            micro_batch_size=32, dtype="bf16", lr=1e-5, clip_grad=1.0, use_sequence_packing=False))
+            micro_batch_size=32, dtype=dtype, lr=1e-5, clip_grad=1.0, use_sequence_packing=False))
         engine.load_hf_weights(model_dir)
+    return engine, batch
+
+
+def train_step_times(layout: ParallelLayout, repeats: int) -> dict[str, Any]:
+    engine, batch = engine_25m(layout, "bf16")
 
     def call(way: str) -> Callable[[], None]:
         def run() -> None:

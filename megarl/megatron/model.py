@@ -17,6 +17,7 @@ from torch import nn
 
 from megarl.errors import CheckpointError, ConfigError
 from megarl.megatron.attention import with_local_attention
+from megarl.megatron.mlp import use_local_mlps
 from megarl.megatron.spec_rewrite import replace_modules
 from megarl.models.spec import ModelSpec, te_available
 
@@ -88,7 +89,8 @@ def build_model_chunk(spec: ModelSpec, role: str, params_dtype: torch.dtype, tp:
     At cp > 1 the sequence axis is split over the context-parallel group (see `context_parallel`);
     TransformerEngine's attention handles CP itself. On the local spec (CPU, or GPU without TE) the
     core attention is `attention.LocalAttention` (torch's fused attention kernel, any cp) in place of
-    Megatron's DotProductAttention, and the norms are `LocalNorm` (sequence parallel capable).
+    Megatron's DotProductAttention, the norms are `LocalNorm` (sequence parallel capable) and the
+    MLPs are `mlp.LocalMLP` (SwiGLU as one autograd node).
     `sequence_parallel`, `recompute_granularity` and `etp` (expert tensor parallel size, None: tp):
     see `ModelSpec.transformer_config`.
     """
@@ -118,6 +120,8 @@ def build_model_chunk(spec: ModelSpec, role: str, params_dtype: torch.dtype, tp:
         position_embedding_type="rope",
         rotary_base=int(spec.rotary_base) if float(spec.rotary_base).is_integer() else spec.rotary_base,
     )
+    if not use_te:
+        use_local_mlps(model)
     if scalar and post:
         model.output_layer = ScalarHead(config.hidden_size, params_dtype, config.sequence_parallel)
     if torch.cuda.is_available():
