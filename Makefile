@@ -44,8 +44,9 @@ $(STAMP): pyproject.toml tools/gpu_bundle.py | $(BIN)/python
 install: $(STAMP)
 
 # The quickstart: write the synthetic task and its tokenizer, then train (configs/quickstart_cpu.yaml)
-# with the vLLM engine where its environment is built (`make vllm-env`; measured at least as fast as
-# the HF engine, benchmarks/results/demo_engines.json), else with the HF engine.
+# with the vLLM engine where its environment is built (`make vllm-env`), else with the HF engine.
+# vLLM's CPU build was the faster on an AVX2 machine, the HF engine on an AVX-512/AMX one
+# (benchmarks/results/demo_engines*.json); DEMO_ARGS=rollout.engine=hf picks HF in either case.
 DEMO_DATA := data/arithmetic
 # $(call train_demo,CONFIG): train CONFIG with the vLLM engine where its environment is built, else HF.
 train_demo = if [ -f $(VLLM_STAMP) ]; then \

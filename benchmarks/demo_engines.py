@@ -5,8 +5,9 @@ demo's own task (2 operands 0..4, '+'), same seed, no validation or checkpoints;
 times come from the run's metrics.jsonl, step 1 (warm-up) left out (see megarl_run.py).
 
 Settings (engine x layout):
-  hf_2w_tp2 / vllm_2w_tp2   2 workers, actor TP=2, 1 thread each (the quickstart config as it is)
-  hf_2w_dp2 / vllm_2w_dp2   2 workers, actor TP=1 (data parallel 2), 1 thread each
+  hf_2w_tp2 / vllm_2w_tp2   2 workers, actor TP=2, 1 thread each
+  hf_2w_dp2 / vllm_2w_dp2   2 workers, actor TP=1 (data parallel 2), 1 thread each (the quickstart
+                            config as it is)
   hf_1w / vllm_1w           1 worker, actor TP=1, 2 threads (resources.num_cpus_per_worker=2)
 
 The HF settings run with the main environment's interpreter (what `make demo` uses without vLLM),
@@ -37,7 +38,7 @@ from megarl_run import QUICKSTART, base_overrides, one_worker_overrides, run_meg
 
 ENVS = {"hf": REPO_ROOT / ".venv" / "bin" / "python", "vllm": REPO_ROOT / ".venv-vllm" / "bin" / "python"}
 LAYOUTS = {
-    "2w_tp2": ([], 1),
+    "2w_tp2": (["actor.megatron.tensor_model_parallel_size=2"], 1),
     "2w_dp2": (["actor.megatron.tensor_model_parallel_size=1"], 1),
     "1w": ([*one_worker_overrides(), "resources.num_cpus_per_worker=2"], 2),
 }
