@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import socket
 import statistics
 import tempfile
 from collections.abc import Callable, Iterator
@@ -34,12 +33,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import megarl.megatron.attention as attention
-from common import alternating_times, load_average, machine_info, write_json  # benchmarks/common.py
+from common import alternating_times, in_world_of_one, load_average, machine_info, write_json  # benchmarks/common.py
 from engine import make_batch, pg_loss
 from megarl.layout import ParallelLayout
 from megarl.megatron.engine import MegatronEngine
 from megarl.megatron.optim import EngineConfig
-from megarl.megatron.parallel import destroy_distributed, init_distributed
 from megarl.models.spec import ModelSpec
 
 WAYS = ("explicit", "math", "flash")
@@ -140,15 +138,7 @@ def main() -> None:
     parser.add_argument("--skip-train-step", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/attention_bf16.json")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    layout = init_distributed(0, 1, "127.0.0.1", port, ParallelLayout())  # gloo, a world of 1
-    try:
-        run(args, layout)
-    finally:
-        destroy_distributed()
+    in_world_of_one(lambda layout: run(args, layout))
 
 
 def run(args: argparse.Namespace, layout: ParallelLayout) -> None:

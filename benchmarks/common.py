@@ -21,6 +21,7 @@ import json
 import math
 import os
 import platform
+import socket
 import struct
 import threading
 import time
@@ -242,6 +243,24 @@ def matmul_flops(size: int, repeats: int = 10, threads: Optional[int] = None,
     finally:
         torch.set_num_threads(before)
     return 2.0 * size ** 3 / best
+
+
+def in_world_of_one(run: Callable[[Any], Any]) -> Any:
+    """`run(layout)` in a gloo world of one rank on a free local port (Megatron's groups all of size
+    one), with one torch thread; the world is torn down afterwards."""
+    # Imported here: Megatron-Core is slow to import, and most users of this module start no world.
+    from megarl.layout import ParallelLayout
+    from megarl.megatron.parallel import destroy_distributed, init_distributed
+
+    torch.set_num_threads(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    layout = init_distributed(0, 1, "127.0.0.1", port, ParallelLayout())
+    try:
+        return run(layout)
+    finally:
+        destroy_distributed()
 
 
 def alternating_times(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:

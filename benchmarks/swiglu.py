@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import socket
 import statistics
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,10 +28,9 @@ import torch.nn.functional as F
 
 import megarl.megatron.mlp as mlp
 from attention import engine_25m  # benchmarks/attention.py
-from common import alternating_times, load_average, machine_info, write_json  # benchmarks/common.py
+from common import alternating_times, in_world_of_one, load_average, machine_info, write_json  # benchmarks/common.py
 from engine import pg_loss
 from megarl.layout import ParallelLayout
-from megarl.megatron.parallel import destroy_distributed, init_distributed
 
 WAYS = ("swiglu", "megatron")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -98,15 +96,7 @@ def main() -> None:
     parser.add_argument("--skip-train-step", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/swiglu.json")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    layout = init_distributed(0, 1, "127.0.0.1", port, ParallelLayout())  # gloo, a world of 1
-    try:
-        run(args, layout)
-    finally:
-        destroy_distributed()
+    in_world_of_one(lambda layout: run(args, layout))
 
 
 def run(args: argparse.Namespace, layout: ParallelLayout) -> None:
