@@ -55,6 +55,9 @@ QUICK_ARGS: dict[str, list[str]] = {
 # Full runs: sizes that finish in minutes on a 2-core machine (each script's defaults otherwise).
 FULL_ARGS: dict[str, list[str]] = {
     "algorithms": ["--responses", "65536", "--length", "256"],
+    # All four parts ran past the 900 s limit on a 2-core machine; dense took 51 s and each MoE part
+    # about 350 s. The MoE parts into the HF engine and with whole experts: plan_scale.py itself.
+    "plan_scale": ["--parts", "dense,moe_vllm"],
 }
 THREADS = {"algorithms": 2, "engine": 2, "rollout": 2, "reshard": 1, "convert": 2, "recompute": 2, "memory_phases": 1,
            "plan_scale": 1, "reliability": 1, "packing": 2, "batch_transfer": 1, "host_reduce": 1,
