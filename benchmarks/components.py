@@ -1,6 +1,6 @@
 """Run the component benchmarks (algorithms, engine, reshard, rollout, convert, recompute, memory
 phases, per-rank sync planning at scale, padding removal / dynamic micro-batches, a batch's trip to a
-worker, CPU gradient sums, half-precision attention, SwiGLU), each in its own process with its own
+worker, CPU gradient sums, half-precision attention, the local spec's SwiGLU and RMSNorm), each in its own process with its own
 time limit, and collect the JSON each one writes.
 
 A component that is missing, fails or runs out of time is recorded with its error; the others
@@ -29,7 +29,7 @@ from common import REPO_ROOT, RESULTS_DIR, load_average, machine_info, write_jso
 BENCH_DIR = REPO_ROOT / "benchmarks"
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 COMPONENTS = ("algorithms", "engine", "reshard", "rollout", "convert", "recompute", "memory_phases", "plan_scale",
-              "reliability", "packing", "batch_transfer", "host_reduce", "attention", "swiglu")
+              "reliability", "packing", "batch_transfer", "host_reduce", "attention", "local_modules")
 
 # Small sizes for a smoke run, used when a component has no --quick of its own.
 QUICK_ARGS: dict[str, list[str]] = {
@@ -50,7 +50,7 @@ QUICK_ARGS: dict[str, list[str]] = {
     "batch_transfer": ["--repeats", "20"],
     "host_reduce": ["--sizes", "2368000", "--repeats", "5"],
     "attention": ["--repeats", "1", "--skip-train-step"],
-    "swiglu": ["--repeats", "1", "--skip-train-step"],
+    "local_modules": ["--repeats", "1", "--skip-train-step"],
 }
 # Full runs: sizes that finish in minutes on a 2-core machine (each script's defaults otherwise).
 FULL_ARGS: dict[str, list[str]] = {
@@ -61,7 +61,7 @@ FULL_ARGS: dict[str, list[str]] = {
 }
 THREADS = {"algorithms": 2, "engine": 2, "rollout": 2, "reshard": 1, "convert": 2, "recompute": 2, "memory_phases": 1,
            "plan_scale": 1, "reliability": 1, "packing": 2, "batch_transfer": 1, "host_reduce": 1,
-           "attention": 1, "swiglu": 1}
+           "attention": 1, "local_modules": 1}
 
 
 def _help_text(python: str, script: Path) -> str:

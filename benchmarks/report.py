@@ -298,24 +298,25 @@ def _attention(r: dict[str, Any]) -> str:
     return text
 
 
-def _swiglu(r: dict[str, Any]) -> str:
-    """The local spec's SwiGLU (benchmarks/swiglu.py): its time and Megatron's pair ratio to it, for the
-    activation alone and the 25M train step, per dtype."""
-    parts = [f"{dtype} {fmt(a['median']['swiglu'])} ms (Megatron's {fmt(a['megatron_over_swiglu'])}x)"
-             for dtype, a in r["activation_ms"].items()]
-    text = "SwiGLU fwd+bwd: " + "; ".join(parts)
-    steps = [f"{dtype} {fmt(s['median']['swiglu'])} s (Megatron's {fmt(s['megatron_over_swiglu'])}x)"
-             for dtype, s in r.get("train_step_25m_s", {}).items()]
-    if steps:
-        text += "; 25M train step " + ", ".join(steps)
-    return text
+def _local_modules(r: dict[str, Any]) -> str:
+    """The local spec's SwiGLU and RMSNorm (benchmarks/local_modules.py): their times and the pair
+    ratios of what they replace, alone and in the 25M train step, per dtype."""
+    parts = [f"SwiGLU {dtype} {fmt(a['median']['swiglu'])} ms (Megatron's {fmt(a['ratio_to_swiglu']['megatron'])}x)"
+             for dtype, a in r["swiglu_ms"].items()]
+    parts += [f"RMSNorm {dtype} {fmt(a['median']['rms_norm'])} ms (torch's {fmt(a['ratio_to_rms_norm']['torch'])}x)"
+              for dtype, a in r["rms_norm_ms"].items()]
+    parts += [f"25M train step {dtype} {fmt(s['median']['local'])} s (Megatron's SwiGLU "
+              f"{fmt(s['ratio_to_local']['megatron_swiglu'])}x, torch's RMSNorm {fmt(s['ratio_to_local']['torch_rms_norm'])}x, "
+              f"both {fmt(s['ratio_to_local']['neither'])}x)"
+              for dtype, s in r.get("train_step_25m_s", {}).items()]
+    return "fwd+bwd: " + "; ".join(parts)
 
 
 COMPONENT_HEADLINES: dict[str, Callable[[dict[str, Any]], str]] = {
     "algorithms": _algorithms, "engine": _engine, "reshard": _reshard, "rollout": _rollout, "convert": _convert,
     "recompute": _recompute, "memory_phases": _memory_phases, "plan_scale": _plan_scale,
     "reliability": _reliability_headline, "batch_transfer": _batch_transfer, "attention": _attention,
-    "swiglu": _swiglu,
+    "local_modules": _local_modules,
 }
 
 

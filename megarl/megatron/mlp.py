@@ -7,7 +7,7 @@ the fused one is `torch.compile`d) computes `silu(gate) * (up + glu_linear_offse
 halves' gradients into fc1's output gradient. `swiglu` computes the same values with the same
 operations in the same order (so the same bits in every dtype), saves fc1's output and the
 activation, and writes both halves of the gradient straight into one buffer (one rank's activation
-of the ~25M e2e model, forward + backward: benchmarks/swiglu.py).
+of the ~25M e2e model, forward + backward: benchmarks/local_modules.py).
 """
 
 from __future__ import annotations

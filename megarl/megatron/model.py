@@ -18,6 +18,7 @@ from torch import nn
 from megarl.errors import CheckpointError, ConfigError
 from megarl.megatron.attention import with_local_attention
 from megarl.megatron.mlp import use_local_mlps
+from megarl.megatron.norm import LocalRMSNorm
 from megarl.megatron.spec_rewrite import replace_modules
 from megarl.models.spec import ModelSpec, te_available
 
@@ -50,16 +51,16 @@ class ScalarHead(nn.Module):
 
 
 class LocalNorm:
-    """The local layer spec's norm: torch's RMSNorm or LayerNorm, like Megatron's `WrappedTorchNorm`
-    (same modules and parameter names), which refuses sequence parallelism. Under sequence
-    parallelism a norm sees this TP rank's positions only, so its parameters are marked
-    `sequence_parallel` and finalize_model_grads sums their gradients over the TP group (as
-    TransformerEngine's norms do). Q/K norms are summed over TP anyway (each rank normalises its own
-    heads); the mark does not sum them twice."""
+    """The local layer spec's norm: torch's RMSNorm (`norm.LocalRMSNorm`, a backward pass of its own)
+    or LayerNorm, like Megatron's `WrappedTorchNorm` (same parameter names), which refuses sequence
+    parallelism. Under sequence parallelism a norm sees this TP rank's positions only, so its
+    parameters are marked `sequence_parallel` and finalize_model_grads sums their gradients over the
+    TP group (as TransformerEngine's norms do). Q/K norms are summed over TP anyway (each rank
+    normalises its own heads); the mark does not sum them twice."""
 
     def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
                 zero_centered_gamma: bool = False, normalization: str = "LayerNorm") -> nn.Module:
-        kinds = {"LayerNorm": nn.LayerNorm, "RMSNorm": nn.RMSNorm}
+        kinds = {"LayerNorm": nn.LayerNorm, "RMSNorm": LocalRMSNorm}
         if config.normalization not in kinds:
             raise ConfigError(f"normalization={config.normalization!r} on the local layer spec; valid: {sorted(kinds)}")
         if config.layernorm_zero_centered_gamma or config.memory_efficient_layer_norm:

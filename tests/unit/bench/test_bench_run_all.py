@@ -237,22 +237,24 @@ def test_attention_component_headline_and_its_quick_run(tmp_path):
     assert component_headline("attention", written).startswith("bf16 fwd+bwd, explicit attention: 64x36 ")
 
 
-def test_swiglu_component_headline_and_its_quick_run(tmp_path):
+def test_local_modules_component_headline_and_its_quick_run(tmp_path):
     from common import REPO_ROOT
     from components import COMPONENTS, command_for
     from report import component_headline
 
-    result = {"activation_ms": {"fp32": {"median": {"swiglu": 17.5, "megatron": 24.8}, "megatron_over_swiglu": 1.36},
-                                "bf16": {"median": {"swiglu": 12.0, "megatron": 14.7}, "megatron_over_swiglu": 1.24}},
-              "train_step_25m_s": {"fp32": {"median": {"swiglu": 4.29, "megatron": 4.17}, "megatron_over_swiglu": 0.966}}}
-    assert component_headline("swiglu", result) == (
-        "SwiGLU fwd+bwd: fp32 17.5 ms (Megatron's 1.36x); bf16 12 ms (Megatron's 1.24x); "
-        "25M train step fp32 4.29 s (Megatron's 0.966x)")
-    # The quick run (one call of each way, activation part only) writes the JSON the headline reads.
-    assert "swiglu" in COMPONENTS
-    out = tmp_path / "swiglu.json"
-    cmd = command_for("swiglu", True, out, sys.executable)
+    result = {"swiglu_ms": {"fp32": {"median": {"swiglu": 17.5, "megatron": 24.8}, "ratio_to_swiglu": {"megatron": 1.36}}},
+              "rms_norm_ms": {"bf16": {"median": {"rms_norm": 8.5, "torch": 15.3}, "ratio_to_rms_norm": {"torch": 1.8}}},
+              "train_step_25m_s": {"fp32": {"median": {"local": 4.29}, "ratio_to_local": {
+                  "megatron_swiglu": 1.01, "torch_rms_norm": 1.02, "neither": 1.04}}}}
+    assert component_headline("local_modules", result) == (
+        "fwd+bwd: SwiGLU fp32 17.5 ms (Megatron's 1.36x); RMSNorm bf16 8.5 ms (torch's 1.8x); "
+        "25M train step fp32 4.29 s (Megatron's SwiGLU 1.01x, torch's RMSNorm 1.02x, both 1.04x)")
+    # The quick run (one call of each way, no train step) writes the JSON the headline reads.
+    assert "local_modules" in COMPONENTS
+    out = tmp_path / "local_modules.json"
+    cmd = command_for("local_modules", True, out, sys.executable)
     subprocess.run(cmd, check=True, cwd=REPO_ROOT, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     written = json.loads(out.read_text())
-    assert set(written["activation_ms"]) == {"fp32", "bf16"} and written["train_step_25m_s"] == {}
-    assert component_headline("swiglu", written).startswith("SwiGLU fwd+bwd: fp32 ")
+    assert set(written["swiglu_ms"]) == set(written["rms_norm_ms"]) == {"fp32", "bf16"}
+    assert written["train_step_25m_s"] == {}
+    assert component_headline("local_modules", written).startswith("fwd+bwd: SwiGLU fp32 ")
