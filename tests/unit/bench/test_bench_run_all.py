@@ -214,9 +214,19 @@ def test_cpu_description_names_the_model_and_the_matmul_features():
     assert cpu_description("model name\t: Old CPU\nflags\t\t: sse2\n") == "Old CPU"
 
 
-def test_attention_component_headline_and_its_quick_run(tmp_path):
+def _quick_component_run(name: str, tmp_path) -> dict:
+    """The JSON a component's quick run (`megarl bench --quick`'s arguments) writes."""
     from common import REPO_ROOT
     from components import COMPONENTS, command_for
+
+    assert name in COMPONENTS
+    out = tmp_path / f"{name}.json"
+    cmd = command_for(name, True, out, sys.executable)
+    subprocess.run(cmd, check=True, cwd=REPO_ROOT, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return json.loads(out.read_text())
+
+
+def test_attention_component_headline_and_its_quick_run(tmp_path):
     from report import component_headline
 
     result = {"dtype": "bf16", "kernel_ms": {"32x68": {"median": {"explicit": 40.0, "math": 55.0, "flash": 135.0},
@@ -227,19 +237,13 @@ def test_attention_component_headline_and_its_quick_run(tmp_path):
         "bf16 fwd+bwd, explicit attention: 32x68 40 ms (math 1.37x, flash 3.37x); "
         "25M train step 1.95 s (math 1.12x, flash 1.42x)")
     # The quick run (one call of each way, kernel part only) writes the JSON the headline reads.
-    assert "attention" in COMPONENTS
-    out = tmp_path / "attention.json"
-    cmd = command_for("attention", True, out, sys.executable)
-    subprocess.run(cmd, check=True, cwd=REPO_ROOT, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    written = json.loads(out.read_text())
+    written = _quick_component_run("attention", tmp_path)
     assert set(written["kernel_ms"]) == {"64x36", "32x68", "16x128", "8x192"}
     assert "train_step_25m_bf16" not in written
     assert component_headline("attention", written).startswith("bf16 fwd+bwd, explicit attention: 64x36 ")
 
 
 def test_local_modules_component_headline_and_its_quick_run(tmp_path):
-    from common import REPO_ROOT
-    from components import COMPONENTS, command_for
     from report import component_headline
 
     result = {"swiglu_ms": {"fp32": {"median": {"swiglu": 17.5, "megatron": 24.8}, "ratio_to_swiglu": {"megatron": 1.36}}},
@@ -250,11 +254,7 @@ def test_local_modules_component_headline_and_its_quick_run(tmp_path):
         "fwd+bwd: SwiGLU fp32 17.5 ms (Megatron's 1.36x); RMSNorm bf16 8.5 ms (torch's 1.8x); "
         "25M train step fp32 4.29 s (Megatron's SwiGLU 1.01x, torch's RMSNorm 1.02x, both 1.04x)")
     # The quick run (one call of each way, no train step) writes the JSON the headline reads.
-    assert "local_modules" in COMPONENTS
-    out = tmp_path / "local_modules.json"
-    cmd = command_for("local_modules", True, out, sys.executable)
-    subprocess.run(cmd, check=True, cwd=REPO_ROOT, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    written = json.loads(out.read_text())
+    written = _quick_component_run("local_modules", tmp_path)
     assert set(written["swiglu_ms"]) == set(written["rms_norm_ms"]) == {"fp32", "bf16"}
     assert written["train_step_25m_s"] == {}
     assert component_headline("local_modules", written).startswith("fwd+bwd: SwiGLU fp32 ")
