@@ -1,8 +1,9 @@
 """The local layer spec's RMSNorm: torch's `nn.RMSNorm` with a backward pass of its own.
 
 On CPU torch computes `rms_norm` as a chain of operations (upcast, square, mean, rsqrt, two
-multiplies, downcast), and autograd differentiates each of them: about a dozen more passes in the
-backward, each saving or reading a tensor of the input's size. `rms_norm` computes the forward with
+multiplies, downcast), and autograd differentiates each of them in turn, each a pass over a tensor of
+the input's size (on CUDA torch has fused kernels for both directions, and `rms_norm` leaves CUDA
+tensors to them). `rms_norm` computes the forward with
 the same operations in the same order (so the same bits in every dtype) and saves the input and the
 reciprocal RMS (one number a row); its backward is the closed form
 
@@ -49,10 +50,11 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None = None) -> torch.Tensor:
     """`torch.nn.functional.rms_norm(x, [x.shape[-1]], weight, eps)` (the same values), with the
-    closed-form backward above when gradients flow. `eps` None: float32's machine epsilon, as torch."""
+    closed-form backward above when gradients flow on CPU. `eps` None: float32's machine epsilon
+    (float64's for float64), as torch."""
     if eps is None:
         eps = torch.finfo(_computation_dtype(x.dtype)).eps
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if x.device.type == "cpu" and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNorm.apply(x, weight, eps)
     return nn.functional.rms_norm(x, [x.shape[-1]], weight, eps)
 
