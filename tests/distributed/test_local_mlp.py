@@ -1,7 +1,7 @@
 """`LocalMLP` inside Megatron's tensor-parallel linear layers at TP=2 (gloo) against Megatron's own
 `MLP` with the same weights: the same output, input gradient and weight gradients, bit for bit, in
 fp32 and bf16; configs `swiglu` does not compute (a GLU offset) take Megatron's path. And the model
-chunks the engines build on the local spec use it."""
+chunks the engines build on the local spec use it, and `LocalRMSNorm` for every norm."""
 
 from __future__ import annotations
 
@@ -65,14 +65,17 @@ def _compare(rank: int, world: int, port: int) -> list[dict]:
     # What the engines build on the local spec: every layer's MLP is a LocalMLP.
     chunk = build_model_chunk(ModelSpec.from_hf_config(make_hf_model("qwen2").config), "policy",
                               torch.float32, tp=2, pp=1, use_te=False)
-    out.append({"chunk_mlps": [type(layer.mlp).__name__ for layer in chunk.decoder.layers]})
+    out.append({"chunk_mlps": [type(layer.mlp).__name__ for layer in chunk.decoder.layers],
+                "chunk_norms": sorted({type(m).__name__ for m in chunk.modules() if "Norm" in type(m).__name__})})
     return out
 
 
 def test_local_mlp_matches_megatrons_mlp_bit_for_bit_at_tp2() -> None:
     results = run_distributed(_compare, 2)
     for rank, cases in enumerate(results):
-        assert cases.pop()["chunk_mlps"] == ["LocalMLP", "LocalMLP"]
+        chunk = cases.pop()
+        assert chunk["chunk_mlps"] == ["LocalMLP", "LocalMLP"]
+        assert chunk["chunk_norms"] == ["LocalRMSNorm"]
         assert [c["swiglu"] for c in cases] == [True, True, False]
         for case in cases:
             # The swiglu cases ran swiglu, and only they did.
