@@ -138,6 +138,7 @@ def main() -> None:
     parser.add_argument("--skip-train-step", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/attention_bf16.json")
     args = parser.parse_args()
+    torch.set_num_threads(1)
     in_world_of_one(lambda layout: run(args, layout))
 
 

@@ -247,12 +247,11 @@ def matmul_flops(size: int, repeats: int = 10, threads: Optional[int] = None,
 
 def in_world_of_one(run: Callable[[Any], Any]) -> Any:
     """`run(layout)` in a gloo world of one rank on a free local port (Megatron's groups all of size
-    one), with one torch thread; the world is torn down afterwards."""
+    one); the world is torn down afterwards, whatever `run` raised."""
     # Imported here: Megatron-Core is slow to import, and most users of this module start no world.
     from megarl.layout import ParallelLayout
     from megarl.megatron.parallel import destroy_distributed, init_distributed
 
-    torch.set_num_threads(1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

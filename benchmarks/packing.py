@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import socket
 import statistics
 import sys
 import time
@@ -41,12 +40,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, load_average, machine_info, matmul_flops, ratio, write_json  # noqa: E402
+from common import RESULTS_DIR, in_world_of_one, load_average, machine_info, matmul_flops, ratio, write_json  # noqa: E402
 
 from megarl.layout import ParallelLayout  # noqa: E402
 from megarl.megatron.engine import MegatronEngine  # noqa: E402
 from megarl.megatron.optim import EngineConfig  # noqa: E402
-from megarl.megatron.parallel import destroy_distributed, init_distributed  # noqa: E402
 from megarl.models.spec import ModelSpec  # noqa: E402
 
 # (hidden, intermediate, layers, heads, kv heads, vocab)
@@ -168,13 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--sizes: unknown {unknown}; known: {list(SIZES)}")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_distributed(0, 1, "127.0.0.1", port, ParallelLayout())
     load_before = load_average()
-    sizes = {name: bench_size(name, args) for name in names}
-    destroy_distributed()
+    sizes = in_world_of_one(lambda layout: {name: bench_size(name, args) for name in names})
     write_json(args.out, {"section": "packing", "machine": machine_info(), "threads": args.threads,
                           "load_average_before": load_before, "load_average_after": load_average(),
                           "repeats": args.repeats, "micro_batch_size": args.micro_batch_size, "sizes": sizes})
