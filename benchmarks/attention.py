@@ -115,8 +115,11 @@ def engine_25m(layout: ParallelLayout, dtype: str) -> tuple[MegatronEngine, dict
     return engine, batch
 
 
-def train_step_times(layout: ParallelLayout, repeats: int) -> dict[str, Any]:
-    engine, batch = engine_25m(layout, "bf16")
+def step_times_25m(layout: ParallelLayout, dtype: str, ways: tuple[str, ...],
+                   computed_by: Callable[[str], Any], repeats: int) -> tuple[dict[str, list[float]], int]:
+    """Seconds of `engine_25m`'s train steps in `dtype`, each way under `computed_by(way)`, the ways
+    alternating call by call; and the batch's token count."""
+    engine, batch = engine_25m(layout, dtype)
 
     def call(way: str) -> Callable[[], None]:
         def run() -> None:
@@ -124,11 +127,12 @@ def train_step_times(layout: ParallelLayout, repeats: int) -> dict[str, Any]:
                 engine.train_step(batch, pg_loss, mini_batch_size=32)
         return run
 
-    times = alternating_times({way: call(way) for way in WAYS}, repeats)
-    out = summary(times)
-    out["seconds"] = times
-    out["tokens"] = int(batch["attention_mask"].sum())
-    return out
+    return alternating_times({way: call(way) for way in ways}, repeats), int(batch["attention_mask"].sum())
+
+
+def train_step_times(layout: ParallelLayout, repeats: int) -> dict[str, Any]:
+    times, tokens = step_times_25m(layout, "bf16", WAYS, computed_by, repeats)
+    return {**summary(times), "seconds": times, "tokens": tokens}
 
 
 def main() -> None:

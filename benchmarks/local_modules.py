@@ -32,9 +32,8 @@ import torch.nn.functional as F
 
 import megarl.megatron.mlp as mlp
 import megarl.megatron.norm as norm
-from attention import engine_25m  # benchmarks/attention.py
+from attention import step_times_25m  # benchmarks/attention.py
 from common import alternating_times, in_world_of_one, load_average, machine_info, write_json  # benchmarks/common.py
-from engine import pg_loss
 from megarl.layout import ParallelLayout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -94,16 +93,8 @@ def forward_backward_times(fns: dict[str, Callable[..., torch.Tensor]], shape: t
 
 
 def train_step_times(layout: ParallelLayout, dtype: str, repeats: int) -> dict[str, Any]:
-    engine, batch = engine_25m(layout, dtype)
-
-    def call(way: str) -> Callable[[], None]:
-        def run() -> None:
-            with computed_by(way):
-                engine.train_step(batch, pg_loss, mini_batch_size=32)
-        return run
-
-    times = alternating_times({way: call(way) for way in STEP_WAYS}, repeats)
-    return {**summary(times), "seconds": times, "tokens": int(batch["attention_mask"].sum())}
+    times, tokens = step_times_25m(layout, dtype, STEP_WAYS, computed_by, repeats)
+    return {**summary(times), "seconds": times, "tokens": tokens}
 
 
 def main() -> None:
