@@ -93,7 +93,8 @@ def interpreter_for(name: str) -> str:
 def run_component(name: str, quick: bool, out_dir: Path, timeout_s: float) -> dict[str, Any]:
     """Run one component; returns {status, seconds, result | error, command, load averages}."""
     script = BENCH_DIR / f"{name}.py"
-    entry: dict[str, Any] = {"load_average_before": load_average()}
+    entry: dict[str, Any] = {"load_average_before": load_average(),
+                             "measured_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if not script.is_file():
         return {**entry, "status": "missing", "error": f"benchmarks/{name}.py does not exist"}
     out = out_dir / f"{name}.json"

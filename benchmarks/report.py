@@ -332,8 +332,9 @@ def _components(result: dict[str, Any]) -> list[str]:
     rows = []
     for name, entry in result.get("components", {}).items():
         detail = component_headline(name, entry["result"]) if entry["status"] == "ok" else _first_lines(entry.get("error", ""))
-        rows.append([name, entry["status"], entry.get("seconds"), load(entry.get("load_average_before")), detail])
-    return table(["component", "status", "seconds", "load before", "numbers"], rows)
+        rows.append([name, entry["status"], entry.get("seconds"), load(entry.get("load_average_before")),
+                     entry.get("measured_utc", "-"), detail])
+    return table(["component", "status", "seconds", "load before", "measured (UTC)", "numbers"], rows)
 
 
 def _gpu(result: dict[str, Any]) -> list[str]:

@@ -7,11 +7,13 @@ that fails or times out is recorded with its error and the others still run):
   e2e_25m     the same at ~25M parameters and 64-token responses, with useful-token MFU
   phases      phase breakdown of a megarl step (GRPO, and PPO with critic and reference)
   scaling     1 vs 2 workers; the model doubled twice
-  components  algorithms, engine, reshard, rollout, convert benchmarks
+  components  the component benchmarks of components.py (engine, reshard, rollout, convert, ...)
   gpu         MFU, vLLM vs HF rollout, weight sync (skipped without CUDA)
 
 `bench.json` keeps the sections of earlier runs that this run did not repeat (each entry has its
-own time and load average), so sections can be measured one at a time; `--fresh` starts over.
+own time and load average), so sections can be measured one at a time; `--fresh` starts over. In
+the same way `--components a,b` re-runs those components only and keeps the earlier run's others,
+each with the time it was measured.
 
     python benchmarks/run_all.py [--sections e2e,phases] [--quick] [--out-dir benchmarks/results]
 """
@@ -30,6 +32,7 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import REPO_ROOT, RESULTS_DIR, load_average, machine_info, write_json  # noqa: E402
+from components import COMPONENTS  # noqa: E402
 from report import render_report, reward_plot_name  # noqa: E402
 
 from megarl.bench import SECTIONS, add_arguments  # noqa: E402  (the command line is megarl's)
@@ -136,6 +139,22 @@ def assemble(previous: dict[str, Any], new_sections: dict[str, dict[str, Any]], 
     }
 
 
+def merge_components(previous: Optional[dict[str, Any]], new: dict[str, Any]) -> dict[str, Any]:
+    """The components section of a run of some components over an earlier run's: the earlier run's
+    other components stay, each component with the time it was measured (`measured_utc`; entries
+    written before components carried it get their run's start). A new run without a result
+    (failed, timed out) replaces nothing."""
+    if not previous or "result" not in previous or "result" not in new:
+        return new
+    kept = {name: {"measured_utc": previous.get("started_utc"), **entry}
+            for name, entry in previous["result"].get("components", {}).items()}
+    merged = {**kept, **new["result"]["components"]}
+    ordered = {name: merged[name] for name in COMPONENTS if name in merged}
+    ordered.update({name: entry for name, entry in merged.items() if name not in ordered})
+    kept_names = [name for name in ordered if name not in new["result"]["components"]]
+    return {**new, "components_kept": kept_names, "result": {**new["result"], "components": ordered}}
+
+
 def run_all(sections: list[str], out_dir: Path, quick: bool, fresh: bool = False,
             timeout_s: Optional[float] = None, section_args: Optional[dict[str, list[str]]] = None) -> dict[str, Any]:
     """Run `sections`, write bench.json and REPORT.md under `out_dir`; return the bench dictionary."""
@@ -147,6 +166,8 @@ def run_all(sections: list[str], out_dir: Path, quick: bool, fresh: bool = False
         limit = timeout_s or TIMEOUTS[name][1 if quick else 0]
         print(f"[bench] {name} (limit {limit:.0f} s, load {load_average()}) ...", flush=True)
         done[name] = run_section(name, out_dir, quick, limit, (section_args or {}).get(name))
+        if name == "components":
+            done[name] = merge_components(previous.get("sections", {}).get(name), done[name])
         print(f"[bench] {name}: {done[name]['status']} in {done[name]['seconds']} s", flush=True)
         # Written after every section, so an interrupted run keeps what it measured.
         bench = assemble(previous, done, quick)
@@ -166,11 +187,19 @@ def main_from_args(args: argparse.Namespace) -> int:
     if rounds < 1:
         print(f"error: --e2e-rounds must be >= 1, got {rounds}", file=sys.stderr)
         return 2
+    components = [c.strip() for c in (args.components or "").split(",") if c.strip()]
+    unknown = [c for c in components if c not in COMPONENTS]
+    if unknown or (components and "components" not in sections):
+        problem = f"unknown {unknown}" if unknown else "needs the components section in --sections"
+        print(f"error: --components: {problem}; valid: {','.join(COMPONENTS)}", file=sys.stderr)
+        return 2
     out_dir = args.out_dir or RESULTS_DIR
     # The plots beside REPORT.md, which names them (results/sections/ is not kept).
     section_args = {"e2e": ["--rounds", str(rounds), "--plot", str(out_dir / reward_plot_name("quickstart")),
                             *(["--steps", str(args.e2e_steps)] if args.e2e_steps else [])],
                     "e2e_25m": ["--plot", str(out_dir / reward_plot_name("25m"))]}
+    if components:
+        section_args["components"] = ["--components", ",".join(components)]
     bench = run_all(sections, out_dir, args.quick, args.fresh, args.timeout, section_args)
     print(f"[bench] wrote {out_dir / 'bench.json'} and {out_dir / 'REPORT.md'}")
     statuses = {name: bench["sections"][name]["status"] for name in sections}

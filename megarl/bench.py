@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small smoke sizes (a few minutes; for checking that everything runs)")
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="where bench.json and REPORT.md go (default: benchmarks/results)")
+    parser.add_argument("--components", default=None,
+                        help="with the components section: only these (comma-separated, e.g. plan_scale,local_modules); "
+                             "the earlier run's other components stay in bench.json")
     parser.add_argument("--fresh", action="store_true", help="drop sections of earlier runs from bench.json")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per section (default: per-section)")
     parser.add_argument("--e2e-steps", type=int, default=None, help="steps of the end-to-end comparison (default 120)")

@@ -110,8 +110,9 @@ def test_report_of_a_fabricated_result_has_every_section_and_even_tables():
     assert phases[1] == ["**gen**", "1", "50.0%"]  # biggest phase first, marked
     components = next(t for t in tables if t[0][0] == "component")
     assert [r[:2] for r in components[1:]] == [["algorithms", "ok"], ["convert", "missing"], ["memory_phases", "ok"]]
-    assert "17x the plain loop" in components[1][4]
-    assert components[3][4] == ("25,000,000 params: update-phase peak RSS drops 0.15 GiB when the rollout sleeps "
+    assert [r[4] for r in components[1:]] == ["-", "-", "-"]  # written before components carried a time
+    assert "17x the plain loop" in components[1][5]
+    assert components[3][5] == ("25,000,000 params: update-phase peak RSS drops 0.15 GiB when the rollout sleeps "
                                 "(1.6x its 0.094 GiB weight copy); step time sleep/resident 0.9, offload/resident 1.5")
     assert "ppo: failed" in md and "Skipped: no CUDA device" in md
 
@@ -148,6 +149,44 @@ def test_failed_section_is_recorded_and_the_others_still_run(tmp_path):
     # ... unless asked to start over.
     run_all(["e2e"], tmp_path, quick=True, fresh=True, section_args=failing_e2e)
     assert set(json.loads((tmp_path / "bench.json").read_text())["sections"]) == {"e2e"}
+
+
+def test_a_run_of_some_components_keeps_the_earlier_runs_others(tmp_path):
+    from run_all import run_all
+
+    earlier = {"status": "ok", "started_utc": "2026-01-01T00:00:00Z", "seconds": 99.0, "result": {"components": {
+        "convert": {"status": "ok", "seconds": 5.0, "result": {"made_up": 1}},
+        "algorithms": {"status": "timeout", "seconds": 900.0, "error": "no result within 900 s"},
+        "attention": {"status": "ok", "seconds": 7.0, "measured_utc": "2026-01-02T00:00:00Z", "result": {}}}}}
+    (tmp_path / "bench.json").write_text(json.dumps({"schema_version": 1, "sections": {"components": earlier}}))
+    run_all(["components"], tmp_path, quick=True, section_args={"components": ["--components", "algorithms"]})
+    section = json.loads((tmp_path / "bench.json").read_text())["sections"]["components"]
+    entries = section["result"]["components"]
+    assert list(entries) == ["algorithms", "convert", "attention"]  # components.py's order
+    assert entries["algorithms"]["status"] == "ok", entries["algorithms"].get("error")
+    assert entries["algorithms"]["measured_utc"] > "2026-01-02"
+    assert entries["convert"] == {**earlier["result"]["components"]["convert"], "measured_utc": "2026-01-01T00:00:00Z"}
+    assert entries["attention"]["measured_utc"] == "2026-01-02T00:00:00Z"  # its own time, not its run's
+    assert section["components_kept"] == ["convert", "attention"]
+    report = (tmp_path / "REPORT.md").read_text()
+    assert re.search(r"\| convert \| ok \| 5 \| - \| 2026-01-01T00:00:00Z \|", report)
+    assert "| algorithms | ok |" in report
+
+    # A run that wrote nothing replaces nothing of the section's result either.
+    from run_all import merge_components
+
+    failed = {"status": "timeout", "error": "no result within 1 s"}
+    assert merge_components(section, failed) == failed
+    assert merge_components(None, section) == section
+
+
+def test_cli_rejects_unknown_components_and_components_without_their_section(capsys):
+    from megarl.cli import main
+
+    assert main(["bench", "--sections", "components", "--components", "algorithms,nonsense"]) == 2
+    assert "nonsense" in capsys.readouterr().err
+    assert main(["bench", "--sections", "e2e", "--components", "algorithms"]) == 2
+    assert "needs the components section" in capsys.readouterr().err
 
 
 def test_cli_rejects_unknown_sections(capsys):
