@@ -5,7 +5,10 @@ host, one thread each (as megarl's CPU workers run).
 For each size (fp32 elements: the quickstart model's 2.37M parameters, the 25M model's) the two
 alternate call by call after a warm-up, every call behind a barrier; the median and fastest of
 `--repeats` calls of each, in milliseconds, on the slowest rank, and gloo / shared memory. The
-bytes each moves are the same, so the ratio is the speed-up of that part of an update.
+bytes each moves are the same, so the ratio is the speed-up of that part of an update. Each way
+sums the gradients as Megatron's DDP hands them over, scaled by 1/ranks first: gloo after a scaling
+pass, the shared memory one with the scaling in its copy-in (`HostSumReducer(t, scale=...)`), and
+beside it the same with a separate scaling pass (`shared_memory_scale_pass`, how it ran before).
 
     python benchmarks/host_reduce.py [--sizes 2368000,25191424] [--ranks 2] [--repeats 30]
 
@@ -41,7 +44,17 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], repeats: int, chun
     results = []
     for n in sizes:
         x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
-        ways = {"gloo": lambda t: dist.all_reduce(t), "shared_memory": reducer}
+        scale = 1 / world  # Megatron's gradient_scaling_factor for a sum over the data-parallel ranks
+
+        def gloo(t: torch.Tensor) -> None:
+            t *= scale
+            dist.all_reduce(t)
+
+        def scale_pass(t: torch.Tensor) -> None:
+            t *= scale
+            reducer(t)
+
+        ways = {"gloo": gloo, "shared_memory": lambda t: reducer(t, scale=scale), "shared_memory_scale_pass": scale_pass}
         for fn in ways.values():  # warm-up: pages touched, sockets and caches primed
             fn(x.clone())
         seconds: dict[str, list[float]] = {name: [] for name in ways}
@@ -89,13 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     for row in results:
         row["gloo_over_shared_memory_median"] = ratio(row["gloo"]["median_ms"], row["shared_memory"]["median_ms"])
         row["gloo_over_shared_memory_fastest"] = ratio(row["gloo"]["fastest_ms"], row["shared_memory"]["fastest_ms"])
+        row["scale_pass_over_scale_in_copy_median"] = ratio(row["shared_memory_scale_pass"]["median_ms"],
+                                                            row["shared_memory"]["median_ms"])
     payload = {"section": "host_reduce", "machine": machine_info(), "ranks": args.ranks, "repeats": args.repeats,
                "threads_per_rank": 1, "chunk_bytes": chunk_bytes, "results": results}
-    print(f"{'MB':>8} {'gloo median':>12} {'shm median':>11} {'ratio':>6} {'gloo fastest':>13} {'shm fastest':>12}")
+    print(f"{'MB':>8} {'gloo median':>12} {'shm median':>11} {'ratio':>6} {'gloo fastest':>13} {'shm fastest':>12} "
+          f"{'shm + scaling pass':>19} {'ratio':>6}")
     for row in results:
         print(f"{row['megabytes']:8.1f} {row['gloo']['median_ms']:12.2f} {row['shared_memory']['median_ms']:11.2f} "
               f"{row['gloo_over_shared_memory_median']:6.2f} {row['gloo']['fastest_ms']:13.2f} "
-              f"{row['shared_memory']['fastest_ms']:12.2f}")
+              f"{row['shared_memory']['fastest_ms']:12.2f} {row['shared_memory_scale_pass']['median_ms']:19.2f} "
+              f"{row['scale_pass_over_scale_in_copy_median']:6.2f}")
     print(f"wrote {write_json(args.out, payload)}")
     return 0
 

@@ -5,7 +5,7 @@ TCP on the loopback device, with gloo's own threads, 8-9 ms for the quickstart's
 machine (median of 30; `benchmarks/host_reduce.py`). When every rank of the group is a process of
 this host, `HostSumReducer` sums through one segment of shared memory instead:
 
-    each rank copies a chunk of its tensor into its own slot      (barrier)
+    each rank copies a chunk of its tensor into its own slot (times `scale`, in the same pass)   (barrier)
     rank r adds the slots of its r-th share of the chunk, in rank order, into slot 0   (barrier)
     each rank copies the summed chunk back from slot 0
 
@@ -118,8 +118,9 @@ class HostSumReducer:
         self.slots = torch.frombuffer(self._map, dtype=dtype).view(2, self.world, self.chunk)
         self._parity = 0
 
-    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` (contiguous, of the reducer's dtype) over the ranks, in place; returns it."""
+    def __call__(self, tensor: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """Sum `tensor` (contiguous, of the reducer's dtype) times `scale` over the ranks, in place;
+        returns it. Each rank's product is rounded as `tensor *= scale` rounds it, before the sum."""
         if tensor.dtype != self.dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
             raise ValueError(f"host reduce: needs a contiguous CPU {self.dtype} tensor, got {tensor.dtype} "
                              f"on {tensor.device} (contiguous: {tensor.is_contiguous()})")
@@ -128,7 +129,10 @@ class HostSumReducer:
             part = flat[lo:lo + self.chunk]
             n = part.numel()
             slots = self.slots[self._parity]
-            slots[self.rank, :n].copy_(part)
+            if scale == 1.0:
+                slots[self.rank, :n].copy_(part)
+            else:  # one pass over the chunk instead of a scaling pass and a copy
+                torch.mul(part, scale, out=slots[self.rank, :n])
             dist.barrier(group=self.group)
             share = -(-n // self.world)
             a, b = min(n, self.rank * share), min(n, (self.rank + 1) * share)
@@ -189,9 +193,7 @@ def _host_grad_sync(bucket_group: Any, reducer: HostSumReducer) -> Any:
 
     def start_grad_sync(force_all_reduce: bool | None = False) -> None:
         for bucket in bucket_group.buckets:
-            if bucket.gradient_scaling_factor != 1.0:
-                bucket.grad_data *= bucket.gradient_scaling_factor
-            reducer(bucket.grad_data)
+            reducer(bucket.grad_data, scale=bucket.gradient_scaling_factor)
         bucket_group.grad_reduce_handle = None
 
     return start_grad_sync

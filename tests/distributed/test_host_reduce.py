@@ -48,6 +48,14 @@ def _sums(rank: int, world: int, port: int, directory: str) -> dict[str, Any]:
             with_gloo = x.clone()
             dist.all_reduce(with_gloo)
             out[(str(dtype), n)] = (got, ordered, with_gloo)
+            # Scaled (Megatron's 1/dp gradient scaling, and a factor whose products round): each
+            # rank's tensor scaled as `x *= scale` scales it, then summed in rank order.
+            for scale in (1 / world, 0.3):
+                scaled = [g * scale for g in gathered]
+                total = scaled[0].clone()
+                for other in scaled[1:]:
+                    total += other
+                out[(str(dtype), n, scale)] = (reducer(x.clone(), scale=scale), total)
         reducer.close()
     return out
 
@@ -65,6 +73,9 @@ def test_the_shared_memory_sum_is_the_rank_ordered_sum(world: int) -> None:
                 assert torch.equal(got, results[0][(dtype, n)][0]), "every rank holds the same sum"
                 if world == 2:  # a + b is b + a: exactly gloo's result
                     assert torch.equal(got, with_gloo), (rank, dtype, n)
+                for scale in (1 / world, 0.3):
+                    got, expected = r[(dtype, n, scale)]
+                    assert torch.equal(got, expected), (rank, dtype, n, scale)
 
 
 def _unavailable(rank: int, world: int, port: int) -> str:
