@@ -27,7 +27,7 @@ def _bench() -> dict:
 
 def test_reliability_outcomes_become_a_section_and_a_headline():
     md = render_report(_bench())
-    assert "| reliability | ok | 300 | 1.0 / 1.0 / 1.0 | 3/4 faults detected, 2 survived, data lost in 1 |" in md
+    assert "| reliability | ok | 300 | 1.0 / 1.0 / 1.0 | - | 3/4 faults detected, 2 survived, data lost in 1 |" in md
     section = md.split("## Reliability: injected faults (benchmarks/reliability.py)", 1)[1].strip().splitlines()
     assert section[0] == "| fault | detected | survived / resumed | data lost | time to detect (s) |"
     assert section[2] == "| SIGKILL of an actor worker during the update | yes | yes (rerun resumed) | none | 0.081 |"
