@@ -143,8 +143,10 @@ def merge_components(previous: Optional[dict[str, Any]], new: dict[str, Any]) ->
     """The components section of a run of some components over an earlier run's: the earlier run's
     other components stay, each component with the time it was measured (`measured_utc`; entries
     written before components carried it get their run's start). A new run without a result
-    (failed, timed out) replaces nothing."""
+    (failed, timed out) replaces nothing; one of every component keeps nothing of the earlier run."""
     if not previous or "result" not in previous or "result" not in new:
+        return new
+    if set(COMPONENTS) <= set(new["result"]["components"]):
         return new
     kept = {name: {"measured_utc": previous.get("started_utc"), **entry}
             for name, entry in previous["result"].get("components", {}).items()}

@@ -178,6 +178,12 @@ def test_a_run_of_some_components_keeps_the_earlier_runs_others(tmp_path):
     failed = {"status": "timeout", "error": "no result within 1 s"}
     assert merge_components(section, failed) == failed
     assert merge_components(None, section) == section
+    from components import COMPONENTS
+
+    retired = {**section, "result": {"components": {**entries, "retired_benchmark": {"status": "ok"}}}}
+    every = {**section, "result": {"components": {name: {"status": "ok"} for name in COMPONENTS}}}
+    assert merge_components(retired, every) == every  # a full run keeps nothing, not even a retired name
+    assert "retired_benchmark" in merge_components(retired, section)["result"]["components"]
 
 
 def test_cli_rejects_unknown_components_and_components_without_their_section(capsys):
