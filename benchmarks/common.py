@@ -84,6 +84,11 @@ def cpu_description(cpuinfo: str | None = None) -> str | None:
     return f"{model} ({', '.join(features)})" if features else model
 
 
+def utc_now() -> str:
+    """The time now, UTC, as bench records write it (2026-01-01T00:00:00Z)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 def machine_info() -> dict[str, Any]:
     """Facts a reader needs to judge a number: CPU model and count, Python, torch version, load, time."""
     info: dict[str, Any] = {
@@ -92,7 +97,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "load_average": load_average(),
-        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "utc": utc_now(),
     }
     try:
         import torch

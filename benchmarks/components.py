@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO_ROOT, RESULTS_DIR, load_average, machine_info, write_json  # noqa: E402
+from common import REPO_ROOT, RESULTS_DIR, load_average, machine_info, utc_now, write_json  # noqa: E402
 
 BENCH_DIR = REPO_ROOT / "benchmarks"
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
@@ -94,7 +94,7 @@ def run_component(name: str, quick: bool, out_dir: Path, timeout_s: float) -> di
     """Run one component; returns {status, seconds, result | error, command, load averages}."""
     script = BENCH_DIR / f"{name}.py"
     entry: dict[str, Any] = {"load_average_before": load_average(),
-                             "measured_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                             "measured_utc": utc_now()}
     if not script.is_file():
         return {**entry, "status": "missing", "error": f"benchmarks/{name}.py does not exist"}
     out = out_dir / f"{name}.json"

@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO_ROOT, RESULTS_DIR, load_average, machine_info, write_json  # noqa: E402
+from common import REPO_ROOT, RESULTS_DIR, load_average, machine_info, utc_now, write_json  # noqa: E402
 from components import COMPONENTS  # noqa: E402
 from report import render_report, reward_plot_name  # noqa: E402
 
@@ -41,10 +41,6 @@ TIMEOUTS = {"e2e": (3600, 1200), "e2e_25m": (3600, 1200), "phases": (2400, 900),
             "async_modes": (2400, 900), "gpu": (2400, 900)}
 SCHEMA_VERSION = 1
 USES_WORK_DIR = ("e2e", "e2e_25m", "phases", "scaling", "async_modes")
-
-
-def utc_now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def parse_sections(text: str) -> list[str]:
