@@ -28,7 +28,8 @@ a shared machine falls on both sides, and reports each round's ratios and their 
 Step 1 is left out of the time averages. Generated tokens/s and training tokens/s are per step
 wall time (response tokens, and prompt + response tokens, over the step's seconds). Useful-token
 MFU of a phase: its useful FLOPs over its seconds, over the machine's matmul rate measured in the
-same run (torch.mm with the run's 2 threads, best of 10, in the run's precision). Useful FLOPs count
+same run (torch.mm with the run's 2 threads, best of 10, in the run's precision, measured before,
+between and after round 1's two runs; the best of the three). Useful FLOPs count
 the real (unpadded) tokens of the step and the parameters that multiply them (all but the input
 embedding table):
 6 x params x tokens for an update (forward and backward), 2 x params x tokens for a log-prob pass;
@@ -50,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -118,11 +120,16 @@ def size_overrides(size: str) -> list[str]:
             + (["rollout.ignore_eos=true"] if spec["full_length"] else []))
 
 
-def useful_mfu(megarl: dict[str, Any], trl: dict[str, Any], params: int, rate: float,
+def useful_mfu(megarl: dict[str, Any], trl: dict[str, Any], params: int, rates: Sequence[float],
                precision: str = "fp32") -> dict[str, Any]:
     """Useful-token MFU of megarl's update and old-log-prob phases and of TRL's training part,
-    summed over the timed steps (see the module doc), against `rate`: torch.mm's FLOP/s in the
-    run's `precision` (bf16: the rate its matrix multiplies can reach)."""
+    summed over the timed steps (see the module doc), against the best of `rates`: torch.mm's
+    FLOP/s in the run's `precision` (bf16: the rate its matrix multiplies can reach), measured at
+    several moments of the run. On a shared machine one measurement can fall on a busy moment and
+    understate what the machine does, which would overstate every MFU; the best one does not."""
+    if not rates:
+        raise ValueError("useful_mfu: no matmul rate measured")
+    rate = max(rates)
     def share(flops: float, seconds: float) -> Optional[float]:
         return flops / seconds / rate if seconds > 0 else None
 
@@ -136,6 +143,7 @@ def useful_mfu(megarl: dict[str, Any], trl: dict[str, Any], params: int, rate: f
     return {
         "useful_params": params,
         f"matmul_{precision}_flops_per_s": rate,
+        f"matmul_{precision}_flops_per_s_measured": list(rates),
         "mfu_precision": precision,
         "megarl_update_mfu": share(6.0 * params * tokens, update_s),
         "megarl_old_log_prob_mfu": share(2.0 * params * tokens, logprob_s),
@@ -351,9 +359,14 @@ def main(argv: list[str] | None = None) -> int:
 
     precision_overrides = [f"model.dtype={args.precision}"]
     megarl_overrides = size_overrides(args.size) + precision_overrides + args.megarl_override
-    rate = matmul_flops(1024, threads=THREADS, dtype=torch_dtype(args.precision))
+    # The matmul rate before, between and after round 1's two runs (the runs the MFU describes).
+    def matmul_rate() -> float:
+        return matmul_flops(1024, threads=THREADS, dtype=torch_dtype(args.precision))
+
+    rates = [matmul_rate()]
     megarl = run_megarl(run_dir, base_overrides(task, run_dir, steps) + megarl_overrides,
                         prompts=PROMPTS, n=N, timeout_s=args.timeout, python=str(args.megarl_python))
+    rates.append(matmul_rate())
     prompts_file = work / "e2e_prompts.json"
     run_cfg = OmegaConf.load(run_dir / "config.yaml")  # the config the megarl run resolved and saved
     prompts_file.write_text(json.dumps(megarl_prompt_order(run_cfg, steps)))
@@ -363,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                     reward_options=reward_options, bf16=args.precision == "bf16")
     trl = run_trl(args.bench_python, run_dir / "initial_model", task["tokenizer"], prompts_file, steps, work, args.timeout,
                   **trl_args)
+    rates.append(matmul_rate())
     rounds = [round_ratios(megarl, trl)]
     for i in range(2, args.rounds + 1):  # same task, seed and prompts; TRL from round 1's initial model
         run_i = work / f"e2e_megarl_round{i}"
@@ -412,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                    "order": "megarl then TRL in each round, rounds one after another"},
         "reward_vs_wall_clock": reward_vs_wall_clock(megarl["records"], trl["records"]),
         # Parameters that multiply each token: all but the input embedding table.
-        "mfu": useful_mfu(megarl, trl, parameter_count(run_dir / "initial_model", skip=("embed_tokens.weight",)), rate,
+        "mfu": useful_mfu(megarl, trl, parameter_count(run_dir / "initial_model", skip=("embed_tokens.weight",)), rates,
                           args.precision),
         "trl_variants": variants,
         "ratios_megarl_over_trl_variants": {k: compare(megarl, v) for k, v in variants.items() if "summary" in v},

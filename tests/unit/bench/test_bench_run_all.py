@@ -4,6 +4,7 @@ and the markdown report have the documented structure. No timing is asserted."""
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import re
@@ -115,6 +116,29 @@ def test_report_of_a_fabricated_result_has_every_section_and_even_tables():
     assert components[3][5] == ("25,000,000 params: update-phase peak RSS drops 0.15 GiB when the rollout sleeps "
                                 "(1.6x its 0.094 GiB weight copy); step time sleep/resident 0.9, offload/resident 1.5")
     assert "ppo: failed" in md and "Skipped: no CUDA device" in md
+
+
+def test_report_gives_the_25m_mfu_against_the_best_of_the_measured_rates():
+    from report import render_report
+
+    bench = _fabricated_bench()
+    e2e_25m = copy.deepcopy(bench["sections"]["e2e"])
+    e2e_25m["result"]["mfu"] = {"useful_params": 25_000_000, "mfu_precision": "fp32",
+                                "matmul_fp32_flops_per_s": 300e9,
+                                "matmul_fp32_flops_per_s_measured": [250e9, 300e9, 280e9],
+                                "megarl_update_mfu": 0.55, "megarl_old_log_prob_mfu": None, "trl_training_mfu": 0.45}
+    e2e_25m["result"]["megarl"]["summary"]["phase_seconds_mean"] = {"gen": 3.0, "update_actor": 4.0}
+    bench["sections"]["e2e_25m"] = e2e_25m
+    md = render_report(bench)
+    assert ("Useful-token MFU against torch.mm fp32 at 300 GFLOP/s (2 threads, the best of 250, 300, 280 measured "
+            "before, between and after round 1's two runs), 25,000,000 parameters") in md
+    mfu = next(t for t in _tables(md) if t[0] == ["phase", "MFU"])
+    assert mfu[1:] == [["megarl update (6 x params x tokens)", "0.55"],
+                       ["megarl old log-prob pass (2 x params x tokens)", "-"],
+                       ["TRL training (step minus generation and scoring; 6 x params x tokens)", "0.45"]]
+    # A record written before the rate was measured more than once still renders.
+    del e2e_25m["result"]["mfu"]["matmul_fp32_flops_per_s_measured"]
+    assert "(2 threads, measured in the same run)" in render_report(bench)
 
 
 def test_failed_section_is_recorded_and_the_others_still_run(tmp_path):

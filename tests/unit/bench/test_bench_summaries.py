@@ -124,11 +124,15 @@ def test_useful_mfu_of_the_e2e_comparison_by_hand(precision):
                           {"step": 3, "total_tokens": 300, "update_actor_s": 2.0}]}
     trl = {"records": [{"step": 1, "prompt_tokens": 9, "response_tokens": 9, "step_s": 99.0, "gen_and_score_s": 1.0},
                        {"step": 2, "prompt_tokens": 50, "response_tokens": 150, "step_s": 5.0, "gen_and_score_s": 3.0}]}
-    out = useful_mfu(megarl, trl, params=1000, rate=1e6, precision=precision)
+    # Three measurements of the rate; the MFU is against the best (a busy moment understates it).
+    out = useful_mfu(megarl, trl, params=1000, rates=[0.5e6, 1e6, 0.8e6], precision=precision)
     assert out["mfu_precision"] == precision and out[f"matmul_{precision}_flops_per_s"] == 1e6
+    assert out[f"matmul_{precision}_flops_per_s_measured"] == [0.5e6, 1e6, 0.8e6]
     assert out["megarl_update_mfu"] == pytest.approx(6 * 1000 * 400 / 4.0 / 1e6)  # 0.6
     assert out["trl_training_mfu"] == pytest.approx(6 * 1000 * 200 / 2.0 / 1e6)  # 0.6
     assert out["megarl_old_log_prob_mfu"] is None  # no old-log-prob pass ran
+    with pytest.raises(ValueError, match="no matmul rate"):
+        useful_mfu(megarl, trl, params=1000, rates=[], precision=precision)
 
 
 def test_reward_against_wall_clock_over_the_span_both_sides_ran():
