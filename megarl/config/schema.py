@@ -103,7 +103,7 @@ class ModelConfig:
     # attention becomes a dense masked product over the longer sequence, so long responses keep the
     # padded layout); always: whenever two rows share a prompt; never. Needs the local layer spec
     # (not TransformerEngine), no context, pipeline or sequence parallelism: elsewhere auto is never,
-    # and on a GPU too (measured slower there; README).
+    # and on a GPU too (measured slower there; benchmarks/HISTORY.md).
     prompt_sharing: str = "auto"
     # HF config keys set over model.path's config.json (or model.hf_config), e.g. rope_theta; the run
     # builds its model directory from the result, so every role and the rollout see the same config.

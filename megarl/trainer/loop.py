@@ -352,8 +352,8 @@ class RLTrainer:
         busy = self.workers.rollout.group if self.prefetch is not None else None
         # Only the groups this phase sent calls to: a phase that ran on the driver alone (reward
         # scoring, advantages) leaves the workers idle, and the next probe's peak covers its span
-        # anyway. Two probes fewer per step cut the quickstart step's driver overhead (README,
-        # Performance).
+        # anyway. Two probes fewer per step cut the quickstart step's driver overhead
+        # (benchmarks/HISTORY.md).
         called = [group for group in self.workers.groups
                   if group is not busy and (group.calls_sent != sent_before.get(id(group), 0) or group in ran_on)]
         self.probe_memory(name, called)
