@@ -403,8 +403,10 @@ def _e2e_25m(result: dict[str, Any]) -> list[str]:
     precision = mfu.get("mfu_precision", "fp32")
     rate = mfu.get(f"matmul_{precision}_flops_per_s")
     measured = mfu.get(f"matmul_{precision}_flops_per_s_measured")
-    when = ("the best of " + ", ".join(fmt(r / 1e9) for r in measured)
-            + " measured before, between and after round 1's two runs" if measured else "measured in the same run")
+    if measured:
+        when = f"the best of {', '.join(fmt(r / 1e9) for r in measured)} measured before, between and after round 1's two runs"
+    else:  # records written before the rate was measured more than once
+        when = "measured in the same run"
     lines = _e2e(result) + ["", f"Useful-token MFU against torch.mm {precision} at {fmt(rate / 1e9 if rate else None)} GFLOP/s "
                                 f"(2 threads, {when}), {fmt(mfu.get('useful_params'))} parameters "
                                 "multiplying each token:", ""]
