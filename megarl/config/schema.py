@@ -221,6 +221,9 @@ class CustomRewardFunctionConfig:
 class RewardConfig:
     # Built-in scorers are chosen per sample by `data_source`; a custom function overrides them.
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    # The worker pool that runs a custom reward function (num_workers processes, each call under
+    # timeout_s, the batch_timeout_s and worker_memory_mb below). Built-in scorers run in the driver
+    # and use none of these four keys.
     num_workers: int = 2
     timeout_s: float = 10.0  # per scoring call
     # The longest one batch's scoring may take in the worker pool; calls still unanswered then are

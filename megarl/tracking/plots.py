@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-KL_KEYS = ("actor/ppo_kl", "actor/kl_loss", "critic/kl")
+# The policy-update KL, the KL loss term, and the KL penalised in the reward (use_kl_in_reward).
+KL_KEYS = ("actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty")
 RM_SCORE_KEY = "reward_model/score/mean"
 MAX_VAL_CURVES = 4
 MAX_PHASES = 10  # phases beyond the largest ones are drawn as "other"

@@ -68,6 +68,15 @@ def test_report_writes_plots_and_summary(tmp_path: Path) -> None:
     assert "| update_actor | 30.00 | 30.0% |" in text
 
 
+def test_report_plots_the_kl_penalised_in_the_reward(tmp_path: Path) -> None:
+    """PPO with KL in the reward logs `actor/reward_kl_penalty` and no KL loss: the KL plot draws it."""
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "metrics": {"critic/score/mean": s, "actor/reward_kl_penalty": 0.01 * s}}) + "\n"
+        for s in (1, 2, 3)))
+    paths = write_report(tmp_path)
+    assert set(paths) == {"reward", "kl", "summary"}
+
+
 def test_report_skips_plots_without_their_metrics(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text(
         "".join(json.dumps({"step": s, "metrics": {"critic/score/mean": s}}) + "\n" for s in (1, 2, 3))
