@@ -26,7 +26,7 @@ def _cuda_available() -> bool:
 
 
 def _vllm_installed() -> bool:
-    """True when a real vLLM is installed (tests/vllm itself can look like a namespace package)."""
+    """True when a real vLLM is installed (a tests directory named vllm could look like a namespace package)."""
     spec = importlib.util.find_spec("vllm")
     return spec is not None and spec.origin not in (None, "namespace")
 

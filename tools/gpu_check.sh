@@ -79,6 +79,7 @@ start_all=$(date +%s)
 unpack() {
     local archive="$1" dest="$2"
     mkdir -p "${dest}" && chmod 700 "${dest}" || return 1
+    dest="$(cd "${dest}" && pwd)"  # env.sh and bin/ name it: absolute, so they work from any directory
     if command -v xz >/dev/null 2>&1; then
         tar -xJf "${archive}" -C "${dest}" --strip-components=1 --no-same-owner || return 1
     else  # no xz tool: Python's lzma does the same

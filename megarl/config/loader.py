@@ -116,7 +116,7 @@ def _unknown_key_error(key: str, source: str) -> str:
         return f"{source}: '{key}' is not supported: {UNSUPPORTED_MEGATRON_KEYS[leaf]}"
     hint = suggest_key(key)
     msg = f"{source}: unknown key '{key}'"
-    return msg + (f"; did you mean '{hint}'?" if hint else "; run `megarl config show` to list the valid keys")
+    return msg + (f"; did you mean '{hint}'?" if hint else "; run `megarl config keys` to list the valid keys")
 
 
 def check_keys(tree: Any, source: str, cls: type = ExperimentConfig, prefix: str = "") -> list[str]:

@@ -115,6 +115,12 @@ def test_unknown_key_in_override_suggests_nested_key(valid_file: Path) -> None:
     assert "did you mean 'actor.optim.lr'" in msg
 
 
+def test_unknown_key_without_a_close_match_points_at_the_key_list(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "zzqx.wvut=1")
+    assert "unknown key 'zzqx'" in msg
+    assert "run `megarl config keys` to list the valid keys" in msg
+
+
 def test_unknown_section(valid_file: Path) -> None:
     msg = errors_of(valid_file, "optimizer.lr=1")
     assert "unknown key 'optimizer'" in msg

