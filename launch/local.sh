@@ -4,8 +4,8 @@
 #   launch/local.sh [CONFIG] [OVERRIDES...]        # CONFIG defaults to configs/quickstart_cpu.yaml
 #   launch/local.sh --dry-run CONFIG ...           # print the command and its environment only
 #
-# Threads: each training worker is one process; OMP_NUM_THREADS defaults to the machine's cores
-# divided by the worker count (MEGARL_LOCAL_WORKERS, default: the GPU count, else 2), at least 1.
+# Threads: OMP_NUM_THREADS (default: the machine's cores divided by MEGARL_LOCAL_WORKERS, else the GPU
+# count, else 2; at least 1) is the driver's. Each Ray worker runs resources.num_cpus_per_worker threads.
 # Environment knobs: MEGARL_ENTRYPOINT (default: megarl train; words split at spaces), MEGARL_LOCAL_WORKERS,
 # MEGARL_DRY_RUN=1,
 # and anything the trainer reads (RAY_AUTH_MODE, CUDA_VISIBLE_DEVICES, ...).

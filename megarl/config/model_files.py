@@ -19,7 +19,10 @@ from typing import Any, Optional
 
 import yaml
 
-# The same folder and variable as megarl.models.spec.spec_dir (which imports torch for the weight map).
+from megarl.errors import ConfigError
+
+# The folder of the family YAMLs, for this light module and for megarl.models.spec (which imports
+# torch for the weight map) alike.
 SPEC_DIR_ENV = "MEGARL_MODEL_SPECS"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -30,8 +33,15 @@ _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 
 
 def spec_dir() -> Path:
+    """The folder holding the family YAMLs: `$MEGARL_MODEL_SPECS`, else model_specs/ of the checkout
+    megarl runs from. An installed (non-editable) megarl has no checkout around it: set the variable."""
     env = os.environ.get(SPEC_DIR_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "model_specs"
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "model_specs"
+    if not path.is_dir():
+        source = f"${SPEC_DIR_ENV}" if env else "the repository's model_specs/ (megarl installed outside a checkout?)"
+        raise ConfigError(f"model specs folder {path} not found, from {source}: set {SPEC_DIR_ENV} to the folder "
+                          "of the family YAMLs (model_specs/ of the megarl repository)")
+    return path
 
 
 def family_specs() -> dict[str, dict[str, Any]]:

@@ -40,9 +40,12 @@ class OptimConfig:
     clip_grad: float = 1.0
     # After linear warmup: constant | cosine (decay to min_lr) | linear (decay to min_lr)
     lr_scheduler: str = "constant"
+    # The schedule counts trainer steps, as verl's does: warmup over lr_warmup_steps of them (0: the
+    # ratio of total_training_steps), decay over total_training_steps (null: the run's,
+    # trainer.total_training_steps or its epochs). The engine advances it at every optimizer step, by
+    # ppo_epochs x (data.train_batch_size / ppo_mini_batch_size) optimizer steps a trainer step.
     lr_warmup_steps: int = 0
     lr_warmup_steps_ratio: float = 0.0
-    # Total optimizer steps for the schedule; null derives it from trainer.total_training_steps.
     total_training_steps: Optional[int] = None
     # Megatron's distributed optimizer: the Adam state is split over the DP ranks (gradients
     # reduce-scattered, parameters all-gathered after the step). false: every DP rank keeps all of

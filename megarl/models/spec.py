@@ -8,23 +8,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
 
+from megarl.config.model_files import spec_dir
 from megarl.errors import ConfigError
 from megarl.models.weight_map import WeightEntry, parse_weight_map
 
-SPEC_DIR_ENV = "MEGARL_MODEL_SPECS"
-
-
-def spec_dir() -> Path:
-    """The folder holding the family YAMLs (`$MEGARL_MODEL_SPECS` or the repository's model_specs/)."""
-    env = os.environ.get(SPEC_DIR_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "model_specs"
 
 
 def load_family_specs() -> dict[str, dict[str, Any]]:

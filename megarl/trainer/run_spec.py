@@ -57,9 +57,20 @@ def parallel_layout(par: Any) -> ParallelLayout:
                           etp=int(par.expert_tensor_parallel_size or 0), dp=int(par.data_parallel_size or 0))
 
 
+def optimizer_steps_per_step(cfg: DictConfig, role_cfg: Any) -> int:
+    """Optimizer steps a trained role takes in one trainer step: `ppo_epochs` passes over the step's
+    `data.train_batch_size` prompts in mini-batches of `ppo_mini_batch_size` prompts."""
+    mini_batches = -(-int(cfg.data.train_batch_size) // int(role_cfg.ppo_mini_batch_size))
+    return int(role_cfg.ppo_epochs) * mini_batches
+
+
 def _engine_config(cfg: DictConfig, optim: Any, role: str, par: Any, total_steps: int, micro: int,
-                   log_prob_micro: int, use_dynamic_bsz: bool, max_tokens: int, trained: bool = True) -> EngineConfig:
-    warmup = optim.lr_warmup_steps or int(optim.lr_warmup_steps_ratio * total_steps)
+                   log_prob_micro: int, use_dynamic_bsz: bool, max_tokens: int, trained: bool = True,
+                   per_step: int = 1) -> EngineConfig:
+    """`optim`'s schedule counts trainer steps (`total_training_steps`, null: the run's; the warmup);
+    the engine advances its schedule at every optimizer step, `per_step` of them a trainer step."""
+    schedule_steps = int(optim.total_training_steps or max(1, total_steps))
+    warmup = optim.lr_warmup_steps or int(optim.lr_warmup_steps_ratio * schedule_steps)
     model = cfg.model
     return EngineConfig(
         role=role,
@@ -72,8 +83,8 @@ def _engine_config(cfg: DictConfig, optim: Any, role: str, par: Any, total_steps
         weight_decay=float(optim.weight_decay),
         clip_grad=float(optim.clip_grad),
         lr_schedule=str(optim.lr_scheduler),
-        lr_warmup_steps=int(warmup),
-        total_training_steps=int(optim.total_training_steps or max(1, total_steps)),
+        lr_warmup_steps=int(warmup) * per_step,
+        total_training_steps=schedule_steps * per_step,
         micro_batch_size=int(micro),
         log_prob_micro_batch_size=int(log_prob_micro),
         use_dynamic_bsz=bool(use_dynamic_bsz),
@@ -117,7 +128,8 @@ def resolve_run_spec(cfg: DictConfig, model_dir: str, pad_token_id: int, eos_tok
         engine=_engine_config(cfg, actor.optim, "policy", actor.megatron, total_steps,
                               micro=actor.ppo_micro_batch_size_per_gpu,
                               log_prob_micro=actor.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu,
-                              use_dynamic_bsz=actor.use_dynamic_bsz, max_tokens=actor.ppo_max_token_len_per_gpu),
+                              use_dynamic_bsz=actor.use_dynamic_bsz, max_tokens=actor.ppo_max_token_len_per_gpu,
+                              per_step=optimizer_steps_per_step(cfg, actor)),
         offload=OffloadSpec(params=bool(actor.param_offload), grads=bool(actor.grad_offload),
                             optimizer=bool(actor.optimizer_offload)),
         temperature=temperature,
@@ -157,7 +169,8 @@ def resolve_run_spec(cfg: DictConfig, model_dir: str, pad_token_id: int, eos_tok
             engine=_engine_config(cfg, critic.optim, "value", par, total_steps,
                                   micro=critic.ppo_micro_batch_size_per_gpu,
                                   log_prob_micro=critic.ppo_micro_batch_size_per_gpu,
-                                  use_dynamic_bsz=critic.use_dynamic_bsz, max_tokens=critic.ppo_max_token_len_per_gpu),
+                                  use_dynamic_bsz=critic.use_dynamic_bsz, max_tokens=critic.ppo_max_token_len_per_gpu,
+                                  per_step=optimizer_steps_per_step(cfg, critic)),
             # Megatron's DDP keeps gradients in a buffer beside the parameters: they move together.
             offload=OffloadSpec(params=bool(critic.param_offload), grads=bool(critic.param_offload),
                                 optimizer=bool(critic.optimizer_offload)),

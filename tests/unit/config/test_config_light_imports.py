@@ -101,3 +101,14 @@ def test_a_registered_estimator_is_accepted_once_the_registry_is_imported() -> N
         assert "my_adv" in validate.registered_names("advantage")
     finally:
         algos.ADVANTAGE_ESTIMATORS._fns.pop("my_adv")
+
+
+def test_a_missing_model_specs_folder_is_named_with_the_variable_to_set(tmp_path, monkeypatch) -> None:
+    """megarl installed outside a checkout (e.g. a non-editable install in an image) has no
+    model_specs/ beside it: the error says which folder it looked for and what to set."""
+    from megarl.errors import ConfigError
+
+    monkeypatch.setenv(model_files.SPEC_DIR_ENV, str(tmp_path / "absent"))
+    with pytest.raises(ConfigError) as err:
+        model_files.family_specs()
+    assert str(tmp_path / "absent") in str(err.value) and "MEGARL_MODEL_SPECS" in str(err.value)

@@ -42,16 +42,31 @@ def test_actor_engine_settings_come_from_their_keys(tmp_path: Path) -> None:
                    "model.recompute_granularity=selective", "model.use_remove_padding=true", "model.dtype=bf16",
                    "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=96", "model.spec=qwen2")
     engine = spec.actor.engine
-    assert (engine.lr, engine.lr_schedule, engine.min_lr, engine.lr_warmup_steps) == (3e-5, "linear", 1e-6, 2)
+    # The schedule counts trainer steps (10, warmup 0.2 of them: 2); the engine advances it at each of
+    # the 8 / 4 = 2 optimizer steps of a trainer step.
+    assert (engine.lr, engine.lr_schedule, engine.min_lr, engine.lr_warmup_steps) == (3e-5, "linear", 1e-6, 2 * 2)
     assert (engine.micro_batch_size, engine.log_prob_micro_batch_size) == (2, 6)
     assert engine.sequence_parallel and engine.recompute_granularity == "selective"
     assert engine.use_sequence_packing and engine.dtype == "bf16" and engine.torch_dtype == torch.bfloat16
     assert engine.use_dynamic_bsz and engine.max_token_len_per_micro_batch == 96
-    assert engine.total_training_steps == 10 and engine.role == "policy"
+    assert engine.total_training_steps == 10 * 2 and engine.role == "policy"
     assert spec.actor.layout == ParallelLayout(tp=2, pp=1, cp=1, ep=1, dp=0)
     assert spec.actor.family == "qwen2" and spec.actor.model_dir == "/models/initial"
     assert spec.actor.update.mini_batch_sequences == 4 * 4  # prompts x rollout.n
     assert spec.response_length == 16 and spec.actor.max_response_length == 16
+
+
+def test_lr_schedule_spans_the_run_in_optimizer_steps(tmp_path: Path) -> None:
+    """A decaying schedule must reach min_lr at the run's end, not after 1/k of it: k optimizer steps
+    a trainer step, ppo_epochs x train_batch_size / ppo_mini_batch_size of them, per trained role."""
+    spec = resolve(tmp_path, "actor.ppo_mini_batch_size=2", "actor.ppo_epochs=3", "actor.optim.lr_warmup_steps=1",
+                   "critic.enable=true", "critic.ppo_mini_batch_size=8", "critic.ppo_epochs=2",
+                   "critic.optim.total_training_steps=7", "critic.optim.lr_warmup_steps_ratio=0.3",
+                   "critic.ppo_micro_batch_size_per_gpu=2", total_steps=10)
+    actor, critic = spec.actor.engine, spec.critic.engine
+    assert (actor.total_training_steps, actor.lr_warmup_steps) == (10 * 3 * 4, 1 * 3 * 4)
+    # an explicit schedule length (7 trainer steps) and its warmup ratio: int(0.3 x 7) = 2 trainer steps
+    assert (critic.total_training_steps, critic.lr_warmup_steps) == (7 * 2 * 1, 2 * 2 * 1)
 
 
 def test_defaults_leave_optional_features_off(tmp_path: Path) -> None:
