@@ -81,7 +81,8 @@ class ModelConfig:
     # A HF model directory (config.json, weights optional) ...
     path: Optional[str] = None
     # ... or a HF config given inline (random init), e.g. for tiny CPU models. With model.path it may
-    # only repeat config.json's values (so layouts validate before the weights are at hand).
+    # only repeat config.json's values (so layouts validate before the weights are at hand), unless
+    # model.init_from_scratch, where it sets keys over config.json's for the model built.
     hf_config: dict[str, Any] = field(default_factory=dict)
     # Architecture family in model_specs/ (e.g. qwen2, llama); null detects it from config.json's
     # model_type. Set it for a checkpoint whose model_type no family lists but whose layout one has.
@@ -109,7 +110,9 @@ class ModelConfig:
     # and on a GPU too (measured slower there; benchmarks/HISTORY.md).
     prompt_sharing: str = "auto"
     # HF config keys set over model.path's config.json (or model.hf_config), e.g. rope_theta; the run
-    # builds its model directory from the result, so every role and the rollout see the same config.
+    # builds its model directory from the result, which the actor, the reference, the rollout and a
+    # critic without its own critic.model_path load. A critic.model_path or a reward model is loaded
+    # with its own config.json as it is.
     override_config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -138,7 +141,8 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
-    # Sequences per forward-only pass (old log-probs) on one DP rank; null: ppo_micro_batch_size_per_gpu
+    # Sequences per forward-only pass (old log-probs) on one DP rank; null: ppo_micro_batch_size_per_gpu.
+    # With use_dynamic_bsz the passes take ppo_max_token_len_per_gpu tokens instead.
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     # Move to host memory while the actor is not computing (onloaded for log-probs and the update).
     param_offload: bool = False
@@ -199,8 +203,10 @@ class RewardModelConfig:
     megatron: Optional[ParallelConfig] = None  # null: the actor's layout
     micro_batch_size_per_gpu: int = 8  # sequences per forward pass on one DP rank
     param_offload: bool = False  # host memory except while scoring
-    # How a row's score is made, per row by its dataset column `reward_model.style`:
+    # How a row's score is made, per row by its dataset column `reward_model.style` ("rule" where a
+    # row has none: a dataset without the column is scored by rule alone under by_style):
     #   by_style: style "rule" -> the rule scorer's score, style "model" -> the reward model's
+    #     (reward.overlong_buffer shapes the rule scorer's score only)
     #   weighted_sum: rule_weight * rule score (rows of style "rule") + model_weight * model score (all rows)
     combine: str = "by_style"
     rule_weight: float = 1.0
@@ -224,9 +230,9 @@ class CustomRewardFunctionConfig:
 class RewardConfig:
     # Built-in scorers are chosen per sample by `data_source`; a custom function overrides them.
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
-    # The worker pool that runs a custom reward function (num_workers processes, each call under
-    # timeout_s, the batch_timeout_s and worker_memory_mb below). Built-in scorers run in the driver
-    # and use none of these four keys.
+    # The worker pool that runs a custom reward function (num_workers processes, 0: one per core;
+    # each call under timeout_s; the batch_timeout_s and worker_memory_mb below). Built-in scorers run
+    # in the driver and use none of these four keys.
     num_workers: int = 2
     timeout_s: float = 10.0  # per scoring call
     # The longest one batch's scoring may take in the worker pool; calls still unanswered then are
@@ -288,7 +294,7 @@ class RolloutConfig:
     ignore_eos: bool = False
     tensor_model_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5
-    kv_cache_memory_gb: float = 1.0  # CPU engines: KV cache size
+    kv_cache_memory_gb: float = 1.0  # vLLM's CPU build: its KV cache size (the HF engine sizes its own per call)
     max_num_seqs: int = 256
     # The engine sleeps (KV cache and weight copy released) from the end of generation to the next
     # weight sync; the HF engine on CPU releases its weight copy at sleep_level 2 (its cache lives
@@ -306,7 +312,9 @@ class RolloutConfig:
     val_kwargs: ValidationSamplingConfig = field(default_factory=ValidationSamplingConfig)
     update_weights_bucket_mb: int = 512
     # Check every k-th weight sync (the first included) against the senders' fingerprints of each
-    # bucket; a changed bucket stops the run naming tensor, slice and ranks. 0: never.
+    # bucket; a changed bucket stops the run naming tensor, slice and ranks. 0: never. Only buckets
+    # that cross processes are checked: a sync inside the actor's processes that moves nothing
+    # between them (data parallelism only, rollout TP 1) has nothing to check.
     sync_verify_freq: int = 1
     # Stop the run when a step's mean |rollout log-prob - trainer log-prob| over the response tokens
     # (training/rollout_logprob_abs_diff_mean, nats) exceeds this: the rollout engine is not sampling
@@ -338,8 +346,9 @@ class KLControlConfig:
 @dataclass
 class FilterGroupsConfig:
     enable: bool = False  # DAPO dynamic sampling
-    # acc | score | seq_reward (sum of scores) | seq_final_reward (sum of rewards; equals seq_reward
-    # unless algorithm.use_kl_in_reward, which dynamic sampling refuses) | any reward-info key
+    # acc | score | seq_reward (sum of scores) | seq_final_reward (sum of rewards: dynamic sampling
+    # runs before any KL penalty, so it equals seq_reward; refused with algorithm.use_kl_in_reward) |
+    # any reward-info key
     metric: str = "acc"
     max_num_gen_batches: int = 10  # <= 0: no cap
 
@@ -347,7 +356,10 @@ class FilterGroupsConfig:
 @dataclass
 class RolloutCorrectionConfig:
     # Correct the policy loss for the rollout engine's log-probs differing from the trainer's:
-    # w = exp(trainer log-prob - rollout log-prob) per token (needs rollout.calculate_log_probs).
+    # w = exp(trainer log-prob - rollout log-prob) per token (needs rollout.calculate_log_probs). The
+    # trainer log-prob is the old log-prob (actor.old_log_prob_source recompute or update); with
+    # source rollout there is none, and it is the current micro-batch's own, detached: after the
+    # first optimizer step of a step w then also holds how far the policy has moved.
     #   none: no correction (the rollout_corr/* mismatch metrics are still logged)
     #   tis: truncated IS, each token's loss x min(w, threshold)
     #   mis: masked IS, x w where lower <= w <= upper, else 0 (the token or sequence is dropped)

@@ -452,6 +452,14 @@ def validate_config(cfg: DictConfig) -> None:
         r.err("critic.enable = false: algorithm.adv_estimator = 'gae' needs a critic (set critic.enable: true or null)")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         r.err("trainer.resume_mode = 'resume_path' needs trainer.resume_from_path")
+    if cfg.trainer.resume_fallback and cfg.trainer.resume_mode != "auto":
+        r.err(f"trainer.resume_fallback = true with trainer.resume_mode = '{cfg.trainer.resume_mode}': the fallback "
+              "to an earlier checkpoint applies to resume_mode 'auto' only (resume_path resumes the checkpoint it "
+              "names or stops); remove it or use resume_mode: auto")
+    if cfg.trainer.critic_warmup and not critic_enabled(cfg):
+        r.err(f"trainer.critic_warmup = {cfg.trainer.critic_warmup}: steps that train only the critic need one "
+              f"(critic.enable, or algorithm.adv_estimator 'gae'); without it those steps would train nothing. "
+              "Remove the key")
     if cfg.reward_model.enable:
         _check_reward_model(r, cfg)
     if cfg.model.spec is not None:

@@ -282,6 +282,18 @@ def test_resume_path_needs_path(valid_file: Path) -> None:
     assert "needs trainer.resume_from_path" in errors_of(valid_file, "trainer.resume_mode=resume_path")
 
 
+def test_resume_fallback_only_with_auto_resume(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "trainer.resume_fallback=true", "trainer.resume_mode=resume_path",
+                    "trainer.resume_from_path=/ckpt/global_step_2")
+    assert "trainer.resume_fallback = true with trainer.resume_mode = 'resume_path'" in msg
+    load_config(valid_file, ["trainer.resume_fallback=true"])  # resume_mode auto: valid
+
+
+def test_critic_warmup_needs_a_critic(valid_file: Path) -> None:
+    assert "steps that train only the critic need one" in errors_of(valid_file, "trainer.critic_warmup=2")
+    load_config(valid_file, ["trainer.critic_warmup=2", "critic.enable=true"])  # valid
+
+
 def test_model_path_config_json_is_read(tmp_path: Path) -> None:
     model_dir = tmp_path / "model"
     model_dir.mkdir()
