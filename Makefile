@@ -1,6 +1,8 @@
 # megarl: the two commands of the README are `make demo` and `make test`.
 # Both create (or refresh) the virtual environment first. torch is installed on its own, before
-# anything else, so that no dependency can pull the multi-GB CUDA build on a CPU machine.
+# anything else, at the pinned version, so that no dependency can pick another torch. Where the
+# registry serves the CPU build for the pin (as the CI machines' does) that is the CPU build; from
+# stock PyPI on Linux it is the CUDA build (README, "The two commands", says how to start from the CPU one).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -22,10 +24,11 @@ help:
 	@echo "make demo-async - install, then the quickstart one-step-off-policy (rollout in its own process)"
 	@echo "make demo-rm - install, then PPO on CPU with a reward model fitted on the task"
 	@echo "make demo-tools - install, then multi-turn GRPO on CPU with a calculator tool"
-	@echo "make test   - install, then run the test suite (unit, distributed, integration tiers)"
+	@echo "make test   - install, then run the test suite (unit, distributed, integration tiers, then vllm; SKIP_VLLM=1 leaves vllm out)"
+	@echo "make test-unit - install, then the unit tier alone"
 	@echo "make test-slow - install, then the long-running variants of integration tests"
 	@echo "make bench  - install, then run the benchmarks (JSON + markdown under benchmarks/results)"
-	@echo "make clean  - remove the virtual environment and caches"
+	@echo "make clean  - remove the virtual environments (.venv, .venv-vllm, .venv-bench) and test caches; dist/ and .venv-gpu-ref stay"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -87,7 +90,7 @@ demo-tools: install
 	$(BIN)/megarl train configs/tools_cpu.yaml $(DEMO_ARGS)
 
 # The main tiers, then the vllm tier in its own environment (mk/vllm.mk). SKIP_VLLM=1 skips the latter.
-# That environment is built (downloads, mostly: about 4 minutes) while the main tiers run; its log
+# That environment is built (downloads, mostly: 2-4 minutes) while the main tiers run; its log
 # follows theirs.
 test: install
 ifeq ($(SKIP_VLLM),1)

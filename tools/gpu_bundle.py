@@ -5,7 +5,7 @@ helper does the rest and only needs the standard library (plus `packaging`, take
 is not installed on its own):
 
     python tools/gpu_bundle.py packages                      # pinned NAME==VERSION lines to download
-    python tools/gpu_bundle.py assemble --wheels W --stage S --python-version 3.12 [--name N]
+    python tools/gpu_bundle.py assemble --wheels W --stage S --python-version 3.12 --name N
 
 The target image ("the image") already has Python, torch and the packages in IMAGE_PACKAGES; the
 bundle holds megarl and every runtime dependency that the image lacks (BUNDLE_PACKAGES). `assemble`

@@ -22,9 +22,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--val-size", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--tokenizer-out", help="also write a character tokenizer covering the task to this directory"
+        "--tokenizer-out", help="also write a tokenizer covering the task to this directory (a character "
+        "tokenizer; arithmetic_tools: ChatML with the tool-call tags as single tokens)"
     )
-    parser.add_argument("--extra-chars", default="", help="more characters for that tokenizer (e.g. letters)")
+    parser.add_argument("--extra-chars", default="", help="more characters for the character tokenizer (e.g. letters; not arithmetic_tools)")
 
 
 def _arithmetic(args: argparse.Namespace) -> ArithmeticTask:

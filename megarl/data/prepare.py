@@ -3,7 +3,7 @@
 Sources: a local copy (a parquet/jsonl/json file, or a directory holding the original files, e.g.
 ``main/train-00000-of-00001.parquet`` for GSM8K or ``train/algebra/1.json`` for the original MATH
 release), or a HF hub dataset through ``datasets.load_dataset`` when the hub is reachable.
-Rows are streamed: nothing holds a whole split in memory.
+Rows are streamed from parquet and jsonl files; a ``.json`` file (one JSON document) is read whole.
 
 With ``tools`` (``--tools code_interpreter``) the rows are for multi-turn rollouts: the prompt starts
 with a system message that gives the tools' OpenAI schemas and the Hermes/Qwen call format
@@ -249,10 +249,11 @@ def main(task: str, argv: Sequence[str] | None = None) -> int:
     """Command line of ``tools/prepare_<task>.py``."""
     parser = argparse.ArgumentParser(description=f"Convert {task} to megarl's parquet layout (verl columns).")
     parser.add_argument("--out", required=True, help="output directory (<split>.parquet files)")
-    parser.add_argument("--local", help="local copy: a parquet/jsonl/json file or a directory of them")
+    parser.add_argument("--local", help="local copy: a directory of the splits' files, or a parquet/jsonl/json "
+                        "file holding one split (then name it with --splits, e.g. --splits test)")
     parser.add_argument("--hub-name", help=f"hub dataset (default {_TASKS[task][1]}); needs network access")
     parser.add_argument("--hub-config", help="hub dataset configuration")
-    parser.add_argument("--splits", nargs="+", default=["train", "test"])
+    parser.add_argument("--splits", nargs="+", default=["train", "test"], help="splits to write (default: train test)")
     parser.add_argument("--tools", nargs="+", default=[], choices=sorted(BUILTIN_TOOLS),
                         help="rows for multi-turn rollouts with these built-in tools (rollout.multi_turn.tools): a "
                              "system message gives their schemas and the Hermes <tool_call> format, and "
