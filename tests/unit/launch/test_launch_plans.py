@@ -262,7 +262,7 @@ def test_local_sh_runs_the_entrypoint_with_thread_settings(tmp_path: Path) -> No
 
     got = json.loads((tmp_path / "record.py.json").read_text())
     assert got["argv"] == ["my.yaml", "rollout.n=4", "trainer.experiment_name=a b"]
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0))  # the CPUs the script may run on, as nproc counts them
     assert got["omp"] == str(max(1, cores // 1))
 
 
@@ -278,7 +278,7 @@ def test_local_sh_dry_run_and_bad_worker_count() -> None:
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert shlex.split(lines[-1]) == ["megarl", "train", "configs/quickstart_cpu.yaml"]
-    assert f"OMP_NUM_THREADS={max(1, (os.cpu_count() or 1) // 2)}" in lines[-2]
+    assert f"OMP_NUM_THREADS={max(1, len(os.sched_getaffinity(0)) // 2)}" in lines[-2]
     bad = subprocess.run(
         [str(REPO / "launch" / "local.sh"), "--dry-run"],
         env={**env, "MEGARL_LOCAL_WORKERS": "zero"},
