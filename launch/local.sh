@@ -29,7 +29,8 @@ fi
 
 # The CPUs this process may run on (nproc honours the affinity mask; without the OMP_* variables,
 # which it would report instead).
-cores="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)"
+cores="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null \
+    || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)"
 gpus=0
 if command -v nvidia-smi >/dev/null 2>&1; then
     gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"

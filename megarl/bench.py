@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the earlier run's other components stay in bench.json")
     parser.add_argument("--fresh", action="store_true", help="drop sections of earlier runs from bench.json")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per section (default: per-section)")
-    parser.add_argument("--e2e-steps", type=int, default=None, help="steps of the end-to-end comparison (default 120; 3 with --quick, which ignores this)")
+    parser.add_argument("--e2e-steps", type=int, default=None,
+                        help="steps of the end-to-end comparison (default 120; 3 with --quick, which ignores this)")
     parser.add_argument("--e2e-rounds", type=int, default=None,
                         help="times the end-to-end pair runs in turn (megarl, TRL, megarl, ...), reported as the "
                              "median and range of the ratios (default 3; 1 with --quick)")

@@ -25,7 +25,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         "--tokenizer-out", help="also write a tokenizer covering the task to this directory (a character "
         "tokenizer; arithmetic_tools: ChatML with the tool-call tags as single tokens)"
     )
-    parser.add_argument("--extra-chars", default="", help="more characters for the character tokenizer (e.g. letters; not arithmetic_tools)")
+    parser.add_argument("--extra-chars", default="",
+                        help="more characters for the character tokenizer (e.g. letters; not arithmetic_tools)")
 
 
 def _arithmetic(args: argparse.Namespace) -> ArithmeticTask:

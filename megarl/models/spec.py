@@ -19,7 +19,6 @@ from megarl.errors import ConfigError
 from megarl.models.weight_map import WeightEntry, parse_weight_map
 
 
-
 def load_family_specs() -> dict[str, dict[str, Any]]:
     """All family YAMLs by family name."""
     specs: dict[str, dict[str, Any]] = {}

@@ -26,7 +26,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                    help="HF directory with config.json, for a Megatron checkpoint that carries none")
     p.add_argument("--no-checksums", action="store_true",
                    help="check file sizes against the save's manifest, not their CRC-32 (faster)")
-    p.add_argument("-v", "--verbose", action="store_true", help="print what was checked when the check fails too (it is printed whenever it passes)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print what was checked when the check fails too (it is printed whenever it passes)")
     p.set_defaults(func=_verify)
 
 
