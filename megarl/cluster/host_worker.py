@@ -9,9 +9,10 @@ its process: that is how the rollout engine reaches the trainer's weights withou
 process.
 
 The driver reaches a role through `WorkerGroup.for_role(name)`, which routes every call through
-`HostWorker.call(role, method, ...)`. Phase changes are explicit too: `set_active(roles)` offloads
-the roles that are not needed (those with an `offload()` method) and then onloads the ones that
-are (`onload()`), in that order so the memory is free before it is taken again.
+`HostWorker.call(role, method, ...)`. `set_active(roles)` offloads the roles that are not needed
+(those with an `offload()` method) and then onloads the ones that are (`onload()`), in that order so
+the memory is free before it is taken again; the trainer itself moves memory role by role around
+each phase (`megarl.trainer.loop`, the roles' `onload`/`offload`).
 """
 
 from __future__ import annotations

@@ -9,9 +9,11 @@ as the actor's pool (N); rollout rank r is fed by training rank r:
    colocated sync). This is the only copy of it on the training side, and it is freed after step 2.
 2. Over the bridge, a gloo group of 2N ranks that spans both pools (training rank r is bridge rank
    r, rollout rank r is bridge rank N + r), training rank r sends that shard to rollout rank r in
-   buckets of at most `bucket_bytes`, each followed by its fingerprint. Rollout rank r writes the
-   buckets straight into its engine's tensors and compares the fingerprints; a mismatch stops the
-   sync with an error naming the tensors of the bucket and both ranks.
+   buckets of at most `bucket_bytes`, each followed by its fingerprint. Rollout rank r compares the
+   fingerprints and takes the buckets into its engine: the HF engine's through new tensors handed
+   to `update_weights` after the last bucket, vLLM's written straight into its parameters. A
+   mismatch stops the sync with an error naming the tensors of the bucket and both ranks (with vLLM
+   the changed buckets are then already in the engine: the run stops on it).
 
 So each rollout rank receives exactly the bytes of its own shard: `bytes_received` equals
 `minimum_bytes`, since a rollout rank holds nothing of the training weights.

@@ -4,8 +4,9 @@ Every rank of the training world runs `WeightSync.sync()` at the same time (SPMD
 plan (`megarl.hybrid.rank_plan.RankPlanner`): what it copies locally, sends and receives, planned
 at a cost that does not grow with the world size, with senders by the rule of
 `megarl.hybrid.sender_rule` that every rank evaluates alike. With rollout
-tensor-parallel size 1 each rank receives HF-named full tensors and hands them to the rollout
-engine's `update_weights` (any engine). With rollout TP > 1 each rank receives only vLLM's
+tensor-parallel size 1 each rank receives HF-named full tensors: written into the engine's own
+tensors where it offers them and the sync is not verified (the HF engine), else handed to its
+`update_weights` (any engine; see `sync_shards`). With rollout TP > 1 each rank receives only vLLM's
 per-rank fused parameters and copies them in place into the vLLM model of its process.
 
 Expert-parallel training (EP > 1): each rank holds only its expert-parallel rank's experts,

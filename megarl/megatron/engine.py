@@ -188,8 +188,8 @@ class MegatronEngine:
         self.optimizer.reload_model_params()
 
     def _prompt_sharing_mode(self) -> str:
-        """cfg.prompt_sharing where this engine can share prompts; "never" elsewhere ("always"
-        where it cannot is an error)."""
+        """cfg.prompt_sharing where this engine can share prompts, "auto" off a GPU only; "never"
+        elsewhere ("always" where it cannot is an error)."""
         if self.role == "reward":  # its score is read at each row's last token: rows stay whole
             return "never"
         mode = self.cfg.prompt_sharing

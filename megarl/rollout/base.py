@@ -268,8 +268,8 @@ class RolloutEngine(abc.ABC):
         False), to be continued later, maybe with other weights (partial rollout).
 
         This default generates chunks of `every` tokens through `generate_tokens`, each chunk
-        prefilling its context again and sampling with a seed of its own (`params.seed` + chunk
-        index); the HF engine stops its decoding loop instead, keeping its KV cache between checks.
+        prefilling its context again and sampling with a seed of its own (`params.seed` + 7919 x
+        chunk index); the HF engine stops its decoding loop instead, keeping its KV cache between checks.
         """
         budgets = token_budgets(contexts, params, max_new_tokens)
         tokens: list[list[int]] = [[] for _ in contexts]

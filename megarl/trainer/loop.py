@@ -15,14 +15,16 @@ One step (see `RLTrainer.train_step`):
   5. advantages on the driver's CPU (KL in the reward first when configured)
   6. critic update, then actor update (after the critic warm-up); in sync mode the next step's
      weight sync and generation are sent right behind the update (`trainer.queue_generation`)
-  7. metrics, validation every `test_freq` steps, checkpoint every `save_freq` steps
+  7. metrics, validation every `test_freq` steps, checkpoint every `save_freq` steps (both also
+     at the last step)
 
 Memory phases are lines of this file: a role whose `*_offload` keys are set is onloaded right
 before the phase that computes with it (`self.onloaded(...)`: its parameters only for a forward pass
 or a weight sync, everything for an update) and offloaded right after; the rollout
 engine sleeps once a step's generation is done (`self.rollout_sleep()`) and wakes its weights first,
 then its KV cache, around the next weight sync. Each step's transitions are written to
-`<run>/memory_phases.jsonl`, and every phase's memory peak is logged as `memory/<phase>/...`.
+`<run>/memory_phases.jsonl`, and the memory peak of every phase that ran on the workers is logged
+as `memory/<phase>/...` (the driver-only phases, reward and adv, have none).
 """
 
 from __future__ import annotations
@@ -248,7 +250,8 @@ class RLTrainer:
             restore = None
             dp = plan_dispatch(actor.group.rank_coords).dp_size
             if cfg.trainer.balance_batch and balance_applies(len(batch), dp):
-                # With prompt sharing a group's rows stay together (its prompt is then computed once).
+                # With prompt sharing a group's rows stay together (so that its prompt can be computed
+                # once where the engine shares prompts: not on a GPU, model.prompt_sharing).
                 groups = batch["uid"] if cfg.model.prompt_sharing != "never" and "uid" in batch else None
                 order, balance_metrics = balance_order(batch["attention_mask"], dp, groups)
                 batch, restore = batch[order], torch.argsort(order)

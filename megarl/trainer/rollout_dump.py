@@ -14,7 +14,8 @@
   advantage; for GAE it is the first token's. ``null`` for an empty response;
 - ``response_length``: response tokens (int);
 - ``rollout_weights_version``: how many actor updates the weights that generated the row had had
-  (training at step ``s`` uses version ``s - 1``: a row with version ``s - 1`` is on-policy); with
+  (training at step ``s`` uses version ``s - 1``, or fewer after a critic warm-up, whose steps do not
+  update the actor: a row of the version the step trains is on-policy); with
   partial rollout the oldest of its tokens' versions, and ``token_versions``: each response token's;
 - ``<key>`` for each ``reward_info/<key>`` column (``reward_info/<key>`` when ``<key>`` is already a
   field above, e.g. the scorer's own ``score`` before overlong shaping).
@@ -41,7 +42,7 @@ from megarl.rollout.partial import TOKEN_VERSIONS  # partial rollout: each respo
 
 _OPTIONAL_OBJECT_COLUMNS = ("uid", "data_source", "ground_truth")
 _SUMMED_COLUMNS = {"score": "token_level_scores", "reward": "token_level_rewards"}
-# The weight version (actor updates before it) each row was generated under; `step - 1` was trained on.
+# The weight version (actor updates before it) each row was generated under.
 _VERSION_COLUMN = "rollout_weights_version"
 _FIELDS = {"step", "input", "output", "advantage", "response_length", _VERSION_COLUMN, "token_versions",
            *_OPTIONAL_OBJECT_COLUMNS, *_SUMMED_COLUMNS}

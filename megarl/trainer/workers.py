@@ -3,8 +3,8 @@
 Placement follows `resources`: the hybrid actor (actor + rollout, and the reference unless it has
 its own pool) takes `resources.actor_pool`; the rollout engines take `resources.rollout_pool` when
 it is set (separate placement, weights over a bridge between the pools: `megarl.hybrid.bridge`).
-The critic shares the actor's processes when it has no pool of its own and the same Megatron
-layout, otherwise it takes `resources.critic_pool`; so does the reward model
+The critic runs in the actor's processes when `resources.critic_pool` is null (with the actor's
+Megatron layout: the config check refuses another), else in that pool; so does the reward model
 (`resources.reward_model_pool`).
 """
 

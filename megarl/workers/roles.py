@@ -7,8 +7,9 @@ ranks.
 
 A `megarl.cluster.host_worker.HostWorker` builds them as `RoleClass(context, **kwargs)` and the
 driver reaches them through `WorkerGroup.for_role(name)`. The hybrid actor process holds
-"actor", "ref" and "rollout" together, so the rollout engine takes its weights from the actor's
-engine in the same process (`RolloutRole.sync_weights`).
+"actor" and "rollout" together, and "ref", "critic" and "reward_model" when they have no pool of
+their own, so the rollout engine takes its weights from the actor's engine in the same process
+(`RolloutRole.sync_weights`).
 
 Every rank runs every call (SPMD). Data-parallel calls receive this rank's DP shard.
 """

@@ -49,7 +49,7 @@ class UpdateSpec:
 
 @dataclass(frozen=True)
 class EngineRoleSpec:
-    """A role that runs the Megatron engine: actor, reference, critic.
+    """A role that runs the Megatron engine: actor, reference, critic, reward model.
 
     `model_dir`: the HF directory its initial weights come from; `temperature`: logits are divided
     by it before log-probs (the rollout's sampling temperature); `max_response_length`: the
