@@ -458,7 +458,7 @@ def validate_config(cfg: DictConfig) -> None:
               "names or stops); remove it or use resume_mode: auto")
     if cfg.trainer.critic_warmup and not critic_enabled(cfg):
         r.err(f"trainer.critic_warmup = {cfg.trainer.critic_warmup}: steps that train only the critic need one "
-              f"(critic.enable, or algorithm.adv_estimator 'gae'); without it those steps would train nothing. "
+              "(critic.enable, or algorithm.adv_estimator 'gae'); without it those steps would train nothing. "
               "Remove the key")
     if cfg.reward_model.enable:
         _check_reward_model(r, cfg)
@@ -590,10 +590,17 @@ CORRECTION_LEVELS = ("token", "sequence", "geometric")
 RATIO_LOSSES = {"vanilla", "gspo", "cispo"}  # policy losses whose ratio is taken against the old log-probs
 
 
+def optimizer_steps_per_step(cfg: DictConfig, role_cfg: Any) -> int:
+    """Optimizer steps a trained role (`cfg.actor`, `cfg.critic`) takes in one trainer step:
+    `ppo_epochs` passes over the step's `data.train_batch_size` prompts in mini-batches of
+    `ppo_mini_batch_size` prompts (which divides it: `_check_batches`)."""
+    return int(role_cfg.ppo_epochs) * (int(cfg.data.train_batch_size) // int(role_cfg.ppo_mini_batch_size))
+
+
 def update_is_on_policy(cfg: DictConfig) -> bool:
-    """The policy cannot change between generation and the actor's update: one PPO epoch of one
-    mini-batch holding the whole batch (so the update's own log-probs are the old log-probs)."""
-    return int(cfg.actor.ppo_epochs) == 1 and int(cfg.actor.ppo_mini_batch_size) == int(cfg.data.train_batch_size)
+    """The policy cannot change between generation and the actor's update: one optimizer step, one PPO
+    epoch of one mini-batch holding the whole batch (so the update's own log-probs are the old ones)."""
+    return optimizer_steps_per_step(cfg, cfg.actor) == 1
 
 
 def _check_old_log_probs(r: _Rules, cfg: DictConfig) -> None:

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from megarl.agent.loop import AgentSettings
 from megarl.config import critic_enabled, ref_enabled
 from megarl.algorithms import RolloutCorrectionSettings
-from megarl.config.validate import role_parallel, update_is_on_policy
+from megarl.config.validate import optimizer_steps_per_step, role_parallel, update_is_on_policy
 from megarl.dtypes import long_name, short_name
 from megarl.layout import ParallelLayout
 from megarl.megatron.optim import EngineConfig
@@ -55,13 +55,6 @@ def parallel_layout(par: Any) -> ParallelLayout:
     return ParallelLayout(tp=int(par.tensor_model_parallel_size), pp=int(par.pipeline_model_parallel_size),
                           cp=int(par.context_parallel_size), ep=int(par.expert_model_parallel_size),
                           etp=int(par.expert_tensor_parallel_size or 0), dp=int(par.data_parallel_size or 0))
-
-
-def optimizer_steps_per_step(cfg: DictConfig, role_cfg: Any) -> int:
-    """Optimizer steps a trained role takes in one trainer step: `ppo_epochs` passes over the step's
-    `data.train_batch_size` prompts in mini-batches of `ppo_mini_batch_size` prompts."""
-    mini_batches = -(-int(cfg.data.train_batch_size) // int(role_cfg.ppo_mini_batch_size))
-    return int(role_cfg.ppo_epochs) * mini_batches
 
 
 def _engine_config(cfg: DictConfig, optim: Any, role: str, par: Any, total_steps: int, micro: int,

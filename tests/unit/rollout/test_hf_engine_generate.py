@@ -28,6 +28,14 @@ def model() -> torch.nn.Module:
     return tiny_model()
 
 
+@pytest.fixture(scope="module")
+def model64(model: torch.nn.Module) -> torch.nn.Module:
+    """The same model in float64, for tokens compared across batch shapes or against an uncached loop:
+    in float32 the two sides' matrix multiplies can round differently on another CPU, and a near-tie
+    would flip a token."""
+    return copy.deepcopy(model).double()
+
+
 def make_engine(model: torch.nn.Module, eos: tuple[int, ...] = (), **kwargs) -> HFRolloutEngine:
     return HFRolloutEngine(model, EngineOptions(pad_token_id=PAD, eos_token_ids=eos, **kwargs))
 
@@ -70,12 +78,8 @@ def test_batch_columns_shapes_and_interleaving(model: torch.nn.Module) -> None:
         assert out["response_mask"][row].tolist() == [1] * R
 
 
-# Greedy tokens compared across batch shapes or against an uncached loop run in float64: in float32 the
-# two sides' matrix multiplies can round differently on another CPU, and a near-tie would flip a token.
-
-
-def test_greedy_equals_an_uncached_argmax_loop(model: torch.nn.Module) -> None:
-    model = copy.deepcopy(model).double()
+def test_greedy_equals_an_uncached_argmax_loop(model64: torch.nn.Module) -> None:
+    model = model64
     out = make_engine(model).generate(prompt_batch(PROMPTS), SamplingParams.make_greedy(R))
     for i, prompt in enumerate(PROMPTS):
         expected = argmax_decode(model, prompt, R)
@@ -153,8 +157,8 @@ def test_a_seed_reproduces_and_the_engine_stream_moves_on(model: torch.nn.Module
     assert not torch.equal(first["responses"][0], first["responses"][1])
 
 
-def test_greedy_n_samples_repeat_the_single_greedy_answer(model: torch.nn.Module) -> None:
-    engine = make_engine(copy.deepcopy(model).double())
+def test_greedy_n_samples_repeat_the_single_greedy_answer(model64: torch.nn.Module) -> None:
+    engine = make_engine(model64)
     single = engine.generate(prompt_batch(PROMPTS), SamplingParams.make_greedy(R))
     tripled = engine.generate(prompt_batch(PROMPTS), SamplingParams.make_greedy(R, n=3))
     for i in range(len(PROMPTS)):
@@ -163,8 +167,8 @@ def test_greedy_n_samples_repeat_the_single_greedy_answer(model: torch.nn.Module
 
 
 @pytest.mark.parametrize("filters", [dict(top_k=1), dict(top_p=1e-6), dict(top_k=1, top_p=0.5, temperature=3.0)])
-def test_filters_that_keep_one_token_equal_greedy(model: torch.nn.Module, filters: dict) -> None:
-    engine = make_engine(copy.deepcopy(model).double())
+def test_filters_that_keep_one_token_equal_greedy(model64: torch.nn.Module, filters: dict) -> None:
+    engine = make_engine(model64)
     greedy = engine.generate(prompt_batch(PROMPTS), SamplingParams.make_greedy(R))
     narrow = engine.generate(prompt_batch(PROMPTS), SamplingParams(n=2, max_new_tokens=R, seed=5, **filters))
     assert torch.equal(narrow["responses"], greedy["responses"].repeat_interleave(2, dim=0))
@@ -244,12 +248,12 @@ def test_columns_of_padding_only_are_not_computed_and_change_nothing(model: torc
     assert torch.equal(out_wide["prompts"][:, extra:], out_tight["prompts"])
 
 
-def test_the_responses_of_a_prompt_share_its_prefill(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_responses_of_a_prompt_share_its_prefill(model64: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
     """n responses a prompt: the prefill runs over each prompt once and its KV cache and last logits
     serve all n; the samples and log-probs are those of a prefill over every prompt repeated n times
     (the path for caches that cannot be repeated). In float64, so that the two batch shapes' matrix
     multiplies round alike to far below what a sample could turn on."""
-    wide = copy.deepcopy(model).double()
+    wide = model64
     n, params = 4, SamplingParams(n=4, max_new_tokens=R, seed=7)
     batch_rows: list[int] = []
     hook = wide.register_forward_pre_hook(lambda module, args, kwargs: batch_rows.append(kwargs["input_ids"].shape[0]),
@@ -270,11 +274,11 @@ def test_the_responses_of_a_prompt_share_its_prefill(model: torch.nn.Module, mon
 
 
 @pytest.mark.parametrize("capacity", [4 + R, 3])  # sized for the decode; too small, so that it grows
-def test_the_preallocated_cache_holds_what_transformers_cache_holds(model: torch.nn.Module, capacity: int) -> None:
+def test_the_preallocated_cache_holds_what_transformers_cache_holds(model64: torch.nn.Module, capacity: int) -> None:
     """`decoding_cache` against transformers' own `DynamicCache` on the same float64 decode: the same
     keys, values and logits at every step, the prefill repeated along the batch as the engine does
     for n > 1, and, once sized, a step writes into the same buffers (no copy of the cache a token)."""
-    wide = copy.deepcopy(model).double()
+    wide = model64
     ids = torch.tensor([PROMPTS[0], PROMPTS[0][::-1]])
     ours, theirs = hf_engine.decoding_cache(wide.config, capacity), DynamicCache(config=wide.config)
     assert all(isinstance(layer, hf_engine.PreallocatedLayer) for layer in ours.layers)
