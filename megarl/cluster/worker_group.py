@@ -26,6 +26,7 @@ collective that can never complete.
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,6 +47,27 @@ from megarl.protocol import Batch
 
 logger = logging.getLogger(__name__)
 Method = Callable[..., Any]  # a function defined in the worker class or in a hosted role's class
+
+# torch's CPU allocator, with THP_MEM_ALLOC_ENABLE=1 in the environment, aligns every allocation of
+# 2 MiB or more to a huge page and asks the kernel for transparent huge pages there (madvise): a
+# fresh activation or gradient tensor then faults in 2 MiB at a time instead of 4 KiB, and large
+# operands take fewer TLB entries (the kernel may still refuse: transparent_hugepage `never`).
+# torch reads the variable once per process, so it is in a worker's environment from the start.
+# Measured on a ~25M-parameter CPU run: benchmarks/HISTORY.md.
+HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
+
+
+def worker_env(device: str, num_cpus: float, env: dict[str, str]) -> dict[str, str]:
+    """Environment variables every worker of a group starts with (before the torchrun-style rank
+    variables): OpenMP threads = the CPUs each actor holds, torch's huge-page allocation on CPU
+    (`HUGE_PAGES_ENV`; the driver's own value of the variable, 0 included, when it has one),
+    then the caller's `env`, which wins."""
+    defaults = {"OMP_NUM_THREADS": str(max(1, int(num_cpus)))}
+    if HUGE_PAGES_ENV in os.environ:
+        defaults[HUGE_PAGES_ENV] = os.environ[HUGE_PAGES_ENV]
+    elif device == "cpu":
+        defaults[HUGE_PAGES_ENV] = "1"
+    return {**defaults, **env}
 
 
 def method_name(method: Method, target: type, where: str) -> str:
@@ -146,9 +168,9 @@ class RoleView(_Calls):
 class WorkerGroup(_Calls):
     """One actor of `worker_cls` per rank of `pool`; `worker_cls(context, **init_kwargs)` each.
 
-    env: extra environment variables for the worker processes (OMP_NUM_THREADS defaults to the
-    CPUs each actor holds). call_timeout_s: default timeout of blocking calls (None: wait for
-    ever). kill_on_failure: kill every rank when one fails or a call times out (default).
+    env: extra environment variables for the worker processes (added to `worker_env`'s).
+    call_timeout_s: default timeout of blocking calls (None: wait for ever). kill_on_failure: kill
+    every rank when one fails or a call times out (default).
     """
 
     def __init__(
@@ -201,7 +223,7 @@ class WorkerGroup(_Calls):
         ).remote()
         master_addr, master_port = ray.get(rendezvous, timeout=timeout_s)
         options = self.pool.actor_resources()
-        env_vars = {"OMP_NUM_THREADS": str(max(1, int(options["num_cpus"]))), **env}
+        env_vars = worker_env(self.pool.device, options["num_cpus"], env)
         remote_cls = ray.remote(worker_cls)
         for rank in range(self.world_size):
             placement = self.pool.placement(rank)

@@ -49,8 +49,20 @@ class GridWorker(Worker):
 
     def environment(self) -> dict[str, str]:
         keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "MEGARL_ROLE",
-                "MEGARL_TEST_FLAG")
+                "MEGARL_TEST_FLAG", "THP_MEM_ALLOC_ENABLE")
         return {key: os.environ.get(key, "") for key in keys}
+
+    def huge_page_kib_of_a_fresh_tensor(self, mib: int) -> int:
+        """How much of this process's anonymous memory is on transparent huge pages (kB, from
+        /proc/self/smaps_rollup) more after torch allocates and fills a `mib` MiB tensor."""
+        def anon_huge_kib() -> int:
+            with open("/proc/self/smaps_rollup") as f:
+                return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+        before = anon_huge_kib()
+        tensor = torch.ones(mib * 2**18)  # float32: 2**18 elements a MiB
+        grown = anon_huge_kib() - before
+        del tensor
+        return grown
 
     def all_reduce_sum(self, value: float) -> float:
         tensor = torch.tensor([value], dtype=torch.float64)

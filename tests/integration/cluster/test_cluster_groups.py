@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from cluster_workers import VOCAB, GridWorker, TinyPolicy, TinySampler
 from megarl.cluster.host_worker import HostWorker
 from megarl.cluster.remote_call import gather
 from megarl.cluster.resource_pool import ResourcePool
-from megarl.cluster.worker_group import WorkerGroup
+from megarl.cluster.worker_group import HUGE_PAGES_ENV, WorkerGroup
 from megarl.protocol import Batch
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -43,11 +45,26 @@ def test_each_rank_gets_its_context_and_the_ranks_form_one_gloo_world(grid4):
     assert len({(env["MASTER_ADDR"], env["MASTER_PORT"]) for env in environments}) == 1
     assert environments[0]["MASTER_ADDR"] == grid4.node_infos[0].ip
     assert {env["OMP_NUM_THREADS"] for env in environments} == {"1"}
+    # torch's huge-page allocation on CPU workers, unless the driver's environment says otherwise.
+    assert {env[HUGE_PAGES_ENV] for env in environments} == {os.environ.get(HUGE_PAGES_ENV, "1")}
     # Summed over the 4 ranks by a real gloo all_reduce; every rank gets the sum.
     assert grid4.call_all(GridWorker.all_reduce_sum, 1.5) == [6.0] * 4
     pids = grid4.call_all(GridWorker.pid)
     assert len(set(pids)) == 4
     assert grid4.call_rank(2, GridWorker.pid) == pids[2]
+
+
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(os.environ.get(HUGE_PAGES_ENV, "1") != "1" or not THP_MODE.is_file()
+                    or "[never]" in THP_MODE.read_text(),
+                    reason="the driver turned huge-page allocation off, or the kernel has no transparent huge pages")
+def test_cpu_workers_allocate_large_tensors_on_transparent_huge_pages(grid4):
+    # torch read the variable from the start (it reads it once, at its first allocation): a 64 MiB
+    # tensor lands on 2 MiB pages, all of it but the unaligned ends at most.
+    grown_kib = grid4.call_rank(0, GridWorker.huge_page_kib_of_a_fresh_tensor, 64)
+    assert 62 * 1024 <= grown_kib <= 66 * 1024, grown_kib
 
 
 def test_extra_environment_reaches_the_workers_and_async_calls_keep_order(grid4):
