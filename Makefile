@@ -28,6 +28,13 @@ help:
 	@echo "make test-unit - install, then the unit tier alone"
 	@echo "make test-slow - install, then the long-running variants of integration tests"
 	@echo "make bench  - install, then run the benchmarks (JSON + markdown under benchmarks/results)"
+	@echo "make bench-quick - install, then the benchmarks at their smoke sizes"
+	@echo "make bench-env - build the benchmark environment (.venv-bench: TRL for the end-to-end comparison)"
+	@echo "make vllm-env - build the vLLM CPU environment (.venv-vllm); make demo then uses the vLLM engine"
+	@echo "make test-vllm - build .venv-vllm, then the vllm test tier"
+	@echo "make bench-rollout - build .venv-vllm, then the rollout engines' benchmark"
+	@echo "make gpu-bundle - build the offline GPU bundle (dist/gpu-bundle, CPython 3.12)"
+	@echo "make gpu-bundle-dry-run - build a bundle for this Python and run the GPU check's CPU dry run"
 	@echo "make clean  - remove the virtual environments (.venv, .venv-vllm, .venv-bench) and test caches; dist/ and .venv-gpu-ref stay"
 
 $(BIN)/python:

@@ -2,7 +2,8 @@
 the wait for the cluster and the ``megarl train`` command with the overrides the allocation implies.
 
 Pure: nothing here starts a process, so ``bootstrap.py --dry-run`` prints exactly what a real run
-executes, and tests check the commands without SLURM or Ray.
+executes (but for another node's MEGARL_NET_IFACE address, which only that node can read: shown as
+``<IFACE address on HOST>``), and tests check the commands without SLURM or Ray.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class LaunchSettings:
     head_start_timeout_s: float = 180.0  # MEGARL_HEAD_START_TIMEOUT: the head's GCS must be up by then
     entrypoint: str = DEFAULT_ENTRYPOINT  # MEGARL_ENTRYPOINT: the trainer command (CONFIG and overrides follow)
     node_ips: tuple[str, ...] = ()  # MEGARL_NODE_IPS: comma list, one per node (skips hostname lookup)
-    net_iface: Optional[str] = None  # MEGARL_NET_IFACE: NIC for NCCL/gloo and the node's Ray address
+    net_iface: Optional[str] = None  # MEGARL_NET_IFACE: NIC for NCCL/gloo and the worker nodes' Ray address
     checkpoint_dir: Optional[str] = None  # MEGARL_CKPT_DIR: trainer.default_local_dir, on the shared filesystem
     dashboard: bool = True  # MEGARL_RAY_DASHBOARD=0 turns the Ray dashboard off
     object_store_bytes: Optional[int] = None  # MEGARL_OBJECT_STORE_BYTES: per-node object store size
@@ -128,12 +129,20 @@ def resolve_head_ip(alloc: Allocation, settings: LaunchSettings) -> str:
 
 
 def own_ip(alloc: Allocation, settings: LaunchSettings, rank: int, head_ip: str) -> Optional[str]:
-    """This node's Ray address: from MEGARL_NODE_IPS or MEGARL_NET_IFACE; None lets Ray pick (workers only)."""
+    """Node `rank`'s Ray address. MEGARL_NODE_IPS: its entry. The head: the address every node
+    reaches it at (`resolve_head_ip`), so that what it registers and the other nodes' --address
+    agree. Another node with MEGARL_NET_IFACE: that interface's address, which only the node itself
+    can read: a dry run planning the other nodes shows it as `<IFACE address on HOST>`. Otherwise
+    None: Ray picks."""
     if settings.node_ips:
         return settings.node_ips[rank]
-    if settings.net_iface and rank == alloc.node_rank:
-        return interface_ip(settings.net_iface)
-    return head_ip if rank == 0 else None
+    if rank == 0:
+        return head_ip
+    if settings.net_iface:
+        if rank == alloc.node_rank:
+            return interface_ip(settings.net_iface)
+        return f"<{settings.net_iface} address on {alloc.hosts[rank]}>"
+    return None
 
 
 def derived_overrides(alloc: Allocation, settings: LaunchSettings, head_address: str) -> list[str]:

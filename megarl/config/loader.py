@@ -98,6 +98,9 @@ REMOVED_KEYS: dict[str, str] = {
     "critic.optim.warmup_style": "use critic.optim.lr_scheduler (constant | cosine | linear)",
     "trainer.n_gpus_per_node": "use resources.actor_pool.devices_per_node",
     "trainer.nnodes": "use resources.actor_pool.nnodes",
+    "trainer.log_freq": "every step's metrics go to every tracking backend (tracking.backends), and "
+    "trainer.progress_bar shows a bar on a terminal or else a progress line (every 10 steps when the console "
+    "backend already prints one per step); remove the key",
 }
 
 

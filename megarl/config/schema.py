@@ -66,8 +66,10 @@ class DataConfig:
     # until train_batch_size groups carry a signal. null: train_batch_size.
     gen_batch_size: Optional[int] = None
     val_batch_size: Optional[int] = None  # null: the whole validation set in one batch
-    truncation: str = "error"  # error | left | right | middle
-    filter_overlong_prompts: bool = True
+    # A prompt over max_prompt_length: error | left | right | middle (cut there). Applies to the
+    # prompts that filter_overlong_prompts keeps: with it on (the default) none is over the limit.
+    truncation: str = "error"
+    filter_overlong_prompts: bool = True  # drop prompts over max_prompt_length when the data is opened
     # A row that fails its checks (prompt, data_source, ground truth, text that is not UTF-8) is
     # skipped, counted and logged when the dataset is opened, instead of stopping the run.
     skip_bad_rows: bool = False
@@ -126,7 +128,9 @@ class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: ParallelConfig = field(default_factory=ParallelConfig)
     ppo_mini_batch_size: int = 8  # prompts per optimizer step (x rollout.n sequences)
-    ppo_micro_batch_size_per_gpu: int = 4  # sequences per forward/backward on one DP rank
+    # Sequences per forward/backward on one DP rank (not with use_dynamic_bsz, which forms the
+    # micro-batches by ppo_max_token_len_per_gpu tokens instead)
+    ppo_micro_batch_size_per_gpu: int = 4
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
     ppo_epochs: int = 1
@@ -293,9 +297,9 @@ class RolloutConfig:
     # end it (verl's rollout.ignore_eos; benchmarks comparing at equal lengths).
     ignore_eos: bool = False
     tensor_model_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = 0.5  # vLLM on a GPU: its share of device memory (weights + KV cache)
     kv_cache_memory_gb: float = 1.0  # vLLM's CPU build: its KV cache size (the HF engine sizes its own per call)
-    max_num_seqs: int = 256
+    max_num_seqs: int = 256  # vLLM: sequences in one batch of its scheduler (the HF engine decodes each call whole)
     # The engine sleeps (KV cache and weight copy released) from the end of generation to the next
     # weight sync; the HF engine on CPU releases its weight copy at sleep_level 2 (its cache lives
     # only during a generate call).
@@ -303,7 +307,7 @@ class RolloutConfig:
     # What sleeping releases: 2 = KV cache and the weights (the next sync rewrites them; the driver
     # syncs again after a sleep), 1 = KV cache only, the weights kept (in host memory on GPU).
     sleep_level: int = 2
-    enforce_eager: bool = True
+    enforce_eager: bool = True  # vLLM: no CUDA graphs (the HF engine has none)
     dtype: Optional[str] = None  # null: model.dtype
     # Keep the log-probs of the sampled tokens (rollout_log_probs, and the rollout-vs-trainer gap metric)
     calculate_log_probs: bool = True
@@ -419,7 +423,7 @@ class TrainerConfig:
     profile_steps: list[int] = field(default_factory=list)
     critic_warmup: int = 0  # steps that train only the critic
     resume_mode: str = "auto"  # auto | disable | resume_path
-    resume_from_path: Optional[str] = None
+    resume_from_path: Optional[str] = None  # resume_mode resume_path: the global_step_N dir to resume
     # When the checkpoint to resume from fails verification: resume from the newest earlier one that
     # passes (true) or stop, naming the damaged file and that earlier checkpoint (false)
     resume_fallback: bool = False
@@ -443,7 +447,6 @@ class TrainerConfig:
     partial_rollout: str = "off"  # off | continue | drop
     partial_rollout_chunk_tokens: int = 16
     partial_rollout_interrupt_after: Optional[int] = None
-    log_freq: int = 1
     progress_bar: bool = True
 
 
@@ -457,6 +460,8 @@ class PoolConfig:
 class ResourcesConfig:
     device: str = "auto"  # auto | cpu | cuda
     ray_address: Optional[str] = None  # null: start a local Ray cluster for the run
+    # A local cluster's CPUs (null: what the run's pools need) and object store; a cluster at
+    # ray_address keeps its own settings.
     ray_num_cpus: Optional[int] = None
     object_store_memory_gb: float = 2.0
     num_cpus_per_worker: float = 1.0

@@ -199,6 +199,10 @@ def _check_partial_rollout(r: Any, cfg: Any) -> None:
         r.err(f"trainer.partial_rollout_interrupt_after = {t.partial_rollout_interrupt_after}: must be >= 1 chunk, "
               "or null (interrupt when the update is done)")
     if t.partial_rollout == "off":
+        if t.partial_rollout_interrupt_after is not None:
+            r.err(f"trainer.partial_rollout_interrupt_after = {t.partial_rollout_interrupt_after} with "
+                  "trainer.partial_rollout = 'off': nothing is generated in chunks to interrupt; set "
+                  "trainer.partial_rollout (continue | drop) or remove the key")
         return
     if t.async_mode == "sync":
         r.err(f"trainer.partial_rollout = {t.partial_rollout!r} with trainer.async_mode = 'sync': only a generation "
@@ -452,6 +456,25 @@ def validate_config(cfg: DictConfig) -> None:
         r.err("critic.enable = false: algorithm.adv_estimator = 'gae' needs a critic (set critic.enable: true or null)")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         r.err("trainer.resume_mode = 'resume_path' needs trainer.resume_from_path")
+    if alg.pass_k is not None and alg.adv_estimator != "grpo_passk":
+        r.err(f"algorithm.pass_k = {alg.pass_k}: read by algorithm.adv_estimator 'grpo_passk' only, not "
+              f"{alg.adv_estimator!r}; remove the key")
+    for role, enabled in (("critic", critic_enabled(cfg)), ("ref", ref_enabled(cfg)),
+                          ("reward_model", bool(cfg.reward_model.enable))):
+        if cfg.resources.get(f"{role}_pool") is not None and not enabled:
+            r.err(f"resources.{role}_pool is set but the run has no {role} ({role}.enable"
+                  f"{', or a KL term' if role == 'ref' else ', or adv_estimator gae' if role == 'critic' else ''}); "
+                  "remove the pool or enable the role")
+    if cfg.trainer.resume_from_path and cfg.trainer.resume_mode != "resume_path":
+        r.err(f"trainer.resume_from_path = {cfg.trainer.resume_from_path!r} with trainer.resume_mode = "
+              f"'{cfg.trainer.resume_mode}': the path is read with resume_mode 'resume_path' only ('auto' resumes the "
+              "newest checkpoint of this run's own directory, 'disable' starts fresh); set trainer.resume_mode: "
+              "resume_path or remove the path")
+    if cfg.ref.enable is False and (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward):
+        uses = [key for key in ("actor.use_kl_loss", "algorithm.use_kl_in_reward") if OmegaConf.select(cfg, key)]
+        r.err(f"ref.enable = false with {' and '.join(f'{key} = true' for key in uses)}: the KL term needs the "
+              "reference policy's log-probs; set ref.enable: true (or null: on when a KL term needs it) or turn "
+              "the KL term off")
     if cfg.trainer.resume_fallback and cfg.trainer.resume_mode != "auto":
         r.err(f"trainer.resume_fallback = true with trainer.resume_mode = '{cfg.trainer.resume_mode}': the fallback "
               "to an earlier checkpoint applies to resume_mode 'auto' only (resume_path resumes the checkpoint it "

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from megarl.convert.output_dir import check_not_overlapping
 from megarl.errors import MegarlError
+
+if TYPE_CHECKING:  # the conversions import torch: loaded only when a subcommand runs
+    from megarl.convert.hf_to_mcore import ConversionResult
 
 EXAMPLES = """examples:
   megarl convert hf-to-mcore --hf models/Qwen2.5-0.5B --out ckpt/qwen_mcore --tp 2 --pp 1
@@ -16,13 +19,18 @@ EXAMPLES = """examples:
 
 
 def _size(text: str) -> int:
-    """'2GB', '500MB', '1GiB' or a number of bytes."""
+    """'2GB', '500MB', '1GiB' or a number of bytes (argparse type: a bad size is a usage error)."""
     units = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "b": 1}
     low = text.strip().lower()
-    for unit in sorted(units, key=len, reverse=True):
-        if low.endswith(unit):
-            return int(float(low[: -len(unit)]) * units[unit])
-    return int(low)
+    unit = next((u for u in sorted(units, key=len, reverse=True) if low.endswith(u)), "")
+    try:
+        value = int(float(low[: len(low) - len(unit)]) * units.get(unit, 1))
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; valid: a number of bytes >= 1, or one with a unit "
+                                         "(KB, MB, GB, KiB, MiB, GiB), e.g. 2GiB, 500MB")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -43,9 +51,15 @@ def _hf_to_mcore(args: argparse.Namespace) -> int:
         check_not_overlapping(args.out, args.hf, "--hf")
 
     res = convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
-                              overwrite=args.overwrite, progress=not args.quiet)
-    print(f"wrote {res.out_dir} ({res.num_tensors} HF tensors, {res.num_bytes / 2**20:.1f} MiB) in {res.seconds:.1f} s")
+                              overwrite=args.overwrite, progress=not args.quiet, family=args.spec)
+    _report(res)
     return 0
+
+
+def _report(res: ConversionResult) -> None:
+    print(f"wrote {res.out_dir} ({res.num_tensors} HF tensors, {res.num_bytes / 2**20:.1f} MiB) in {res.seconds:.1f} s")
+    for note in res.notes:
+        print(f"note: {note}", file=sys.stderr)
 
 
 def _mcore_to_hf(args: argparse.Namespace) -> int:
@@ -57,9 +71,9 @@ def _mcore_to_hf(args: argparse.Namespace) -> int:
             check_not_overlapping(args.out, args.hf_config, "--hf-config")
 
     res = convert_mcore_to_hf(args.ckpt, args.out, hf_config=args.hf_config, dtype=args.dtype,
-                              max_shard_bytes=_size(args.max_shard_size), overwrite=args.overwrite,
+                              max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
                               progress=not args.quiet)
-    print(f"wrote {res.out_dir} ({res.num_tensors} HF tensors, {res.num_bytes / 2**20:.1f} MiB) in {res.seconds:.1f} s")
+    _report(res)
     return 0
 
 
@@ -83,6 +97,9 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=_positive, default=1, help="pipeline-parallel size to check")
     p.add_argument("--ep", type=_positive, default=1, help="expert-parallel size (MoE families only)")
     p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: keep the HF dtype)")
+    p.add_argument("--spec", default=None, metavar="FAMILY",
+                   help="model spec family (a model_specs/ file name, as model.spec) for a config whose model_type "
+                        "no family lists; recorded in the checkpoint (default: the family listing the model_type)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=_hf_to_mcore)
@@ -91,10 +108,10 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", required=True, help="checkpoint directory (e.g. <run>/checkpoints/global_step_N/actor)")
     p.add_argument("--out", required=True, help="output HF model directory (must not exist)")
     p.add_argument("--hf-config", default=None,
-                   help="HF directory with config.json and tokenizer (default: the checkpoint's own copy, "
-                        "or <run_dir>/initial_model)")
+                   help="HF directory with config.json and tokenizer (default: the checkpoint's own copy, the "
+                        "HF directory the trainer built the model from, or <run_dir>/initial_model)")
     p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: keep the checkpoint's dtype)")
-    p.add_argument("--max-shard-size", default="2GiB", help="largest safetensors file, e.g. 2GiB, 500MB")
+    p.add_argument("--max-shard-size", type=_size, default="2GiB", help="largest safetensors file, e.g. 2GiB, 500MB")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=_mcore_to_hf)

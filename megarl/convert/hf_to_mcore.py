@@ -35,6 +35,7 @@ class ConversionResult:
     num_tensors: int  # HF tensors read or written
     num_bytes: int  # bytes of weights written
     seconds: float
+    notes: tuple[str, ...] = ()  # what the output lacks and why (printed by the CLI)
 
 
 def parse_dtype(name: str | None) -> torch.dtype | None:
@@ -99,17 +100,20 @@ def _chunks_of(t: CheckpointTensor, hf: HFCheckpoint, spec: ModelSpec, tp: int, 
 
 
 def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1, ep: int = 1,
-                        dtype: str | None = None, overwrite: bool = False, progress: bool = True) -> ConversionResult:
+                        dtype: str | None = None, overwrite: bool = False, progress: bool = True,
+                        family: str | None = None) -> ConversionResult:
     """Write `out_dir`, a Megatron distributed checkpoint of the HF model in `hf_dir`.
 
     `tp`/`pp` are checked against the model, set the vocabulary padding (padded for `tp`) and
     the on-disk chunking; the checkpoint loads at any layout. `dtype` (fp32/bf16/fp16) casts;
     by default tensors keep their HF dtype (bit-exact). Raises CheckpointError / ConfigError on
-    bad input before anything is written; `out_dir` appears only when complete.
+    bad input before anything is written; `out_dir` appears only when complete. `family` names
+    the model spec family (`model.spec`, `--spec`) for a config whose model_type none lists; the
+    checkpoint records it, and `convert_mcore_to_hf` and the engines read it back.
     """
     start = time.perf_counter()
     config = read_config(hf_dir)
-    spec = ModelSpec.from_hf_config(config)  # an unknown architecture fails here
+    spec = ModelSpec.from_hf_config(config, family=family)  # an unknown architecture fails here
     if ep != 1 and not spec.num_experts:
         raise ConfigError(f"--ep {ep}: the {spec.family} family has no experts (expert parallelism needs an MoE family)")
     spec.check_layout(tp, pp, ep)

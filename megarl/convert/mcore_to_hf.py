@@ -70,17 +70,41 @@ class ShardedSafetensorsWriter:
         (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def find_hf_source(ckpt_dir: Path, hf_config: str | Path | None) -> Path | None:
-    """Where the config and tokenizer files come from: `hf_config`, the checkpoint's own copy
-    (converted checkpoints), or `<run_dir>/initial_model` above a trainer checkpoint."""
+# HF config fields that fix a model's tensor shapes: a directory whose config differs from the
+# checkpoint's stored one in any of them holds another model (an actor's initial_model/ above a
+# critic started from a reward model of another size).
+_SHAPE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "vocab_size", "num_experts", "num_local_experts")
+
+
+def _same_model(directory: Path, stored: dict[str, Any] | None) -> bool:
+    """Whether `directory`'s config.json describes the model of a checkpoint whose stored HF config
+    is `stored` (True when nothing is stored to compare with)."""
+    if not (directory / "config.json").is_file():
+        return False
+    if stored is None:
+        return True
+    config = read_config(directory)
+    return all(config[key] == stored[key] for key in _SHAPE_FIELDS if key in config and key in stored)
+
+
+def find_hf_source(ckpt_dir: Path, hf_config: str | Path | None, info: dict[str, Any] | None = None) -> Path | None:
+    """Where the config and tokenizer files come from: `hf_config`; the checkpoint's own copy
+    (converted checkpoints); the HF directory the engine was built from, recorded in the
+    checkpoint's common state (`info["hf_dir"]`: a pretrained `model.path`, a critic's
+    `critic.model_path`, the run's `initial_model/`); else `<run_dir>/initial_model` above a trainer
+    checkpoint. A recorded or found directory counts only while its config describes the stored
+    model (`info["hf_config"]`): a run directory moved since, or an actor's initial_model/ above a
+    critic of another size, is passed over."""
     if hf_config is not None:
         return Path(hf_config)
     if (ckpt_dir / HF_FILES_DIR / "config.json").is_file():
         return ckpt_dir / HF_FILES_DIR
-    for parent in list(ckpt_dir.absolute().parents)[:4]:
-        if (parent / "initial_model" / "config.json").is_file():
-            return parent / "initial_model"
-    return None
+    info = info or {}
+    stored = info.get("hf_config")
+    candidates = [Path(info["hf_dir"])] if info.get("hf_dir") else []
+    candidates += [parent / "initial_model" for parent in list(ckpt_dir.absolute().parents)[:4]]
+    return next((path for path in candidates if _same_model(path, stored)), None)
 
 
 def checkpoint_hf_config(ckpt_dir: Path, info: dict[str, Any],
@@ -88,7 +112,7 @@ def checkpoint_hf_config(ckpt_dir: Path, info: dict[str, Any],
     """The HF directory (`find_hf_source`, None when there is none) and the HF config of a Megatron
     checkpoint: that directory's, else the copy the engine stored in its common state
     (`info["hf_config"]`); None when neither exists."""
-    source = find_hf_source(ckpt_dir, hf_config)
+    source = find_hf_source(ckpt_dir, hf_config, info)
     if source is not None:
         return source, read_config(source)
     return None, (dict(info["hf_config"]) if "hf_config" in info else None)
@@ -142,9 +166,7 @@ def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: st
             f"{ckpt}: cannot find the HF config: pass --hf-config DIR (tried {ckpt / HF_FILES_DIR} and "
             f"initial_model/ in the run directories above it)"
         )
-    spec = ModelSpec.from_hf_config(config)
-    if info.get("family") not in (None, spec.family):
-        raise CheckpointError(f"{ckpt}: saved for family {info['family']}, the HF config is {spec.family}")
+    spec = ModelSpec.from_hf_config(config, family=info.get("family"))  # the family the checkpoint was saved for
     role = info.get("role", "policy")
     if role not in ("policy", "value"):
         raise CheckpointError(f"{ckpt}: role {role!r} cannot be exported (policy or value)")
@@ -185,4 +207,8 @@ def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: st
                 (stage / "config.json").write_text(json.dumps(out_config, indent=2) + "\n")
     finally:
         bar.close()
-    return ConversionResult(Path(out_dir), len(written), writer.total_bytes, time.perf_counter() - start)
+    notes = () if source is not None else (
+        f"{ckpt}: no HF directory found for this model (none recorded in the checkpoint or still there, no "
+        "initial_model/ of the same model above it): config.json comes from the checkpoint, and no tokenizer or "
+        "generation files were written; pass --hf-config DIR to copy them",)
+    return ConversionResult(Path(out_dir), len(written), writer.total_bytes, time.perf_counter() - start, notes)

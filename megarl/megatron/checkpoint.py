@@ -192,6 +192,9 @@ def save(engine: Any, path: str | os.PathLike[str]) -> None:
         "family": engine.spec.family,
         "role": engine.role,
         "hf_config": dict(engine.spec.hf_config),  # lets `megarl checkpoint verify` list the expected tensors
+        # The HF directory the engine was built from: an export copies its tokenizer files
+        # (megarl.convert.mcore_to_hf.find_hf_source). None for weights loaded otherwise.
+        "hf_dir": engine.hf_dir,
         "adam_step": adam_step(engine.optimizer),
         "scheduler": engine.scheduler.state_dict(),
         "optimizer_fingerprint": _optimizer_fingerprint(state, engine.spec.vocab_size),

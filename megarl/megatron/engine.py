@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -152,10 +153,14 @@ class MegatronEngine:
         self.vocab_start = self.ranks.tp_rank * (self.padded_vocab // self.ranks.tp_size)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.offloaded: off.OffloadState | None = None
+        self.hf_dir: str | None = None  # the HF directory the weights came from (load_hf_weights)
 
     # ------------------------------------------------------------------ weights
     def load_hf_weights(self, hf_dir: str) -> None:
-        """Load this rank's shard from HF safetensors via the spec's weight map."""
+        """Load this rank's shard from HF safetensors via the spec's weight map. The directory is
+        remembered (`hf_dir`): checkpoints record it, so that an export finds this model's config
+        and tokenizer files."""
+        self.hf_dir = str(Path(hf_dir).absolute())
         spec = self._role_spec()
         names = {h for _, _, hf in stage_entries(spec, self.ranks.pp_rank, self.ranks.pp_size, self.use_te,
                                   self.ranks.ep_rank, self.ranks.ep_size) for h in hf}

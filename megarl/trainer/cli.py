@@ -56,7 +56,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # (step time, ETA) then comes every 10 steps.
     every = 10 if "console" in cfg.tracking.backends else 1
     progress = Progress(run.total_steps, start_step=resume_step or 0, enabled=cfg.trainer.progress_bar,
-                        log_every=every * max(1, cfg.trainer.log_freq))
+                        log_every=every)
     tracker = Tracker(
         run.run_dir, backends=list(cfg.tracking.backends), project=cfg.trainer.project_name,
         experiment=cfg.trainer.experiment_name, mlflow_tracking_uri=cfg.tracking.mlflow_tracking_uri,

@@ -801,7 +801,8 @@ class RLTrainer:
                 "async/staleness_min": float(staleness.min())}
 
     def remax_baseline(self, batch: Batch) -> torch.Tensor:
-        """ReMax: the reward of one greedy response per prompt, broadcast to that prompt's samples."""
+        """ReMax: the reward of one greedy response per prompt, broadcast to that prompt's samples
+        (decoded like the samples but greedy: `rollout.ignore_eos` applies to it too)."""
         first = np.sort(np.unique(batch["uid"], return_index=True)[1])
         rows = batch[torch.as_tensor(first)]
         prompt_len = rows["prompts"].shape[1]
@@ -809,7 +810,8 @@ class RLTrainer:
             {"input_ids": rows["prompts"], "attention_mask": rows["attention_mask"][:, :prompt_len]},
             {k: rows[k] for k in ("uid", "data_source", "ground_truth", "extra_info") if k in rows},
         )
-        greedy = self.generate(prompts, SamplingParams.make_greedy(self.response_length))
+        greedy = self.generate(prompts, SamplingParams.make_greedy(
+            self.response_length, ignore_eos=self.spec.train_sampling.ignore_eos))
         self.rollout_sleep(after="remax_baseline")
         scored, _ = self.score(greedy)
         by_uid = dict(zip(scored["uid"].tolist(), scored["token_level_scores"].sum(-1).tolist()))

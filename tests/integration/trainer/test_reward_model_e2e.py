@@ -21,7 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_train_e2e import read_metrics, run_train, task_dir, write_config  # noqa: E402,F401
 
+from megarl.convert.mcore_to_hf import convert_mcore_to_hf  # noqa: E402
 from megarl.data.tokenizer import build_char_tokenizer, load_tokenizer  # noqa: E402
+from megarl.trainer.checkpoint_verify import verify_trainer_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -86,11 +88,20 @@ def test_ppo_with_reward_model_in_its_own_pool_and_critic_from_it(tmp_path: Path
                       "rule_weight": 0.0, "model_weight": 1.0, "micro_batch_size_per_gpu": 4,
                       "megatron": {"tensor_model_parallel_size": 1}},
         resources={"reward_model_pool": {"nnodes": 1, "devices_per_node": 1}},
-        trainer={"total_training_steps": 2, "rollout_data_dir": str(rollouts)},
+        trainer={"total_training_steps": 2, "rollout_data_dir": str(rollouts), "save_freq": 2},
         rollout={"n": 2},
     )
     proc = run_train(config)
     assert proc.returncode == 0
+    # The critic, started from the reward model (hidden 64), saves beside an actor of another size
+    # (hidden 128, whose initial_model/ is in the run directory): its checkpoint verifies against its
+    # own model, as a resume verifies it, and exports with the reward model's config.
+    step_dir = tmp_path / "run" / "checkpoints" / "global_step_2"
+    report = verify_trainer_checkpoint(step_dir)
+    assert report.ok, report.message()
+    convert_mcore_to_hf(step_dir / "critic", tmp_path / "critic_hf", progress=False)
+    exported = json.loads((tmp_path / "critic_hf" / "config.json").read_text())
+    assert (exported["hidden_size"], exported["architectures"]) == (64, ["Qwen2ForSequenceClassification"])
     metrics = read_metrics(tmp_path / "run")
     assert sorted(metrics) == [1, 2]
     for step, m in metrics.items():

@@ -289,6 +289,35 @@ def test_resume_fallback_only_with_auto_resume(valid_file: Path) -> None:
     load_config(valid_file, ["trainer.resume_fallback=true"])  # resume_mode auto: valid
 
 
+def test_resume_from_path_only_with_resume_path_mode(valid_file: Path) -> None:
+    # 'auto' would resume the run's own newest checkpoint and 'disable' start fresh, the path unread.
+    for mode in ("auto", "disable"):
+        msg = errors_of(valid_file, f"trainer.resume_mode={mode}", "trainer.resume_from_path=/ckpt/global_step_2")
+        assert (f"trainer.resume_from_path = '/ckpt/global_step_2' with trainer.resume_mode = '{mode}': the path is "
+                "read with resume_mode 'resume_path' only") in msg
+    load_config(valid_file, ["trainer.resume_mode=resume_path", "trainer.resume_from_path=/ckpt/global_step_2"])
+
+
+def test_a_kl_term_needs_the_reference_policy(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "ref.enable=false", "actor.use_kl_loss=true")
+    assert "ref.enable = false with actor.use_kl_loss = true: the KL term needs the reference policy's" in msg
+    msg = errors_of(valid_file, "ref.enable=false", "algorithm.use_kl_in_reward=true", "actor.use_kl_loss=true")
+    assert "ref.enable = false with actor.use_kl_loss = true and algorithm.use_kl_in_reward = true" in msg
+    load_config(valid_file, ["actor.use_kl_loss=true"])  # ref.enable null: on for the KL term
+    load_config(valid_file, ["ref.enable=false"])  # no KL term: valid
+
+
+def test_keys_read_only_in_another_mode_are_refused_by_name(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "algorithm.pass_k=3")
+    assert "algorithm.pass_k = 3: read by algorithm.adv_estimator 'grpo_passk' only, not 'grpo'" in msg
+    load_config(valid_file, ["algorithm.pass_k=3", "algorithm.adv_estimator=grpo_passk", "rollout.n=4"])
+    msg = errors_of(valid_file, "trainer.partial_rollout_interrupt_after=2")
+    assert "trainer.partial_rollout_interrupt_after = 2 with trainer.partial_rollout = 'off'" in msg
+    for role in ("critic", "ref", "reward_model"):
+        msg = errors_of(valid_file, f"+resources.{role}_pool={{nnodes: 1, devices_per_node: 1}}")
+        assert f"resources.{role}_pool is set but the run has no {role}" in msg
+
+
 def test_critic_warmup_needs_a_critic(valid_file: Path) -> None:
     assert "steps that train only the critic need one" in errors_of(valid_file, "trainer.critic_warmup=2")
     load_config(valid_file, ["trainer.critic_warmup=2", "critic.enable=true"])  # valid
@@ -394,6 +423,7 @@ def test_removed_verl_keys_say_what_to_use(valid_file: Path, tmp_path: Path) -> 
     assert "'data.dataloader_num_workers' is not a megarl key: megarl reads prompts from parquet in the driver" in msg
     bad = write(tmp_path, "verl.yaml", {**VALID, "actor": {**VALID["actor"], "use_remove_padding": True}})
     assert "'actor.use_remove_padding' is not a megarl key: use model.use_remove_padding" in errors_of(bad)
+    assert "'trainer.log_freq' is not a megarl key: every step's metrics go to" in errors_of(valid_file, "trainer.log_freq=5")
 
 
 def test_megatron_layout_options_megarl_lacks_are_refused_by_name(valid_file: Path, tmp_path: Path) -> None:

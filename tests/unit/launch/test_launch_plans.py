@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[3]
 SLURM_DIR = REPO / "launch" / "slurm"
 sys.path.insert(0, str(SLURM_DIR))
 
-from node_plan import LaunchSettings, derived_overrides, plan_cluster  # noqa: E402
+from node_plan import LaunchSettings, derived_overrides, plan_cluster, plan_node  # noqa: E402
 from slurm_env import Allocation, LaunchError  # noqa: E402
 
 SHELL_SCRIPTS = sorted(REPO.glob("launch/**/*.sh")) + sorted(REPO.glob("launch/**/*.sbatch"))
@@ -83,6 +83,22 @@ def test_network_interface_exported_for_nccl_and_gloo() -> None:
     settings = LaunchSettings(node_ips=("10.0.0.1", "10.0.0.2", "10.0.0.3"), net_iface="ib0")
     for plan in plan_cluster(GPU_ALLOC, settings, "cfg.yaml", []):
         assert plan.env == {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "ib0"}
+
+
+def test_network_interface_sets_the_worker_nodes_ray_address_and_the_head_keeps_its_reachable_one() -> None:
+    # Without MEGARL_NODE_IPS: the head registers the address the other nodes dial (its hostname's),
+    # not its interface's; a worker node takes its own interface's address (the loopback here, which
+    # every machine has); a node planned from elsewhere (a dry run) shows what it will read.
+    settings = LaunchSettings(net_iface="lo")
+    on_node_1 = Allocation(hosts=("gpu01", "gpu02", "gpu03"), node_rank=1, gpus_per_node=8, cpus_per_node=96)
+    plans = [plan_node(on_node_1, settings, rank, "cfg.yaml", [], "10.0.0.1") for rank in range(3)]
+    assert flag_value(plans[0].ray_start, "--node-ip-address") == "10.0.0.1"
+    assert flag_value(plans[1].ray_start, "--node-ip-address") == "127.0.0.1"
+    assert flag_value(plans[2].ray_start, "--node-ip-address") == "<lo address on gpu03>"
+    assert {flag_value(p.ray_start, "--address") for p in plans[1:]} == {"10.0.0.1:6379"}
+    # Without an interface, Ray picks the worker nodes' addresses.
+    plain = plan_node(on_node_1, LaunchSettings(), 1, "cfg.yaml", [], "10.0.0.1")
+    assert not any(a.startswith("--node-ip-address") for a in plain.ray_start)
 
 
 def test_settings_from_env_and_errors() -> None:
