@@ -165,7 +165,8 @@ def evaluate_arithmetic(expression: str) -> int | float:
 
 class CalculatorTool(Tool):
     """Evaluates an arithmetic expression. `calc_reward`: 1 when the last result equals the
-    episode's `answer` (from create_kwargs), else 0."""
+    episode's `ground_truth` (create_kwargs in verl's layout, as `tools/prepare_*.py --tools` and the
+    arithmetic_tools task write it), else 0."""
 
     schema = {"type": "function", "function": {
         "name": "calculator", "description": "Evaluate an arithmetic expression (+ - * / // % ** and parentheses).",
@@ -182,7 +183,7 @@ class CalculatorTool(Tool):
 
     def calc_reward(self, episode: str, **kwargs: Any) -> float:
         state = self.state.get(episode, {})
-        return float("answer" in state and state.get("last") == str(state["answer"]))
+        return float("ground_truth" in state and state.get("last") == str(state["ground_truth"]))
 
 
 class PythonTool(Tool):

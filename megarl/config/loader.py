@@ -182,7 +182,14 @@ def _parse_overrides(overrides: Iterable[str]) -> list[tuple[str, dict]]:
         key = key.strip().lstrip("+")
         if not key:
             raise ConfigError(f"command-line override '{item}' has an empty key")
-        value = yaml.safe_load(raw) if raw.strip() else None
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as err:
+            first = str(err).splitlines()[0]
+            raise ConfigError(f"command-line override '{item}': the value is not valid YAML ({first}); valid: a "
+                              "YAML value, e.g. a list [a.parquet, b.parquet], or a string in double quotes inside "
+                              "the shell's single quotes when it starts with @, `, [, { or *: "
+                              f"{key}='\"{raw}\"'") from None
         tree: dict = {}
         node = tree
         parts = key.split(".")

@@ -120,13 +120,24 @@ def run_file_problems(cfg: DictConfig) -> list[str]:
             problem = parquet_problem(Path(path), f"data.{section}[{i}]")
             if problem:
                 problems.append(problem)
-    for problem in (tokenizer_problem(cfg),
-                    reward_function_problem(cfg.reward.custom_reward_function.path,
-                                            cfg.reward.custom_reward_function.name)):
+    tokenizer = tokenizer_problem(cfg)
+    for problem in (tokenizer, reward_function_problem(cfg.reward.custom_reward_function.path,
+                                                       cfg.reward.custom_reward_function.name)):
         if problem:
             problems.append(problem)
     problems += model_problems(cfg)
+    if tokenizer is None and cfg.reward_model.enable and cfg.reward_model.model_path:
+        problems += reward_model_checkpoint_problems(cfg)
     return problems
+
+
+def reward_model_checkpoint_problems(cfg: DictConfig) -> list[str]:
+    """`reward_model.model_path`: score head, one label, a vocabulary that covers the tokenizer
+    (checked when the tokenizer loads: it is compared with the reward model's)."""
+    # Imported here: transformers and torch, which `megarl config` starts without.
+    from megarl.rewards.model_checkpoint import reward_model_problems
+
+    return list(reward_model_problems(str(cfg.reward_model.model_path), cfg.data.tokenizer or cfg.model.path or None))
 
 
 def check_run_files(cfg: DictConfig) -> None:

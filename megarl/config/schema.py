@@ -208,7 +208,8 @@ class RewardModelConfig:
     micro_batch_size_per_gpu: int = 8  # sequences per forward pass on one DP rank
     param_offload: bool = False  # host memory except while scoring
     # How a row's score is made, per row by its dataset column `reward_model.style` ("rule" where a
-    # row has none: a dataset without the column is scored by rule alone under by_style):
+    # row has none; under by_style, training data without any "model" row is refused: the reward
+    # model would score rows and count for none):
     #   by_style: style "rule" -> the rule scorer's score, style "model" -> the reward model's
     #     (reward.overlong_buffer shapes the rule scorer's score only)
     #   weighted_sum: rule_weight * rule score (rows of style "rule") + model_weight * model score (all rows)

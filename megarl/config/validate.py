@@ -350,18 +350,8 @@ def _check_token_budget(r: _Rules, role: str, sec: Any, par: Any, seq_len: int) 
         )
 
 
-def _check_reward_model_checkpoint(r: _Rules, cfg: DictConfig) -> None:
-    """`reward_model.model_path`: score head, one label, a vocabulary that covers the tokenizer."""
-    # Imported here: these checks load the tokenizer (transformers) and read the checkpoint's
-    # index (torch); they run only after every other rule passed.
-    from megarl.rewards.model_checkpoint import reward_model_problems
-
-    for problem in reward_model_problems(str(cfg.reward_model.model_path), cfg.data.tokenizer or cfg.model.path or None):
-        r.err(problem)
-
-
 def _check_reward_model(r: _Rules, cfg: DictConfig) -> None:
-    """`reward_model.*`: combine, layout and pool (its checkpoint: `_check_reward_model_checkpoint`)."""
+    """`reward_model.*`: combine, layout and pool (its checkpoint: run_files.reward_model_checkpoint_problems)."""
     rm, res = cfg.reward_model, cfg.resources
     if rm.combine not in REWARD_MODEL_COMBINES:
         r.err(f"reward_model.combine = {rm.combine!r}; valid: {list(REWARD_MODEL_COMBINES)}")
@@ -577,8 +567,6 @@ def validate_config(cfg: DictConfig) -> None:
                 f"max_position_embeddings = {max_pos}"
             )
 
-    if not r.errors and cfg.reward_model.enable and cfg.reward_model.model_path:
-        _check_reward_model_checkpoint(r, cfg)
     if r.errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(r.errors))
 

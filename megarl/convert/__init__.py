@@ -1,6 +1,5 @@
-"""HF <-> Megatron checkpoint conversion, streaming tensor by tensor (see `megarl convert --help`)."""
+"""HF <-> Megatron checkpoint conversion, streaming tensor by tensor (see `megarl convert --help`).
 
-from megarl.convert.hf_to_mcore import ConversionResult, convert_hf_to_mcore
-from megarl.convert.mcore_to_hf import convert_mcore_to_hf
-
-__all__ = ["ConversionResult", "convert_hf_to_mcore", "convert_mcore_to_hf"]
+`hf_to_mcore.convert_hf_to_mcore` and `mcore_to_hf.convert_mcore_to_hf`, imported from their modules:
+this package imports nothing itself, so that `megarl convert --help` starts without torch.
+"""

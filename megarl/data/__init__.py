@@ -6,6 +6,7 @@
 - ``tasks``: arithmetic and countdown generators; ``prepare``: GSM8K / MATH conversion;
   ``cli``: ``megarl data make | inspect``.
 
-Submodules are imported explicitly (``from megarl.data.dataset import RLDataset``) so that light
-uses such as the CLI do not pay for importing torch and transformers.
+Submodules are imported explicitly (``from megarl.data.dataset import RLDataset``): importing
+``megarl.data`` itself loads nothing else. (``megarl data`` does load transformers and torch: it
+builds tokenizers.)
 """

@@ -16,10 +16,22 @@ from megarl.data.tasks.arithmetic_tools import ArithmeticToolsTask, build_tools_
 from megarl.data.tokenizer import build_char_tokenizer
 
 
+def _rows(text: str) -> int:
+    """A split's row count: an integer >= 1 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of rows; valid: an integer >= 1 (both splits "
+                                         "are written; a config without validation sets data.val_files: [])")
+    return value
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output directory: train.parquet, val.parquet")
-    parser.add_argument("--train-size", type=int, default=1000)
-    parser.add_argument("--val-size", type=int, default=100)
+    parser.add_argument("--train-size", type=_rows, default=1000)
+    parser.add_argument("--val-size", type=_rows, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--tokenizer-out", help="also write a tokenizer covering the task to this directory (a character "

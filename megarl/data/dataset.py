@@ -322,6 +322,15 @@ class RLDataset:
         except UnicodeDecodeError:
             raise self._utf8_error() from None
 
+    def num_model_scored_rows(self) -> int:
+        """Rows whose ``reward_model.style`` is "model" (rows skipped as bad left out; 0 without the
+        column)."""
+        if REWARD_MODEL not in self._table.column_names:
+            return 0
+        column = self._rows_checked().select_columns([REWARD_MODEL])
+        return sum(style_of(reward_model) == "model"
+                   for batch in column.iter(batch_size=10000) for reward_model in batch[REWARD_MODEL])
+
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.get_rows([index])[0]
 

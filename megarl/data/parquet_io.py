@@ -11,6 +11,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from megarl.errors import DataError
+
 
 def write_parquet(
     rows: Iterable[Mapping[str, Any]], path: str | os.PathLike[str], *, chunk_rows: int = 10_000
@@ -39,7 +41,7 @@ def write_parquet(
             writer.write_table(table)
             count += len(chunk)
         if writer is None:
-            raise ValueError(f"no rows to write to {target}")
+            raise DataError(f"no rows to write to {target}: the source gave none")
         writer.close()
         writer = None
         os.replace(partial, target)

@@ -18,17 +18,19 @@ import argparse
 import json
 import os
 import re
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import datasets
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from megarl.agent.tools import BUILTIN_TOOLS
 from megarl.data.parquet_io import write_parquet
 from megarl.data.tasks.rows import verl_row
-from megarl.errors import DataError
+from megarl.errors import DataError, MegarlError
 from megarl.rewards.scorers.math import extract_boxed
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -52,7 +54,7 @@ def _read_file(path: Path) -> Iterator[Located]:
                 for record in batch.to_pylist():
                     yield str(path), row, record
                     row += 1
-        except OSError as exc:
+        except (OSError, pa.ArrowInvalid) as exc:  # a corrupt file is ArrowInvalid, a ValueError
             raise DataError(f"{path}: not a readable parquet file ({exc})") from exc
         return
     with open(path, encoding="utf-8") as handle:
@@ -117,7 +119,9 @@ def read_hub_split(name: str, config: str | None, split: str) -> Iterator[Locate
         yield f"{name}:{split}", row, record
 
 
-def _field(file: str, row: int, record: Mapping[str, Any], column: str) -> str:
+def _field(file: str, row: int, record: Any, column: str) -> str:
+    if not isinstance(record, Mapping):
+        raise DataError(f"{file}: row {row} is a {type(record).__name__}, not an object with a '{column}' field")
     value = record.get(column)
     if not isinstance(value, str) or not value.strip():
         raise DataError(
@@ -259,15 +263,19 @@ def main(task: str, argv: Sequence[str] | None = None) -> int:
                              "system message gives their schemas and the Hermes <tool_call> format, and "
                              "extra_info.tools_kwargs their per-row arguments (verl's layout)")
     args = parser.parse_args(argv)
-    counts = prepare(
-        task,
-        args.out,
-        local=args.local,
-        hub_name=args.hub_name,
-        hub_config=args.hub_config,
-        splits=args.splits,
-        tools=args.tools,
-    )
+    try:
+        counts = prepare(
+            task,
+            args.out,
+            local=args.local,
+            hub_name=args.hub_name,
+            hub_config=args.hub_config,
+            splits=args.splits,
+            tools=args.tools,
+        )
+    except MegarlError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     for split, count in counts.items():
         print(f"{split}: {count} rows -> {Path(args.out) / f'{split}.parquet'}")
     return 0

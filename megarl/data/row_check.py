@@ -31,6 +31,10 @@ class RowLocator:
         return self.files[position], int(global_row - self.starts[position])
 
 
+# Who judges a row (``reward_model.style``): the rule scorers, or a reward model (`reward_model.*`).
+REWARD_STYLES = ("rule", "model")
+
+
 def style_of(reward_model: Any) -> Any:
     """A row's ``reward_model.style`` ("rule", "model"), None when it has none."""
     return reward_model.get("style") if isinstance(reward_model, dict) else None
@@ -68,7 +72,11 @@ class RowChecker:
             raise row_error(
                 *self.locate(global_row), DATA_SOURCE, f"expected a non-empty string, got {data_source!r}"
             )
-        if self.require_ground_truth and not (self.model_scored_rows and style_of(reward_model) == "model"):
+        style = style_of(reward_model)
+        if style is not None and style not in REWARD_STYLES:
+            raise row_error(*self.locate(global_row), REWARD_MODEL,
+                            f"style {style!r}; valid: {list(REWARD_STYLES)} (or none: 'rule')")
+        if self.require_ground_truth and not (self.model_scored_rows and style == "model"):
             try:
                 ground_truth_of(reward_model)
             except ValueError as exc:

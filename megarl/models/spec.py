@@ -44,8 +44,14 @@ def _read_hf_config(hf_config: Any) -> dict[str, Any]:
             path = path / "config.json"
         if not path.exists():
             raise ConfigError(f"HF config not found: {path}")
-        with open(path) as f:
-            return json.load(f)
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ConfigError(f"{path}: not a JSON HF config ({err})") from None
+        if not isinstance(config, dict):
+            raise ConfigError(f"{path}: a HF config is a JSON object, got a {type(config).__name__}")
+        return config
     if isinstance(hf_config, Mapping):
         return dict(hf_config)
     if hasattr(hf_config, "to_dict"):

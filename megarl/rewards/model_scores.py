@@ -14,13 +14,14 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from megarl.data.row_check import REWARD_STYLES
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import ConfigError, DataError
 from megarl.protocol import Batch
 from megarl.rewards.manager import RewardResult, last_valid_positions
 from megarl.rewards.model_checkpoint import has_own_tokenizer, hf_files_dir
 
-STYLES = ("rule", "model")
+STYLES = REWARD_STYLES
 COMBINES = ("by_style", "weighted_sum")
 
 

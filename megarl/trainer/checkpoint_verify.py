@@ -374,11 +374,11 @@ def verify_checkpoint(path: Union[str, Path], checksums: bool = True,
         return verify_engine_checkpoint(path, hf_config)
     if (path / SINGLE_NAME).exists() or (path / INDEX_NAME).exists():
         return verify_hf_checkpoint(path)
-    if (path / LATEST_FILE).exists() or any(path.glob(STEP_DIR_PREFIX + "*")):
+    steps = sorted(int(p.name[len(STEP_DIR_PREFIX):]) for p in path.glob(STEP_DIR_PREFIX + "*")
+                   if p.name[len(STEP_DIR_PREFIX):].isdigit())
+    if (path / LATEST_FILE).exists() or steps:
         step = tracked_step(path)
         if step is None:
-            steps = sorted(int(p.name[len(STEP_DIR_PREFIX):]) for p in path.glob(STEP_DIR_PREFIX + "*")
-                           if p.name[len(STEP_DIR_PREFIX):].isdigit())
             step = steps[-1]
         report = verify_trainer_checkpoint(path / f"{STEP_DIR_PREFIX}{step}", checksums, hf_config)
         report.notes.insert(0, f"{path}: checkpoint root; checked the checkpoint of step {step}")

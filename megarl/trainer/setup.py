@@ -214,6 +214,19 @@ def probe_prompts(cfg: DictConfig, dataset: RLDataset) -> Optional[Batch]:
     return dataset.collate(rows, uids=[f"probe-{e['row']}" for e in rows])
 
 
+def check_reward_model_rows(cfg: DictConfig, dataset: RLDataset) -> None:
+    """With `reward_model.combine: by_style` only rows of style "model" take the reward model's
+    score: training data without any would compute it for every row and use it for none."""
+    rm = cfg.reward_model
+    if rm.enable and rm.combine == "by_style" and not dataset.num_model_scored_rows():
+        raise ConfigError(
+            f"reward_model.enable with reward_model.combine = 'by_style': no row of data.train_files "
+            f"({', '.join(map(str, cfg.data.train_files))}) has reward_model.style 'model', so every row would be "
+            "scored by rule and the reward model's scores used for none; mark the rows it judges "
+            "(reward_model: {style: model}) or set reward_model.combine: weighted_sum"
+        )
+
+
 def prepare_run(cfg: DictConfig) -> RunContext:
     """Everything the driver needs before starting workers; fails on bad data before Ray starts.
 
@@ -227,6 +240,7 @@ def prepare_run(cfg: DictConfig) -> RunContext:
     train_loader, val_dataset = build_datasets(cfg, tokenizer)
     reward_manager = RewardManager.from_config(cfg.reward, response_length(cfg))
     reward_manager.check_data_sources(train_loader.dataset.rule_data_sources())
+    check_reward_model_rows(cfg, train_loader.dataset)
     probe = probe_prompts(cfg, train_loader.dataset)
     if val_dataset is not None:
         reward_manager.check_data_sources(val_dataset.rule_data_sources())
@@ -234,7 +248,15 @@ def prepare_run(cfg: DictConfig) -> RunContext:
     resume = select_resume(CheckpointDirs(run_dir / "checkpoints"), run_dir, cfg.trainer.resume_mode,
                            cfg.trainer.resume_from_path, bool(cfg.trainer.resume_fallback),
                            model=OmegaConf.to_container(cfg.model, resolve=True))
+    total_steps = total_training_steps(cfg, len(train_loader))
     if resume is not None:
+        if resume[0] > total_steps:
+            raise ConfigError(
+                f"{resume[1]}: the checkpoint to resume from is at step {resume[0]}, past the run's last step "
+                f"{total_steps} (trainer.total_training_steps = {cfg.trainer.total_training_steps}, "
+                f"trainer.total_epochs = {cfg.trainer.total_epochs}); set trainer.total_training_steps above "
+                f"{resume[0]} to train on, or start another run (trainer.default_local_dir, or "
+                "trainer.resume_mode=disable with an empty directory)")
         check_initial_model_kept(cfg, tokenizer, run_dir / "initial_model", resume[1])
     run_dir.mkdir(parents=True, exist_ok=True)
     model_dir = materialize_model(cfg, tokenizer, run_dir / "initial_model")
@@ -247,7 +269,7 @@ def prepare_run(cfg: DictConfig) -> RunContext:
         train_loader=train_loader,
         val_dataset=val_dataset,
         reward_manager=reward_manager,
-        total_steps=total_training_steps(cfg, len(train_loader)),
+        total_steps=total_steps,
         resume=resume,
         probe_prompts=probe,
     )

@@ -78,7 +78,7 @@ def _rollout(rank: int, world: int, port: int, tokenizer_dir: str) -> dict[str, 
     for i, r in enumerate(rows):
         ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
     batch = Batch.from_dict({"input_ids": ids, "attention_mask": mask},
-                            {"extra_info": [{"tools_kwargs": {"calculator": {"create_kwargs": {"answer": 42}}}}] * 2})
+                            {"extra_info": [{"tools_kwargs": {"calculator": {"create_kwargs": {"ground_truth": 42}}}}] * 2})
     out = role.generate(batch, SamplingParams(n=2, max_new_tokens=120))
     return {"calls": role.engine.calls, "responses": out["responses"], "response_mask": out["response_mask"],
             "tool_reward": out["tool_reward"], "turns": out["agent/num_turns"]}

@@ -10,7 +10,7 @@ expression into a calculator call and then copy the tool's answer. One episode, 
 
 The tokenizer (`build_tools_tokenizer`) is character level, with the ChatML markers and the
 tool-call tags as special tokens and the JSON around the expression as two single tokens, so a call
-is the expression plus five tokens. Rows carry `extra_info.tools_kwargs.calculator.create_kwargs.answer`
+is the expression plus five tokens. Rows carry `extra_info.tools_kwargs.calculator.create_kwargs.ground_truth`
 (the calculator's `calc_reward` is 1 when its last result is the answer); the rule score
 (data source `arithmetic_tools`, the gsm8k scorer's `flexible` method) reads the last number of the
 model's turns.
@@ -61,7 +61,7 @@ class ArithmeticToolsTask:
             expression, answer = self.sample(rng)
             yield verl_row(data_source=DATA_SOURCE, content=expression + "=", ground_truth=str(answer),
                            ability="arithmetic", split=split, index=index,
-                           tools_kwargs={"calculator": {"create_kwargs": {"answer": str(answer)}}})
+                           tools_kwargs={"calculator": {"create_kwargs": {"ground_truth": str(answer)}}})
 
 
 def call_text(expression: str) -> str:

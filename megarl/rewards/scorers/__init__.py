@@ -57,15 +57,34 @@ def check_data_sources(data_sources: Iterable[str]) -> None:
         scorer_name_for(source)
 
 
+# The options whose value is one of a few names (the scorer raises on any other at every call).
+OPTION_CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("arithmetic", "mode"): arithmetic.MODES,
+    ("gsm8k", "method"): gsm8k.METHODS,
+}
+
+
 def check_scorer_options(options: Mapping[str, Mapping[str, Any]]) -> None:
-    """Validate per-scorer options ``{scorer name: {option: value}}`` against the scorers' signatures."""
+    """Validate per-scorer options ``{scorer name: {option: value}}`` against the scorers' signatures:
+    known names, values of the defaults' types (a number for a float, true/false for a flag), and
+    one of `OPTION_CHOICES` where the scorer takes a name."""
     for name, kwargs in options.items():
         if name not in SCORERS:
             raise ConfigError(f"reward_kwargs: {name!r} is not a built-in scorer; known: {sorted(SCORERS)}")
+        signature = inspect.signature(SCORERS[name])
         try:
-            inspect.signature(SCORERS[name]).bind("", None, **dict(kwargs))
+            signature.bind("", None, **dict(kwargs))
         except TypeError as exc:
             raise ConfigError(f"reward_kwargs.{name}: {exc}") from None
+        for option, value in kwargs.items():
+            default = signature.parameters[option].default
+            choices = OPTION_CHOICES.get((name, option))
+            if choices is not None and value not in choices:
+                raise ConfigError(f"reward_kwargs.{name}.{option} = {value!r}; valid: {list(choices)}")
+            if isinstance(default, bool) and not isinstance(value, bool):
+                raise ConfigError(f"reward_kwargs.{name}.{option} = {value!r}; valid: true or false")
+            if isinstance(default, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ConfigError(f"reward_kwargs.{name}.{option} = {value!r}; valid: a number")
 
 
 def score_builtin(

@@ -1,7 +1,7 @@
 """A run directory that holds a trained run is protected: `megarl train` verifies the checkpoint it
 would resume from and refuses, before Ray starts and before it writes anything, a damaged latest
-checkpoint (naming the file and the earlier complete one), a changed model, and
-`trainer.resume_mode=disable`; with `trainer.resume_fallback=true` it resumes from the earlier one."""
+checkpoint (naming the file and the earlier complete one), a changed model, a checkpoint past the
+last step, and `trainer.resume_mode=disable`; with `trainer.resume_fallback=true` it resumes from the earlier one."""
 
 from __future__ import annotations
 
@@ -50,6 +50,10 @@ def test_refusals_before_ray_and_fallback(trained: tuple[Path, Path]) -> None:
     # A different model for the same run directory: refused, initial_model/ and config.yaml kept.
     err = _refused(config, run_dir, "model.hf_config.num_hidden_layers=3", "trainer.total_training_steps=3")
     assert "this run's model differs" in err and "model.hf_config.num_hidden_layers: 2 in the checkpoint's run, 3 now" in err
+
+    # Fewer steps than the checkpoint holds: refused (nothing to train), not a traceback.
+    err = _refused(config, run_dir, "trainer.total_training_steps=1")
+    assert f"{ckpts / 'global_step_2'}: the checkpoint to resume from is at step 2, past the run's last step 1" in err
 
     # A new run in a directory holding one: refused, metrics.jsonl kept.
     err = _refused(config, run_dir, "trainer.resume_mode=disable")

@@ -120,7 +120,7 @@ def test_masks_token_by_token_on_a_hand_built_conversation(tokenizer: Any) -> No
 
 def test_tools_kwargs_reach_create_and_calc_reward(tokenizer: Any) -> None:
     loop, _ = make_loop(tokenizer, calculator_script)
-    kw = lambda a: {"tools_kwargs": {"calculator": {"create_kwargs": {"answer": a}}}}  # noqa: E731
+    kw = lambda a: {"tools_kwargs": {"calculator": {"create_kwargs": {"ground_truth": a}}}}  # noqa: E731
     out = multi_turn_generate(loop, prompt_batch(tokenizer, ["2*3", "5+5"], [kw(6), kw(11)]),
                               SamplingParams(n=2, max_new_tokens=200))
     assert out["tool_reward"].tolist() == [1.0, 1.0, 0.0, 0.0]  # 2*3 = 6 is right, 5+5 = 11 is not
@@ -133,7 +133,7 @@ def test_tools_kwargs_reach_create_and_calc_reward(tokenizer: Any) -> None:
 def test_tools_kwargs_absent_keys_from_parquet_structs_are_empty(tokenizer: Any) -> None:
     """Parquet gives every row the union of the keys, None where a row has none."""
     loop, _ = make_loop(tokenizer, calculator_script)
-    extra = [{"tools_kwargs": {"calculator": {"create_kwargs": {"answer": 2}, "execute_kwargs": None},
+    extra = [{"tools_kwargs": {"calculator": {"create_kwargs": {"ground_truth": 2}, "execute_kwargs": None},
                                "code_interpreter": None}},
              {"tools_kwargs": {"calculator": None, "code_interpreter": None}}]
     out = multi_turn_generate(loop, prompt_batch(tokenizer, ["1+1", "2+2"], extra), SamplingParams(max_new_tokens=200))

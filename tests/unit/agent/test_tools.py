@@ -46,9 +46,9 @@ def test_tool_calls_check_arguments_and_turn_failures_into_text() -> None:
 
 def test_calculator_reward_follows_the_last_result() -> None:
     calc = CalculatorTool()
-    calc.create("e1", answer=12)
+    calc.create("e1", ground_truth=12)
     calc.call("e1", {"expression": "3*4"})
-    calc.create("e2", answer=12)
+    calc.create("e2", ground_truth=12)
     calc.call("e2", {"expression": "3+4"})
     assert (calc.calc_reward("e1"), calc.calc_reward("e2")) == (1.0, 0.0)
     calc.release("e1")

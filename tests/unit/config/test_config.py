@@ -307,6 +307,13 @@ def test_a_kl_term_needs_the_reference_policy(valid_file: Path) -> None:
     load_config(valid_file, ["ref.enable=false"])  # no KL term: valid
 
 
+@pytest.mark.parametrize("override", ["data.train_files=[a.parquet", "trainer.experiment_name=@x"])
+def test_an_override_that_is_not_yaml_is_a_config_error(override: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override], validate=False)
+    assert f"command-line override '{override}': the value is not valid YAML" in str(err.value)
+
+
 def test_keys_read_only_in_another_mode_are_refused_by_name(valid_file: Path) -> None:
     msg = errors_of(valid_file, "algorithm.pass_k=3")
     assert "algorithm.pass_k = 3: read by algorithm.adv_estimator 'grpo_passk' only, not 'grpo'" in msg

@@ -1,5 +1,6 @@
-"""`reward_model.*`: a bad reward-model checkpoint is refused before any worker starts, naming the
-file and what was expected; `megarl config validate` reports the same."""
+"""`reward_model.*`: a bad reward-model checkpoint is refused before any worker starts (with the
+other files a run reads: `check_run_files`), naming the file and what was expected; `megarl config
+validate` reports the same, and `--schema-only` leaves the checkpoint unread."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from megarl.cli import main as cli_main
 from megarl.config import load_config
+from megarl.config.run_files import check_run_files
 from megarl.data.tokenizer import build_char_tokenizer
 from megarl.errors import ConfigError
 
@@ -53,7 +55,8 @@ def tokenizer_dir(tmp_path: Path) -> Path:
 
 def _errors(path: Path) -> str:
     with pytest.raises(ConfigError) as info:
-        load_config(path)
+        check_run_files(load_config(path))  # train.parquet is absent too: named beside the reward model
+    assert "data.train_files[0]" in str(info.value)
     return str(info.value)
 
 
@@ -118,4 +121,10 @@ def test_config_validate_command_reports_it(tmp_path: Path, tokenizer_dir: Path,
     rm = _save_rm(tmp_path / "rm", num_labels=3)
     assert cli_main(["config", "validate", str(_experiment(tmp_path, rm, tokenizer_dir))]) == 1
     assert "the model has 3 labels" in capsys.readouterr().err
+    # The config alone: a recipe whose reward model is not on this machine validates.
+    absent = _experiment(tmp_path, tmp_path / "not_fitted_yet", tokenizer_dir)
+    assert cli_main(["config", "validate", str(absent), "--schema-only"]) == 0
+    assert "valid (files not checked)" in capsys.readouterr().out
+    assert cli_main(["config", "validate", str(absent)]) == 1
+    assert "not_fitted_yet" in capsys.readouterr().err
     assert json.loads((rm / "config.json").read_text())["architectures"] == ["Qwen2ForSequenceClassification"]

@@ -83,3 +83,10 @@ def test_a_family_named_by_spec_is_recorded_and_used_to_export(tmp_path: Path, m
     convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back", progress=False)  # the recorded family, no flag
     want, got = read_all(src), read_all(tmp_path / "back")
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_folder_with_no_numbered_step_is_not_a_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "global_step_40.bak").mkdir()  # a copy put aside: no step a root would resume
+    report = verify_checkpoint(tmp_path)
+    assert not report.ok and report.kind == "unknown"
+    assert f"{tmp_path}: not a checkpoint: expected a trainer checkpoint" in report.message()

@@ -117,3 +117,13 @@ def test_inspect_unreadable_file(tmp_path: Path) -> None:
     (tmp_path / "x.parquet").write_text("nope")
     with pytest.raises(DataError, match="not a readable parquet file"):
         run(["data", "inspect", str(tmp_path / "x.parquet")])
+
+
+@pytest.mark.parametrize("size", ["0", "-3", "ten"])
+def test_a_split_size_under_one_is_a_usage_error_before_anything_is_written(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], size: str) -> None:
+    with pytest.raises(SystemExit) as done:
+        run(["data", "make", "arithmetic", "--out", str(tmp_path / "arith"), f"--val-size={size}"])
+    assert done.value.code == 2
+    assert f"{size!r} is not a number of rows; valid: an integer >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "arith").exists()

@@ -127,6 +127,15 @@ def test_bad_rows_name_file_row_and_column(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"train.jsonl: row 0, column 'solution': no \\boxed"):
         prepare("math", tmp_path / "out", local=str(tmp_path / "m"), splits=["train"])
     assert not (tmp_path / "out" / "train.parquet").exists()  # nothing half-written
+    (tmp_path / "train.jsonl").write_text(json.dumps(GSM8K_TRAIN[0]) + "\n[1, 2]\n")
+    with pytest.raises(DataError, match=r"train.jsonl: row 1 is a list, not an object with a 'question' field"):
+        prepare("gsm8k", tmp_path / "out", local=str(tmp_path / "train.jsonl"), splits=["train"])
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1" + b"\0" * 64 + b"PAR1")
+    with pytest.raises(DataError, match=r"bad.parquet: not a readable parquet file"):
+        prepare("gsm8k", tmp_path / "out", local=str(tmp_path / "bad.parquet"), splits=["train"])
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataError, match=r"no rows to write to .*train.parquet: the source gave none"):
+        prepare("gsm8k", tmp_path / "out", local=str(tmp_path / "empty.jsonl"), splits=["train"])
 
 
 def test_missing_split_and_missing_source(tmp_path: Path) -> None:
@@ -165,3 +174,9 @@ def test_tool_script_runs(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "train: 2 rows" in result.stdout and "test: 1 rows" in result.stdout
     assert pq.read_metadata(tmp_path / "out" / "test.parquet").num_rows == 1
+    # Bad input: one line naming the problem, exit 1, no traceback.
+    failed = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "prepare_gsm8k.py"), "--out",
+                             str(tmp_path / "out2"), "--local", str(tmp_path / "absent")],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr
+    assert f"error: {tmp_path / 'absent'}: does not exist" in failed.stderr

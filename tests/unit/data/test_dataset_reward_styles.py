@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 from data_helpers import row, write_rows
+from omegaconf import OmegaConf
 
 from megarl.data.dataset import RLDataset
 from megarl.data.tokenizer import build_char_tokenizer
-from megarl.errors import DataError
+from megarl.errors import ConfigError, DataError
+from megarl.trainer.setup import check_reward_model_rows
 
 pytestmark = pytest.mark.unit
 
@@ -37,3 +39,36 @@ def test_without_a_reward_model_every_row_needs_its_ground_truth(tmp_path: Path)
     path = write_rows(tmp_path / "mixed.parquet", _rows())
     with pytest.raises(DataError, match=r"mixed.parquet: row 1, column 'reward_model': has no 'ground_truth'"):
         RLDataset(path, tokenizer, max_prompt_length=8, apply_chat_template=False)
+
+
+def test_by_style_needs_rows_the_reward_model_judges(tmp_path: Path) -> None:
+    tokenizer = build_char_tokenizer("0123456789+=helo", tmp_path / "tok")
+    mixed = write_rows(tmp_path / "mixed.parquet", _rows())
+    rule_only = write_rows(tmp_path / "rule.parquet", [row("1+2=", "3", index=0), row("2+2=", "4", index=1)])
+    datasets = {path: RLDataset(path, tokenizer, max_prompt_length=8, apply_chat_template=False, model_scored_rows=True)
+                for path in (mixed, rule_only)}
+    assert [d.num_model_scored_rows() for d in datasets.values()] == [1, 0]
+
+    def cfg(path: Path, combine: str, enable: bool = True):
+        return OmegaConf.create({"reward_model": {"enable": enable, "combine": combine},
+                                 "data": {"train_files": [str(path)]}})
+
+    check_reward_model_rows(cfg(mixed, "by_style"), datasets[mixed])
+    check_reward_model_rows(cfg(rule_only, "weighted_sum"), datasets[rule_only])  # the model scores every row
+    check_reward_model_rows(cfg(rule_only, "by_style", enable=False), datasets[rule_only])
+    with pytest.raises(ConfigError) as err:
+        check_reward_model_rows(cfg(rule_only, "by_style"), datasets[rule_only])
+    assert (f"no row of data.train_files ({rule_only}) has reward_model.style 'model', so every row would be scored "
+            "by rule") in str(err.value) and "reward_model.combine: weighted_sum" in str(err.value)
+
+
+def test_a_misspelt_style_names_file_row_and_column_when_the_data_opens(tmp_path: Path) -> None:
+    tokenizer = build_char_tokenizer("0123456789+=helo", tmp_path / "tok")
+    rows = _rows()
+    rows[1]["reward_model"]["ground_truth"] = "x"  # with or without a reward model, row 1 is fine
+    rows[2]["reward_model"] = {"style": "Model", "ground_truth": "4"}
+    path = write_rows(tmp_path / "typo.parquet", rows)
+    for model_scored in (True, False):
+        with pytest.raises(DataError, match=r"typo.parquet: row 2, column 'reward_model': style 'Model'; valid: "
+                                            r"\['rule', 'model'\]"):
+            RLDataset(path, tokenizer, max_prompt_length=8, apply_chat_template=False, model_scored_rows=model_scored)

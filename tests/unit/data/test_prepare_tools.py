@@ -13,7 +13,7 @@ import pytest
 
 from megarl.agent.loop import check_tools_kwargs
 from megarl.agent.parsers import HermesParser
-from megarl.agent.tools import PythonTool, ToolSet
+from megarl.agent.tools import CalculatorTool, PythonTool, ToolSet
 from megarl.data.prepare import GSM8K_INSTRUCTION, main, prepare, tools_system_message
 from megarl.errors import DataError
 
@@ -51,6 +51,22 @@ def test_gsm8k_rows_with_the_code_interpreter(tmp_path: Path) -> None:
         # what the agent loop accepts for a run with the code interpreter
         kwargs = check_tools_kwargs(0, row["extra_info"]["tools_kwargs"], ToolSet.from_names(["code_interpreter"]))
         assert kwargs["code_interpreter"]["create_kwargs"] == {"ground_truth": answer}
+
+
+def test_prepared_rows_give_the_calculator_its_reward(tmp_path: Path) -> None:
+    """The calculator's tool reward reads the create_kwargs the prepared rows carry: 1 for a last
+    result equal to the row's answer, 0 otherwise."""
+    source = local_copy(tmp_path / "train.jsonl")
+    assert main("gsm8k", ["--out", str(tmp_path / "out"), "--local", str(source), "--splits", "train",
+                 "--tools", "calculator"]) == 0
+    rows = pq.read_table(tmp_path / "out" / "train.parquet").to_pylist()
+    for row, (right, wrong) in zip(rows, [("3 + 4", "3 * 4"), ("2 * 1000", "2 + 1000")]):
+        kwargs = check_tools_kwargs(0, row["extra_info"]["tools_kwargs"], ToolSet.from_names(["calculator"]))
+        for expression, reward in ((right, 1.0), (wrong, 0.0)):
+            tool = CalculatorTool()
+            tool.create("episode", **kwargs["calculator"]["create_kwargs"])
+            assert tool.call("episode", {"expression": expression}).error is None
+            assert tool.calc_reward("episode") == reward, (row["reward_model"]["ground_truth"], expression)
 
 
 def test_the_described_call_format_parses() -> None:

@@ -137,3 +137,11 @@ def test_moe_families_are_listed_as_supported() -> None:
     with pytest.raises(ConfigError) as err:
         ModelSpec.from_hf_config({"model_type": "deepseek_v3"})
     assert "qwen3_moe" in str(err.value)
+
+
+@pytest.mark.parametrize("content, problem", [("{not json", "not a JSON HF config"),
+                                              ("[1, 2]", "a HF config is a JSON object, got a list")])
+def test_a_config_file_that_is_not_a_json_object_is_a_config_error(tmp_path, content: str, problem: str) -> None:
+    (tmp_path / "config.json").write_text(content)
+    with pytest.raises(ConfigError, match=f"config.json: {problem}"):
+        ModelSpec.from_hf_config(tmp_path)

@@ -255,6 +255,17 @@ def test_scorer_options_are_checked() -> None:
         check_scorer_options({"gsm9k": {}})
     with pytest.raises(ConfigError, match="reward_kwargs.countdown"):
         check_scorer_options({"countdown": {"bonus": 1}})
+    # Values, before any worker starts (the scorer itself would raise at every call).
+    check_scorer_options({"gsm8k": {"method": "flexible", "correct_score": 2}, "countdown": {"require_all_numbers": True}})
+    for options, message in [
+        ({"arithmetic": {"mode": "exakt"}}, "reward_kwargs.arithmetic.mode = 'exakt'; valid: ['prefix', 'exact', 'startswith']"),
+        ({"gsm8k": {"method": "strct"}}, "reward_kwargs.gsm8k.method = 'strct'; valid: ['strict', 'flexible']"),
+        ({"math": {"format_score": "0.1"}}, "reward_kwargs.math.format_score = '0.1'; valid: a number"),
+        ({"countdown": {"require_all_numbers": "yes"}}, "reward_kwargs.countdown.require_all_numbers = 'yes'; valid: true or false"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            check_scorer_options(options)
+        assert message in str(err.value)
 
 
 # ----- adversarial completions ---------------------------------------------------------------

@@ -103,6 +103,11 @@ def test_report_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert str(tmp_path / "report" / "reward.png") in out
     with pytest.raises(MegarlError, match="metrics file not found"):  # megarl.cli prints it and exits 1
         _run_cli(["report", str(tmp_path / "missing")])
+    for k in ("0", "-3"):
+        with pytest.raises(SystemExit) as done:  # a usage error, before anything is read
+            _run_cli(["report", str(tmp_path), f"--k={k}"])
+        assert done.value.code == 2
+        assert f"{k!r} is not a number of steps; valid: an integer >= 1" in capsys.readouterr().err
 
 
 def test_long_runs_draw_smoothed_curves_and_stacked_areas(tmp_path: Path) -> None:
