@@ -6,8 +6,11 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from megarl.argtypes import positive_int
 from megarl.convert.output_dir import check_not_overlapping
 from megarl.errors import MegarlError
+
+_parallel_size = positive_int("parallel size")
 
 if TYPE_CHECKING:  # the conversions import torch: loaded only when a subcommand runs
     from megarl.convert.hf_to_mcore import ConversionResult
@@ -30,17 +33,6 @@ def _size(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; valid: a number of bytes >= 1, or one with a unit "
                                          "(KB, MB, GB, KiB, MiB, GiB), e.g. 2GiB, 500MB")
-    return value
-
-
-def _positive(text: str) -> int:
-    """A parallel size: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (a parallel size, >= 1)") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a parallel size; valid: an integer >= 1")
     return value
 
 
@@ -93,9 +85,9 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron distributed checkpoint (loads at any TP/PP)")
     p.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
     p.add_argument("--out", required=True, help="output checkpoint directory (must not exist)")
-    p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size to check and pad the vocabulary for")
-    p.add_argument("--pp", type=_positive, default=1, help="pipeline-parallel size to check")
-    p.add_argument("--ep", type=_positive, default=1, help="expert-parallel size (MoE families only)")
+    p.add_argument("--tp", type=_parallel_size, default=1, help="tensor-parallel size to check and pad the vocabulary for")
+    p.add_argument("--pp", type=_parallel_size, default=1, help="pipeline-parallel size to check")
+    p.add_argument("--ep", type=_parallel_size, default=1, help="expert-parallel size (MoE families only)")
     p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: keep the HF dtype)")
     p.add_argument("--spec", default=None, metavar="FAMILY",
                    help="model spec family (a model_specs/ file name, as model.spec) for a config whose model_type "

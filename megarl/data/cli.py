@@ -9,23 +9,15 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from megarl.argtypes import positive_int
 from megarl.data.parquet_io import write_parquet
 from megarl.data.schema import read_parquet_schema
 from megarl.data.tasks import ArithmeticTask, CountdownTask
 from megarl.data.tasks.arithmetic_tools import ArithmeticToolsTask, build_tools_tokenizer
 from megarl.data.tokenizer import build_char_tokenizer
 
-
-def _rows(text: str) -> int:
-    """A split's row count: an integer >= 1 (argparse type)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of rows; valid: an integer >= 1 (both splits "
-                                         "are written; a config without validation sets data.val_files: [])")
-    return value
+_rows = positive_int("number of rows", " (both splits are written; a config without validation sets "
+                     "data.val_files: [])")
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:

@@ -5,16 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-
-def _steps(text: str) -> int:
-    """A number of steps: an integer >= 1 (argparse type)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of steps; valid: an integer >= 1")
-    return value
+from megarl.argtypes import positive_int
 
 
 def register_cli(subparsers: Any) -> None:
@@ -25,7 +16,7 @@ def register_cli(subparsers: Any) -> None:
         description="Read RUN_DIR/metrics.jsonl and write PNG plots and summary.md to RUN_DIR/report/.",
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (holds metrics.jsonl)")
-    parser.add_argument("--k", type=_steps, default=None,
+    parser.add_argument("--k", type=positive_int("number of steps"), default=None,
                         help="steps averaged at each end for first/last reward (default: half the steps, at most 10)")
     parser.add_argument("--quiet", action="store_true", help="do not print the summary")
     parser.set_defaults(func=run_report)
