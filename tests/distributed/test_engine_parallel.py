@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from _launch import run_distributed
+from _launch import free_ports, run_distributed
 from engine_helpers import (
     adam_weight_atol,
     gather_hf_state,
@@ -44,11 +44,11 @@ def _dp_shard(batch: dict[str, torch.Tensor], engine: Any) -> dict[str, torch.Te
     return {k: v.chunk(r.dp_size)[r.dp_rank] for k, v in batch.items()}
 
 
-def _logprobs_all_layouts(rank: int, world: int, port: int, hf_dir: str, batch: dict) -> dict:
+def _logprobs_all_layouts(rank: int, world: int, port: int, hf_dir: str, batch: dict, ports: list[int]) -> dict:
     out = {}
     for name, kw in {**LAYOUTS, "pp2_packed": dict(pp=2)}.items():
         cfg = {"micro_batch_size": 3, "use_sequence_packing": name.endswith("packed")}
-        engine = _engine(rank, world, port + 1 + len(out), hf_dir, kw, cfg)
+        engine = _engine(rank, world, ports[len(out)], hf_dir, kw, cfg)
         shard = _dp_shard(batch, engine)
         res = engine.compute_log_prob(shard, temperature=0.7, calculate_entropy=True)
         out[name] = (engine.ranks.dp_rank, engine.ranks.dp_size, res)
@@ -62,7 +62,7 @@ def test_log_probs_equal_hf_at_tp2_pp2_dp2(kind: str) -> None:
     batch = make_batch(seed=1, batch=6)
     ref_lp, ref_ent = hf_logprobs(model, batch, temperature=0.7)
     mask = batch["response_mask"].bool()
-    results = run_distributed(_logprobs_all_layouts, 2, hf_dir, batch)
+    results = run_distributed(_logprobs_all_layouts, 2, hf_dir, batch, free_ports(len(LAYOUTS) + 1))
     for name in [*LAYOUTS, "pp2_packed"]:
         for rank_result in results:
             dp_rank, dp_size, res = rank_result[name]
@@ -75,10 +75,10 @@ def test_log_probs_equal_hf_at_tp2_pp2_dp2(kind: str) -> None:
                 assert torch.all(got[~mask[rows]] == 0), f"{name} {key}: padding not zeroed"
 
 
-def _one_step_all_layouts(rank: int, world: int, port: int, hf_dir: str, batch: dict) -> dict:
+def _one_step_all_layouts(rank: int, world: int, port: int, hf_dir: str, batch: dict, ports: list[int]) -> dict:
     out = {}
     for name, kw in LAYOUTS.items():
-        engine = _engine(rank, world, port + 1 + len(out), hf_dir, kw, TRAIN_CFG)
+        engine = _engine(rank, world, ports[len(out)], hf_dir, kw, TRAIN_CFG)
         metrics = engine.train_step(_dp_shard(batch, engine), pg_loss_fn, mini_batch_size=len(batch["responses"]),
                                     calculate_entropy=True)
         out[name] = (gather_hf_state(engine), metrics)
@@ -92,7 +92,7 @@ def test_one_optimizer_step_same_weights_at_every_layout() -> None:
     want, want_norm = reference_train_step(model, batch, lr=TRAIN_CFG["lr"], eps=TRAIN_CFG["eps"],
                                            clip_grad=TRAIN_CFG["clip_grad"])
     before = model.state_dict()
-    results = run_distributed(_one_step_all_layouts, 2, hf_dir, batch)
+    results = run_distributed(_one_step_all_layouts, 2, hf_dir, batch, free_ports(len(LAYOUTS)))
     for name in LAYOUTS:
         got, metrics = results[0][name]
         assert set(got) == set(want) - {"lm_head.weight"} | ({"lm_head.weight"} & set(got))

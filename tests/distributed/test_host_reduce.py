@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _launch import run_distributed  # noqa: E402
+from _launch import free_ports, run_distributed  # noqa: E402
 from engine_helpers import make_batch, make_hf_model, pg_loss_fn, save_hf_model, scratch_dir  # noqa: E402
 
 pytestmark = pytest.mark.distributed
@@ -97,7 +97,7 @@ def test_a_segment_that_cannot_be_made_is_refused_on_every_rank() -> None:
         assert "/nonexistent/megarl" in message
 
 
-def _train(rank: int, world: int, port: int, hf_dir: str) -> dict[str, Any]:
+def _train(rank: int, world: int, port: int, hf_dir: str, ports: list[int]) -> dict[str, Any]:
     from megarl.layout import ParallelLayout
     from megarl.megatron.engine import MegatronEngine
     from megarl.megatron.optim import EngineConfig
@@ -106,7 +106,7 @@ def _train(rank: int, world: int, port: int, hf_dir: str) -> dict[str, Any]:
 
     out = {}
     for i, host in enumerate((True, False)):
-        init_distributed(rank, world, "127.0.0.1", port + 1 + i, ParallelLayout(dp=2))
+        init_distributed(rank, world, "127.0.0.1", ports[i], ParallelLayout(dp=2))
         engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), ParallelLayout(dp=2),
                                 EngineConfig(lr=1e-2, eps=1e-2, weight_decay=0.0, micro_batch_size=2,
                                              use_distributed_optimizer=False, host_grad_reduce=host))
@@ -124,7 +124,7 @@ def _train(rank: int, world: int, port: int, hf_dir: str) -> dict[str, Any]:
 
 def test_a_data_parallel_step_is_bit_identical_with_the_shared_memory_sum() -> None:
     hf_dir = save_hf_model(make_hf_model("qwen2"))
-    results = run_distributed(_train, 2, hf_dir, timeout=300)
+    results = run_distributed(_train, 2, hf_dir, free_ports(2), timeout=300)
     for rank, r in enumerate(results):
         assert r[True]["buckets"] > 0 and r[False]["buckets"] == 0
         assert r[True]["moved"] == len(r[True]["params"]) > 0  # every parameter trained

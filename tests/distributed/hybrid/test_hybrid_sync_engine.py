@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _launch import run_distributed  # noqa: E402
+from _launch import free_ports, run_distributed  # noqa: E402
 from engine_helpers import hf_logprobs, make_batch, make_hf_model, pg_loss_fn, save_hf_model  # noqa: E402
 
 pytestmark = pytest.mark.distributed
@@ -29,7 +29,8 @@ CASES = {"qwen2-tp2": ("qwen2", dict(tp=2)), "qwen2-pp2": ("qwen2", dict(pp=2)),
 UNVERIFIED = {"qwen2-tp2-unverified"}
 
 
-def _sync_all(rank: int, world: int, port: int, hf_dirs: dict[str, str], batch: dict) -> dict[str, Any]:
+def _sync_all(rank: int, world: int, port: int, hf_dirs: dict[str, str], batch: dict,
+              ports: list[int]) -> dict[str, Any]:
     from transformers import AutoConfig
 
     from megarl.hybrid.sync import WeightSync
@@ -44,7 +45,7 @@ def _sync_all(rank: int, world: int, port: int, hf_dirs: dict[str, str], batch: 
     out = {}
     for i, (name, (kind, layout_kw)) in enumerate(CASES.items()):
         hf_dir = hf_dirs[kind]
-        layout = init_distributed(rank, world, "127.0.0.1", port + 1 + i, ParallelLayout(**layout_kw))
+        layout = init_distributed(rank, world, "127.0.0.1", ports[i], ParallelLayout(**layout_kw))
         engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), layout, EngineConfig(**TRAIN_CFG))
         engine.load_hf_weights(hf_dir)
         torch.manual_seed(1000 + rank)  # a different random model: only the sync can make it right
@@ -73,7 +74,7 @@ def test_rollout_log_probs_follow_training_engine_through_sync_and_step() -> Non
     hf_dirs = {kind: save_hf_model(m) for kind, m in models.items()}
     batch = make_batch(seed=3, batch=4)
     mask = batch["response_mask"].bool()
-    results = run_distributed(_sync_all, 2, hf_dirs, batch, timeout=400)
+    results = run_distributed(_sync_all, 2, hf_dirs, batch, free_ports(len(CASES)), timeout=400)
     for name, (kind, _) in CASES.items():
         ref = hf_logprobs(models[kind], batch)[0]
         for rank, by_case in enumerate(results):

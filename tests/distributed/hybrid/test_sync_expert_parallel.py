@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _launch import run_distributed  # noqa: E402
+from _launch import free_ports, run_distributed  # noqa: E402
 from engine_helpers import (  # noqa: E402
     adam_weight_atol,
     hf_logprobs,
@@ -78,7 +78,7 @@ def _expert_piece_flipper(plan: Any, rank: int, group: Any) -> tuple[Any, str]:
 
 
 def _sync_ep(rank: int, world: int, port: int, hf_dirs: dict[str, str], layout_kw: dict,
-             batch: dict, engine_kw: dict | None = None) -> dict[str, Any]:
+             batch: dict, ports: list[int], engine_kw: dict | None = None) -> dict[str, Any]:
     from transformers import AutoConfig
 
     from megarl.hybrid.sync import WeightSync
@@ -93,7 +93,7 @@ def _sync_ep(rank: int, world: int, port: int, hf_dirs: dict[str, str], layout_k
 
     out = {}
     for i, (kind, hf_dir) in enumerate(hf_dirs.items()):
-        layout = init_distributed(rank, world, "127.0.0.1", port + 1 + i, ParallelLayout(**layout_kw))
+        layout = init_distributed(rank, world, "127.0.0.1", ports[i], ParallelLayout(**layout_kw))
         engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), layout,
                                 EngineConfig(**TRAIN_CFG, **(engine_kw or {})))
         engine.load_hf_weights(hf_dir)
@@ -178,7 +178,7 @@ def test_ep2_actor_syncs_into_hf_engine_with_minimum_bytes_and_verification() ->
     models = {kind: make_moe_model(kind, seed=5 + i) for i, kind in enumerate(KINDS)}
     hf_dirs = {kind: save_hf_model(m) for kind, m in models.items()}
     batch = make_batch(seed=21, batch=4)
-    results = run_distributed(_sync_ep, 2, hf_dirs, dict(ep=2), batch, timeout=600)
+    results = run_distributed(_sync_ep, 2, hf_dirs, dict(ep=2), batch, free_ports(len(hf_dirs)), timeout=600)
     _check(models, results, batch, only_experts_move=True)
 
 
@@ -188,7 +188,7 @@ def test_pp2_ep2_actor_syncs_into_hf_engine() -> None:
     models = {"qwen2_moe": make_moe_model("qwen2_moe", seed=8)}
     hf_dirs = {kind: save_hf_model(m) for kind, m in models.items()}
     batch = make_batch(seed=22, batch=4)
-    results = run_distributed(_sync_ep, 4, hf_dirs, dict(pp=2, ep=2), batch, timeout=600)
+    results = run_distributed(_sync_ep, 4, hf_dirs, dict(pp=2, ep=2), batch, free_ports(len(hf_dirs)), timeout=600)
     _check(models, results, batch, only_experts_move=False)
 
 
@@ -202,7 +202,7 @@ def test_tp2_ep2_expert_tp1_actor_trains_and_syncs_into_hf_engine() -> None:
     models = {kind: make_moe_model(kind, seed=30 + i) for i, kind in enumerate(KINDS)}
     hf_dirs = {kind: save_hf_model(m) for kind, m in models.items()}
     batch = make_batch(seed=23, batch=4)
-    results = run_distributed(_sync_ep, 4, hf_dirs, dict(tp=2, ep=2, etp=1), batch,
+    results = run_distributed(_sync_ep, 4, hf_dirs, dict(tp=2, ep=2, etp=1), batch, free_ports(len(hf_dirs)),
                               dict(sequence_parallel=True), timeout=900)
     _check(models, results, batch, only_experts_move=False)
     for kind, model in models.items():
