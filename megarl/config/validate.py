@@ -449,19 +449,20 @@ def validate_config(cfg: DictConfig) -> None:
     if alg.pass_k is not None and alg.adv_estimator != "grpo_passk":
         r.err(f"algorithm.pass_k = {alg.pass_k}: read by algorithm.adv_estimator 'grpo_passk' only, not "
               f"{alg.adv_estimator!r}; remove the key")
-    for role, enabled in (("critic", critic_enabled(cfg)), ("ref", ref_enabled(cfg)),
-                          ("reward_model", bool(cfg.reward_model.enable))):
+    for role, enabled, enabled_by in (("critic", critic_enabled(cfg), "critic.enable, or adv_estimator gae"),
+                                      ("ref", ref_enabled(cfg), "ref.enable, or a KL term"),
+                                      ("reward_model", bool(cfg.reward_model.enable), "reward_model.enable")):
         if cfg.resources.get(f"{role}_pool") is not None and not enabled:
-            r.err(f"resources.{role}_pool is set but the run has no {role} ({role}.enable"
-                  f"{', or a KL term' if role == 'ref' else ', or adv_estimator gae' if role == 'critic' else ''}); "
-                  "remove the pool or enable the role")
+            r.err(f"resources.{role}_pool is set but the run has no {role} ({enabled_by}); remove the pool or "
+                  "enable the role")
     if cfg.trainer.resume_from_path and cfg.trainer.resume_mode != "resume_path":
         r.err(f"trainer.resume_from_path = {cfg.trainer.resume_from_path!r} with trainer.resume_mode = "
               f"'{cfg.trainer.resume_mode}': the path is read with resume_mode 'resume_path' only ('auto' resumes the "
               "newest checkpoint of this run's own directory, 'disable' starts fresh); set trainer.resume_mode: "
               "resume_path or remove the path")
     if cfg.ref.enable is False and (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward):
-        uses = [key for key in ("actor.use_kl_loss", "algorithm.use_kl_in_reward") if OmegaConf.select(cfg, key)]
+        uses = [key for key, on in (("actor.use_kl_loss", cfg.actor.use_kl_loss),
+                                    ("algorithm.use_kl_in_reward", cfg.algorithm.use_kl_in_reward)) if on]
         r.err(f"ref.enable = false with {' and '.join(f'{key} = true' for key in uses)}: the KL term needs the "
               "reference policy's log-probs; set ref.enable: true (or null: on when a KL term needs it) or turn "
               "the KL term off")

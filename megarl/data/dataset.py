@@ -322,13 +322,13 @@ class RLDataset:
         except UnicodeDecodeError:
             raise self._utf8_error() from None
 
-    def num_model_scored_rows(self) -> int:
-        """Rows whose ``reward_model.style`` is "model" (rows skipped as bad left out; 0 without the
-        column)."""
+    def has_model_scored_rows(self) -> bool:
+        """Whether a row's ``reward_model.style`` is "model" (rows skipped as bad left out; False
+        without the column). Stops at the first such row."""
         if REWARD_MODEL not in self._table.column_names:
-            return 0
+            return False
         column = self._rows_checked().select_columns([REWARD_MODEL])
-        return sum(style_of(reward_model) == "model"
+        return any(style_of(reward_model) == "model"
                    for batch in column.iter(batch_size=10000) for reward_model in batch[REWARD_MODEL])
 
     def __getitem__(self, index: int) -> dict[str, Any]:

@@ -218,7 +218,7 @@ def check_reward_model_rows(cfg: DictConfig, dataset: RLDataset) -> None:
     """With `reward_model.combine: by_style` only rows of style "model" take the reward model's
     score: training data without any would compute it for every row and use it for none."""
     rm = cfg.reward_model
-    if rm.enable and rm.combine == "by_style" and not dataset.num_model_scored_rows():
+    if rm.enable and rm.combine == "by_style" and not dataset.has_model_scored_rows():
         raise ConfigError(
             f"reward_model.enable with reward_model.combine = 'by_style': no row of data.train_files "
             f"({', '.join(map(str, cfg.data.train_files))}) has reward_model.style 'model', so every row would be "

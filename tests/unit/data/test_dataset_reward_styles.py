@@ -47,7 +47,7 @@ def test_by_style_needs_rows_the_reward_model_judges(tmp_path: Path) -> None:
     rule_only = write_rows(tmp_path / "rule.parquet", [row("1+2=", "3", index=0), row("2+2=", "4", index=1)])
     datasets = {path: RLDataset(path, tokenizer, max_prompt_length=8, apply_chat_template=False, model_scored_rows=True)
                 for path in (mixed, rule_only)}
-    assert [d.num_model_scored_rows() for d in datasets.values()] == [1, 0]
+    assert [d.has_model_scored_rows() for d in datasets.values()] == [True, False]
 
     def cfg(path: Path, combine: str, enable: bool = True):
         return OmegaConf.create({"reward_model": {"enable": enable, "combine": combine},
