@@ -16,6 +16,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from megarl.config.model_files import family_specs
+from megarl.config.schema import AlgorithmConfig, KLControlConfig, TrainerConfig
 from megarl.errors import ConfigError
 
 # The built-in names of the algorithm registries (a test keeps them equal); names users register
@@ -187,6 +188,28 @@ def _check_async(r: Any, cfg: Any, world: int) -> None:
                   "mismatch metrics compare against")
 
 
+def _check_reward_kl_keys(r: Any, alg: Any) -> None:
+    """algorithm.kl_penalty and algorithm.kl_ctrl.* shape the KL penalty in the reward only: refused when set
+    without algorithm.use_kl_in_reward, and the adaptive controller's keys with a fixed one (they would do
+    nothing). A key counts as set when it differs from its default."""
+    defaults = KLControlConfig()
+    if not alg.use_kl_in_reward:
+        changed = [f"algorithm.kl_ctrl.{key} = {alg.kl_ctrl[key]!r}" for key in ("type", "kl_coef", "target_kl", "horizon")
+                   if alg.kl_ctrl[key] != getattr(defaults, key)]
+        if alg.kl_penalty != AlgorithmConfig.kl_penalty:
+            changed.insert(0, f"algorithm.kl_penalty = {alg.kl_penalty!r}")
+        if changed:
+            r.err(f"{', '.join(changed)} without algorithm.use_kl_in_reward: these shape the KL penalty in the "
+                  "reward only (the KL loss takes actor.kl_loss_type and actor.kl_loss_coef); set "
+                  "algorithm.use_kl_in_reward: true or remove them")
+    elif alg.kl_ctrl.type == "fixed":
+        changed = [f"algorithm.kl_ctrl.{key} = {alg.kl_ctrl[key]!r}" for key in ("target_kl", "horizon")
+                   if alg.kl_ctrl[key] != getattr(defaults, key)]
+        if changed:
+            r.err(f"{', '.join(changed)} with algorithm.kl_ctrl.type = 'fixed': only the adaptive controller "
+                  "reads them (the fixed one keeps kl_coef); set type: adaptive or remove them")
+
+
 def _check_partial_rollout(r: Any, cfg: Any) -> None:
     """trainer.partial_rollout*: a chunked generation of the pipelined modes, single-turn."""
     t = cfg.trainer
@@ -199,6 +222,10 @@ def _check_partial_rollout(r: Any, cfg: Any) -> None:
         r.err(f"trainer.partial_rollout_interrupt_after = {t.partial_rollout_interrupt_after}: must be >= 1 chunk, "
               "or null (interrupt when the update is done)")
     if t.partial_rollout == "off":
+        if t.partial_rollout_chunk_tokens != TrainerConfig.partial_rollout_chunk_tokens:
+            r.err(f"trainer.partial_rollout_chunk_tokens = {t.partial_rollout_chunk_tokens} with "
+                  "trainer.partial_rollout = 'off': each row is generated whole, in no chunks; set "
+                  "trainer.partial_rollout (continue | drop) or remove the key")
         if t.partial_rollout_interrupt_after is not None:
             r.err(f"trainer.partial_rollout_interrupt_after = {t.partial_rollout_interrupt_after} with "
                   "trainer.partial_rollout = 'off': nothing is generated in chunks to interrupt; set "
@@ -466,6 +493,7 @@ def validate_config(cfg: DictConfig) -> None:
         r.err(f"ref.enable = false with {' and '.join(f'{key} = true' for key in uses)}: the KL term needs the "
               "reference policy's log-probs; set ref.enable: true (or null: on when a KL term needs it) or turn "
               "the KL term off")
+    _check_reward_kl_keys(r, cfg.algorithm)
     if cfg.trainer.resume_fallback and cfg.trainer.resume_mode != "auto":
         r.err(f"trainer.resume_fallback = true with trainer.resume_mode = '{cfg.trainer.resume_mode}': the fallback "
               "to an earlier checkpoint applies to resume_mode 'auto' only (resume_path resumes the checkpoint it "

@@ -15,14 +15,7 @@ rollout layout from `ParallelLayout.rollout(tp, world_size)`.
   (SPMD); `execute_plan_locally` runs a whole-world plan for all ranks in one process.
 - `sync`: `WeightSync` (each rank's own plan) / `sync_shards` connect the training engine and
   the rollout engine.
+
+Each is imported from its module: this package imports nothing itself, so that `megarl sync plan --help`
+starts without torch.
 """
-
-from megarl.hybrid.executor import ExecStats, execute_plan, execute_plan_locally
-from megarl.hybrid.plan import Piece, RankBytes, ReshardPlan, build_reshard_plan
-from megarl.hybrid.rank_plan import RankPlanner
-from megarl.hybrid.sync import WeightSync, sync_shards
-
-__all__ = [
-    "ExecStats", "Piece", "RankBytes", "RankPlanner", "ReshardPlan", "WeightSync",
-    "build_reshard_plan", "execute_plan", "execute_plan_locally", "sync_shards",
-]

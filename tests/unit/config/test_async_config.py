@@ -101,6 +101,8 @@ def test_partial_rollout_keys_are_checked(tmp_path: Path) -> None:
                                              "partial_rollout_interrupt_after": 0}, POOL2, rollout))
     assert "trainer.partial_rollout_chunk_tokens = 0: must be >= 1" in message
     assert "trainer.partial_rollout_interrupt_after = 0: must be >= 1 chunk" in message
+    message = _errors(_experiment(tmp_path, {"partial_rollout_chunk_tokens": 4}, {}))
+    assert "trainer.partial_rollout_chunk_tokens = 4 with trainer.partial_rollout = 'off'" in message
     message = _errors(_experiment(tmp_path, {"partial_rollout": "drop"}, {}))
     assert "trainer.partial_rollout = 'drop' with trainer.async_mode = 'sync'" in message
     message = _errors(_experiment(tmp_path, {**pipelined, "partial_rollout": "continue"}, POOL2,

@@ -307,6 +307,18 @@ def test_a_kl_term_needs_the_reference_policy(valid_file: Path) -> None:
     load_config(valid_file, ["ref.enable=false"])  # no KL term: valid
 
 
+def test_reward_kl_keys_need_the_kl_in_reward(valid_file: Path) -> None:
+    # kl_penalty and kl_ctrl.* shape only the KL penalty in the reward; without it they would do nothing.
+    msg = errors_of(valid_file, "algorithm.kl_ctrl.kl_coef=0.05", "algorithm.kl_penalty=low_var_kl")
+    assert ("algorithm.kl_penalty = 'low_var_kl', algorithm.kl_ctrl.kl_coef = 0.05 without "
+            "algorithm.use_kl_in_reward: these shape the KL penalty in the reward only") in msg
+    msg = errors_of(valid_file, "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.horizon=500")
+    assert "algorithm.kl_ctrl.horizon = 500 with algorithm.kl_ctrl.type = 'fixed': only the adaptive" in msg
+    load_config(valid_file, ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
+                             "algorithm.kl_ctrl.horizon=500", "algorithm.kl_penalty=low_var_kl"])
+    load_config(valid_file, ["algorithm.kl_ctrl.kl_coef=0.001"])  # the default value: not a setting
+
+
 @pytest.mark.parametrize("override", ["data.train_files=[a.parquet", "trainer.experiment_name=@x"])
 def test_an_override_that_is_not_yaml_is_a_config_error(override: str) -> None:
     with pytest.raises(ConfigError) as err:

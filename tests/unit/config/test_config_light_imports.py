@@ -112,3 +112,26 @@ def test_a_missing_model_specs_folder_is_named_with_the_variable_to_set(tmp_path
     with pytest.raises(ConfigError) as err:
         model_files.family_specs()
     assert str(tmp_path / "absent") in str(err.value) and "MEGARL_MODEL_SPECS" in str(err.value)
+
+
+HELP_PROBE = """
+import json, sys
+from megarl.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as stop:
+    code = stop.code
+heavy = sorted(m for m in {heavy!r} if m in sys.modules)
+print("PROBE " + json.dumps({{"code": code, "heavy": heavy}}))
+"""
+
+
+@pytest.mark.parametrize("command", [("--help",), ("convert", "--help"), ("sync", "plan", "--help"),
+                                     ("checkpoint", "--help"), ("report", "--help")])
+def test_help_imports_nothing_heavy(command: tuple[str, ...]) -> None:
+    proc = subprocess.run([sys.executable, "-c", HELP_PROBE.format(heavy=HEAVY), *command], capture_output=True,
+                          text=True, timeout=120)
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("PROBE "))
+    result = json.loads(line[len("PROBE "):])
+    assert result["code"] == 0 and "usage: megarl" in proc.stdout
+    assert result["heavy"] == [], f"megarl {' '.join(command)} imported {result['heavy']}"
