@@ -9,8 +9,11 @@ drawn from the rollout engine is corrected by multiplying each token's loss by a
 
 * ``tis`` (truncated IS): ``min(w, threshold)``;
 * ``mis`` (masked IS): ``w`` where ``lower <= w <= upper``, else 0 (the token or sequence is dropped);
-* ``icepop``: 1 where ``lower <= w <= upper`` at token level, else 0 (tokens outside the band dropped,
-  the others keep the plain loss);
+* ``icepop``: IcePop's ``M(w) = w`` where ``lower <= w <= upper``, else 0, always per token (the same
+  weights as ``mis`` at level ``token``);
+* ``reject``: 1 where ``lower <= w <= upper``, else 0 (rejection without importance weighting: what is
+  dropped is ``mis``'s, the rest keeps the plain loss; with the rollout log-probs as the old ones the
+  PPO ratio already carries ``w``, and this is the one masking mode that does not apply it twice);
 * ``none``: 1 (metrics only).
 
 At ``level`` ``sequence`` every token of a response gets the product of its tokens' ``w``; at
@@ -29,7 +32,7 @@ import torch
 from megarl.algorithms.utils import masked_mean, masked_sum
 from megarl.errors import ConfigError, MegarlError
 
-CORRECTION_MODES = ("none", "tis", "mis", "icepop")
+CORRECTION_MODES = ("none", "tis", "mis", "icepop", "reject")
 CORRECTION_LEVELS = ("token", "sequence", "geometric")
 LOG_RATIO_BOUND = 20.0  # exp() of a log-ratio beyond +-20 is clamped (verl's safety bound)
 
@@ -45,7 +48,7 @@ class RolloutCorrectionSettings:
     mode: str = "none"  # one of CORRECTION_MODES
     level: str = "token"  # one of CORRECTION_LEVELS (icepop: token only)
     threshold: float = 2.0  # tis: weights above it are cut to it
-    lower: float = 0.5  # mis, icepop: the band of kept weights [lower, upper]
+    lower: float = 0.5  # mis, icepop, reject: the band of kept weights [lower, upper]
     upper: float = 2.0
 
     def __post_init__(self) -> None:
@@ -100,7 +103,7 @@ def correction_weights(trainer_log_prob: torch.Tensor, rollout_log_prob: torch.T
             out = w.clamp(max=settings.threshold)
         else:
             kept = valid & (w >= settings.lower) & (w <= settings.upper)
-            out = torch.where(kept, w if settings.mode == "mis" else torch.ones_like(w), torch.zeros_like(w))
+            out = torch.where(kept, torch.ones_like(w) if settings.mode == "reject" else w, torch.zeros_like(w))
     return out
 
 

@@ -368,14 +368,16 @@ class RolloutCorrectionConfig:
     #   none: no correction (the rollout_corr/* mismatch metrics are still logged)
     #   tis: truncated IS, each token's loss x min(w, threshold)
     #   mis: masked IS, x w where lower <= w <= upper, else 0 (the token or sequence is dropped)
-    #   icepop: tokens whose w is outside [lower, upper] dropped, the others unweighted (level token)
+    #   icepop: IcePop, x w where lower <= w <= upper, else 0, per token (mis at level token)
+    #   reject: the tokens or sequences mis drops are dropped, the others unweighted (with
+    #     actor.old_log_prob_source rollout the PPO ratio already carries w: the masking mode for it)
     # Dropped tokens keep their place in the loss normaliser.
     mode: str = "none"
     # w per token (token), or on every token of a response the product (sequence) or the geometric
     # mean (geometric) of its tokens' w
     level: str = "token"
     threshold: float = 2.0  # tis: the cut
-    lower: float = 0.5  # mis, icepop: the band of kept weights
+    lower: float = 0.5  # mis, icepop, reject: the band of kept weights
     upper: float = 2.0
 
 

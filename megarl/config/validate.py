@@ -625,7 +625,7 @@ def _check_multi_turn(r: Any, multi_turn: Any) -> None:
 # megarl.workers.losses.OLD_LOG_PROB_SOURCES (+ auto) and megarl.algorithms.rollout_correction's
 # CORRECTION_MODES / CORRECTION_LEVELS, which import torch (a test keeps them equal).
 OLD_LOG_PROB_SOURCES = ("auto", "recompute", "update", "rollout")
-CORRECTION_MODES = ("none", "tis", "mis", "icepop")
+CORRECTION_MODES = ("none", "tis", "mis", "icepop", "reject")
 CORRECTION_LEVELS = ("token", "sequence", "geometric")
 RATIO_LOSSES = {"vanilla", "gspo", "cispo"}  # policy losses whose ratio is taken against the old log-probs
 
@@ -663,13 +663,13 @@ def _check_old_log_probs(r: _Rules, cfg: DictConfig) -> None:
     if needs_rollout and not rollout.calculate_log_probs:
         r.err(f"{' and '.join(needs_rollout)} needs the rollout engine's log-probs: set rollout.calculate_log_probs: true")
     if corr.mode == "icepop" and corr.level != "token":
-        r.err(f"algorithm.rollout_correction.level = {corr.level!r}: icepop masks single tokens; use level token "
+        r.err(f"algorithm.rollout_correction.level = {corr.level!r}: icepop weighs single tokens; use level token "
               "(or mode mis for sequence-level masking)")
     loss_mode = actor.policy_loss.loss_mode
-    if source == "rollout" and corr.mode in ("tis", "mis") and loss_mode in RATIO_LOSSES:
+    if source == "rollout" and corr.mode in ("tis", "mis", "icepop") and loss_mode in RATIO_LOSSES:
         r.err(f"algorithm.rollout_correction.mode = {corr.mode!r} with actor.old_log_prob_source = 'rollout' and "
               f"actor.policy_loss.loss_mode = {loss_mode!r}: the ratio against the rollout log-probs already is the "
-              "importance weight, the correction would apply it twice; use mode icepop or none, a trainer source "
+              "importance weight, the correction would apply it twice; use mode reject or none, a trainer source "
               "(recompute, update, auto), or loss_mode reinforce")
     r.positive("algorithm.rollout_correction.threshold")
     r.positive("algorithm.rollout_correction.lower")

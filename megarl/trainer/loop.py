@@ -329,8 +329,6 @@ class RLTrainer:
         metrics.update(self.memory_metrics)
         metrics.update(memory_step_metrics(self.memory_metrics))
         self.write_memory_trace(step)
-        if alg.use_kl_in_reward:
-            metrics["actor/reward_kl_coef"] = self.kl_ctrl.value
         return metrics
 
     def queued_calls(self) -> int:
@@ -745,6 +743,7 @@ class RLTrainer:
         if alg.use_kl_in_reward:
             rewards, current_kl = apply_kl_penalty(batch["token_level_scores"], batch["old_log_probs"],
                                                    batch["ref_log_prob"], mask, self.kl_ctrl.value, alg.kl_penalty)
+            metrics["actor/reward_kl_coef"] = self.kl_ctrl.value  # the coefficient these rewards took
             self.kl_ctrl.update(current_kl, n_steps=len(batch))
             metrics["actor/reward_kl_penalty"] = current_kl
         else:

@@ -61,12 +61,12 @@ def test_gap_threshold_stops_a_run_sampling_at_another_precision(tmp_path: Path,
     assert not (tmp_path / "run" / "metrics.jsonl").is_file() or not read_metrics(tmp_path / "run")
 
 
-def test_rollout_log_probs_as_old_with_icepop_over_two_mini_batches(tmp_path: Path, task_dir: Path) -> None:
+def test_rollout_log_probs_as_old_with_rejection_over_two_mini_batches(tmp_path: Path, task_dir: Path) -> None:
     """verl's bypass mode: no pass, the rollout engine's log-probs are the old ones; two mini-batches,
     so the gap is measured on the first optimizer step's rows only (those scored under the sampling
-    weights), and it stays at the fp32 level; IcePop's dropped share is logged."""
+    weights), and it stays at the fp32 level; the rejection's dropped share is logged."""
     proc = run_train(write_config(tmp_path, task_dir, actor={"ppo_mini_batch_size": 2}),
-                     "actor.old_log_prob_source=rollout", "algorithm.rollout_correction.mode=icepop",
+                     "actor.old_log_prob_source=rollout", "algorithm.rollout_correction.mode=reject",
                      "algorithm.rollout_correction.lower=0.999", "algorithm.rollout_correction.upper=1.001")
     assert proc.returncode == 0
     metrics = read_metrics(tmp_path / "run")

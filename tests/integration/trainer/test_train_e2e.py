@@ -269,7 +269,10 @@ def test_ppo_with_critic_in_its_own_pool_and_kl_in_reward(tmp_path: Path, task_d
     assert "critic/vf_loss" in metrics[1] and "critic/values/mean" in metrics[1]
     assert "actor/pg_loss" not in metrics[1], "the actor must not train during the critic warm-up"
     assert "actor/pg_loss" in metrics[2]
-    assert "actor/reward_kl_coef" in metrics[2]
+    # the coefficient each step's rewards took: the initial one at step 1 (logged before the adaptive
+    # controller moves it), at step 2 the one step 1's update gave
+    assert metrics[1]["actor/reward_kl_coef"] == 0.05
+    assert metrics[2]["actor/reward_kl_coef"] != 0.05
 
 
 MIXED_REWARD = """

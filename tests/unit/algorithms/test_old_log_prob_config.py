@@ -91,8 +91,9 @@ def test_correction_keys_and_gap_threshold_reach_the_specs(tmp_path: Path) -> No
     (("algorithm.rollout_correction.mode=clip",), r"rollout_correction.mode = 'clip': must be one of"),
     (("algorithm.rollout_correction.level=seq",), r"rollout_correction.level = 'seq': must be one of"),
     (("algorithm.rollout_correction.mode=icepop", "algorithm.rollout_correction.level=sequence"),
-     "icepop masks single tokens; use level token"),
+     "icepop weighs single tokens; use level token"),
     (("algorithm.rollout_correction.mode=tis", "actor.old_log_prob_source=rollout"), "would apply it twice"),
+    (("algorithm.rollout_correction.mode=icepop", "actor.old_log_prob_source=rollout"), "would apply it twice"),
     (("algorithm.rollout_correction.threshold=0",), r"rollout_correction.threshold = 0.*> 0"),
     (("algorithm.rollout_correction.lower=1.5", "algorithm.rollout_correction.upper=1.2"),
      r"upper = 1.2: must be >= lower = 1.5"),
@@ -103,7 +104,8 @@ def test_bad_combinations_are_refused_by_name(tmp_path: Path, overrides: tuple[s
 
 
 def test_allowed_combinations_validate(tmp_path: Path) -> None:
-    config(tmp_path, "algorithm.rollout_correction.mode=icepop", "actor.old_log_prob_source=rollout")
+    config(tmp_path, "algorithm.rollout_correction.mode=reject", "actor.old_log_prob_source=rollout")
+    config(tmp_path, "algorithm.rollout_correction.mode=icepop", "actor.old_log_prob_source=recompute")
     config(tmp_path, "algorithm.rollout_correction.mode=tis", "actor.old_log_prob_source=rollout",
            "actor.policy_loss.loss_mode=reinforce")
     config(tmp_path, "algorithm.rollout_correction.mode=mis", "algorithm.rollout_correction.level=sequence",

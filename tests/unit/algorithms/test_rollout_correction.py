@@ -63,8 +63,11 @@ def test_correction_modes_by_hand() -> None:
     close(weights(mode="mis", lower=0.5, upper=2.0), [[2, 1, 0], [0, 0.5, 0]])
     close(weights(mode="mis", level="sequence", lower=0.5, upper=1.2), [[0.5] * 3, [0, 0, 0]])
     close(weights(mode="mis", level="geometric", lower=0.8, upper=2.0), [[0] * 3, [1.5 ** 0.5] * 2 + [0]])
-    # IcePop drops the same tokens as token-level MIS but keeps the others unweighted.
-    close(weights(mode="icepop", lower=0.5, upper=2.0), [[1, 1, 0], [0, 1, 0]])
+    # IcePop's M(w) = w inside the band, 0 outside, per token: token-level MIS whatever the level.
+    close(weights(mode="icepop", lower=0.5, upper=2.0), [[2, 1, 0], [0, 0.5, 0]])
+    # reject drops what MIS drops and keeps the others unweighted, at any level.
+    close(weights(mode="reject", lower=0.5, upper=2.0), [[1, 1, 0], [0, 1, 0]])
+    close(weights(mode="reject", level="sequence", lower=0.5, upper=1.2), [[1] * 3, [0, 0, 0]])
 
 
 def test_weights_carry_no_gradient_and_log_ratios_are_bounded() -> None:
@@ -106,7 +109,7 @@ def random_inputs(seed: int, rows: int = 7, length: int = 6) -> tuple[torch.Tens
 
 
 @pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
-@pytest.mark.parametrize("mode", ["tis", "mis", "icepop"])
+@pytest.mark.parametrize("mode", ["tis", "mis", "icepop", "reject"])
 def test_weights_match_float64_loops(mode: str, level: str) -> None:
     trainer, rollout, mask = random_inputs(seed=3)
     s = RolloutCorrectionSettings(mode=mode, level=level, threshold=1.3, lower=0.7, upper=1.4)
@@ -128,7 +131,7 @@ def test_weights_match_float64_loops(mode: str, level: str) -> None:
                 want = min(w, 1.3)
             else:
                 keep = 0.7 <= w <= 1.4
-                want = (w if mode == "mis" else 1.0) if keep else 0.0
+                want = (1.0 if mode == "reject" else w) if keep else 0.0
             assert float(got[i, t]) == pytest.approx(want, abs=1e-12), (i, t)
 
 
