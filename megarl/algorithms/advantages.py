@@ -205,10 +205,14 @@ def compute_gae_advantage_return(
 def compute_reinforce_plus_plus_advantage(
     inputs: AdvantageInputs, settings: AdvantageSettings = DEFAULT_SETTINGS
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++: discounted returns ``G_t = r_t + gamma * m_{t+1} * G_{t+1}``, whitened over the batch.
+    """REINFORCE++: discounted returns ``G_t = r_t + gamma * G_next``, whitened over the batch, where
+    ``G_next`` is the return at the next response token of the mask.
 
-    Uses ``gamma``. The running return restarts after every masked token (end of response, or an
-    observation in a multi-turn rollout). Returns ``(whitened returns, returns)``.
+    Uses ``gamma``. Masked tokens are not actions: an observation inside a multi-turn rollout passes
+    the return through unchanged (undiscounted), so the outcome reward on the last turn reaches the
+    earlier turns, as GAE's recursion does; past the last response token the return is 0. On a
+    single-turn response (the mask a prefix) this is verl's recursion. Returns ``(whitened returns,
+    returns)``, 0 outside the mask.
     """
     mask, _ = _checked_rewards(inputs)
     gamma = settings.gamma
@@ -218,7 +222,7 @@ def compute_reinforce_plus_plus_advantage(
         running = rewards_t.new_zeros(rewards_t.shape[1])
         for t in range(rewards_t.shape[0] - 1, -1, -1):
             torch.add(rewards_t[t], running, alpha=gamma, out=returns_t[t])
-            torch.mul(returns_t[t], mask_t[t], out=running)
+            torch.lerp(running, returns_t[t], mask_t[t], out=running)  # masked: keep the return
 
     returns = _reverse_time_scan(scan, [inputs.token_level_rewards, mask]).mul_(mask)
     return masked_whiten(returns, mask), returns

@@ -47,19 +47,13 @@ def gae(rewards: Matrix, values: Matrix, mask: Matrix, gamma: float, lam: float)
 
 
 def reinforce_pp(rewards: Matrix, mask: Matrix, gamma: float) -> tuple[Matrix, Matrix]:
-    """G_t = sum_{k >= t} gamma^(k - t) r_k over the valid tokens that follow t without a gap."""
+    """G_t = sum over the valid tokens k >= t of gamma^j r_k, j the number of valid tokens strictly
+    between t and k: masked tokens (observations) are skipped, not counted as steps."""
     ret = [[0.0] * len(row) for row in rewards]
     for i in range(len(rewards)):
-        length = len(rewards[i])
-        for t in range(length):
-            if not mask[i][t]:
-                continue
-            g = rewards[i][t]
-            k = t + 1
-            while k < length and mask[i][k]:
-                g += gamma ** (k - t) * rewards[i][k]
-                k += 1
-            ret[i][t] = g
+        valid = [t for t in range(len(rewards[i])) if mask[i][t]]
+        for n, t in enumerate(valid):
+            ret[i][t] = sum(gamma ** j * rewards[i][k] for j, k in enumerate(valid[n:]))
     return whiten_valid(ret, mask), ret
 
 

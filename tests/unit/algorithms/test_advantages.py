@@ -168,6 +168,16 @@ def test_gae_hand_example_with_observation_tokens() -> None:
     torch.testing.assert_close(ret, torch.tensor([[0.5 + 0.5, 0.0, 0.75 + 0.25]]))
 
 
+def test_reinforce_plus_plus_credits_earlier_turns() -> None:
+    # Tokens: a1, a2, [obs], [obs], b1, b2; the outcome reward on b2. The observation passes the return
+    # through: a1 gets gamma^3, as if the observation were not there; the losing episode gets 0.
+    gamma = 0.5
+    mask = torch.tensor([[1.0, 1, 0, 0, 1, 1], [1.0, 1, 0, 0, 1, 1]])
+    rewards = torch.tensor([[0.0, 0, 0, 0, 0, 1], [0.0, 0, 0, 0, 0, 0]])
+    _, ret = estimate("reinforce_plus_plus", rewards, mask, AdvantageSettings(gamma=gamma))
+    torch.testing.assert_close(ret, torch.tensor([[0.125, 0.25, 0, 0, 0.5, 1], [0.0, 0, 0, 0, 0, 0]]))
+
+
 def test_passk_full_group_is_best_minus_second() -> None:
     rewards = torch.tensor([[0.2], [0.9], [0.5], [0.9]])
     dr = AdvantageSettings(norm_adv_by_std=False)
