@@ -431,6 +431,21 @@ def validate_config(cfg: DictConfig) -> None:
         r.positive(key, strict=False)
     r.in_range("rollout.top_p", 0.0, 1.0, lo_open=True)
     r.in_range("rollout.val_kwargs.top_p", 0.0, 1.0, lo_open=True)
+    for key in ("rollout.top_k", "rollout.val_kwargs.top_k"):
+        if OmegaConf.select(cfg, key) < -1:
+            r.err(f"{key} = {OmegaConf.select(cfg, key)}: must be -1 or 0 (off) or k >= 1 (keep the k most likely "
+                  "tokens)")
+    val = rollout.val_kwargs
+    if val.do_sample and not val.temperature > 0:
+        r.err(f"rollout.val_kwargs.temperature = {val.temperature} with do_sample: true: sampling needs a "
+              "temperature > 0; for argmax decoding set do_sample: false")
+    if not val.do_sample and val.n > 1:
+        r.err(f"rollout.val_kwargs.n = {val.n} with do_sample: false: argmax decoding gives n identical responses "
+              "(and vLLM refuses n > 1 for greedy requests); set do_sample: true or n: 1")
+    if rollout.engine == "hf" and rollout.tensor_model_parallel_size != 1:
+        r.err(f"rollout.tensor_model_parallel_size = {rollout.tensor_model_parallel_size} with rollout.engine = "
+              "'hf': the HF engine holds the whole model in each process (TP 1); use engine vllm (or auto "
+              "where vLLM is installed) for a tensor-parallel rollout")
     r.in_range("algorithm.gamma", 0.0, 1.0)
     r.in_range("algorithm.lam", 0.0, 1.0)
     r.in_range("rollout.gpu_memory_utilization", 0.0, 1.0, lo_open=True)

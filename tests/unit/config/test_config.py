@@ -307,6 +307,19 @@ def test_a_kl_term_needs_the_reference_policy(valid_file: Path) -> None:
     load_config(valid_file, ["ref.enable=false"])  # no KL term: valid
 
 
+def test_sampling_keys_are_checked_before_workers(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "rollout.top_k=-5", "rollout.val_kwargs.top_k=-3")
+    assert "rollout.top_k = -5: must be -1 or 0 (off) or k >= 1" in msg
+    assert "rollout.val_kwargs.top_k = -3: must be -1 or 0 (off)" in msg
+    msg = errors_of(valid_file, "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=0")
+    assert "rollout.val_kwargs.temperature = 0.0 with do_sample: true: sampling needs a temperature > 0" in msg
+    msg = errors_of(valid_file, "rollout.val_kwargs.n=4")
+    assert "rollout.val_kwargs.n = 4 with do_sample: false: argmax decoding gives n identical responses" in msg
+    msg = errors_of(valid_file, "rollout.engine=hf", "rollout.tensor_model_parallel_size=2")
+    assert "rollout.tensor_model_parallel_size = 2 with rollout.engine = 'hf'" in msg
+    load_config(valid_file, ["rollout.top_k=0", "rollout.val_kwargs.n=4", "rollout.val_kwargs.do_sample=true"])
+
+
 def test_reward_kl_keys_need_the_kl_in_reward(valid_file: Path) -> None:
     # kl_penalty and kl_ctrl.* shape only the KL penalty in the reward; without it they would do nothing.
     msg = errors_of(valid_file, "algorithm.kl_ctrl.kl_coef=0.05", "algorithm.kl_penalty=low_var_kl")
