@@ -65,6 +65,7 @@ from megarl.algorithms.rollout_correction import (
     correction_weights,
     importance_weights,
     logprob_gap,
+    logprob_gap_uncheckable,
     mismatch_metrics,
     rollout_mismatch_metrics,
 )
@@ -108,6 +109,7 @@ __all__ = [
     "importance_weights",
     "kl_penalty",
     "logprob_gap",
+    "logprob_gap_uncheckable",
     "make_kl_controller",
     "masked_mean",
     "masked_whiten",

@@ -326,7 +326,9 @@ class RolloutConfig:
     # from the trained policy (weights not synced, precision mismatch). Measured on CPU (quickstart):
     # 1.4e-7 with fp32 on both sides, 2e-3 with a bf16 rollout of the fp32 weights; 0.93 after five
     # optimizer steps not synced to the rollout (tiny model, lr 1e-3). Not yet measured on GPU bf16
-    # engines: look at the metric of a first run there. null: never. Needs calculate_log_probs.
+    # engines: look at the metric of a first run there. null: never. Needs calculate_log_probs. Not
+    # checked (metrics only) under top_p < 1 / top_k > 0 with logprobs_mode processed, or raw at a
+    # temperature other than 1: the rollout's log-probs are then not the trainer's quantity.
     max_logprob_gap: Optional[float] = 0.1
     # End-to-end check of the weight sync on a fixed probe batch: after a sync of the weights of
     # version v (actor updates so far) with v a multiple of probe_freq (the initial weights included),

@@ -460,6 +460,10 @@ def validate_config(cfg: DictConfig) -> None:
     if rollout.probe_freq < 0:
         r.err(f"rollout.probe_freq = {rollout.probe_freq}: must be 0 (no probe) or k >= 1 (after the sync of "
               "every k-th weight version)")
+    if rollout.probe_freq > 0 and rollout.logprobs_mode == "raw" and rollout.temperature != 1.0:
+        r.err(f"rollout.probe_freq = {rollout.probe_freq} with rollout.logprobs_mode = 'raw' and rollout.temperature = "
+              f"{rollout.temperature}: the probe compares the rollout's log-probs, log_softmax(logits) in raw mode, "
+              "with the trainer's log_softmax(logits / temperature); use logprobs_mode processed or temperature 1")
     if rollout.probe_prompts < 1:
         r.err(f"rollout.probe_prompts = {rollout.probe_prompts}: must be >= 1 (training prompts in the probe batch)")
     _check_multi_turn(r, rollout.multi_turn)

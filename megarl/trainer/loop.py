@@ -108,6 +108,10 @@ class RLTrainer:
         alg = self.cfg.algorithm
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon)
         self.estimator = get_advantage_estimator(alg.adv_estimator)
+        if spec.max_logprob_gap is not None and spec.logprob_gap_uncheckable is not None:
+            logger.warning("rollout.max_logprob_gap is not checked on the training rows: %s; the "
+                           "training/rollout_* metrics are logged, and rollout.probe_freq checks the weight sync on "
+                           "a probe sampled without filters", spec.logprob_gap_uncheckable)
         self.response_length = spec.response_length
         self.global_step = 0
         self.weights_version = 0  # bumped by every actor update; the rollout syncs when behind
@@ -546,7 +550,10 @@ class RLTrainer:
         `rollout.max_logprob_gap` stops the run. The actor holds the synced weights here: a sync runs
         before an update, never during one."""
         rollout, actor = self.workers.rollout, self.workers.actor
-        sampling = with_seed(dataclasses.replace(self.spec.train_sampling, n=1), int(self.cfg.trainer.seed) * 100003 - 1)
+        # Without top-p / top-k, so that the rollout's log-probs are the trainer's quantity whatever the
+        # training sampling filters.
+        sampling = with_seed(dataclasses.replace(self.spec.train_sampling, n=1, top_p=1.0, top_k=-1),
+                             int(self.cfg.trainer.seed) * 100003 - 1)
         self.settle_rollout_wake_up(self.rollout_wake_up(), self.current_phase)
         with self.phase("probe"):
             gen = rollout.call_dp(RolloutRole.probe, self.run.probe_prompts, sampling,
@@ -778,14 +785,16 @@ class RLTrainer:
         # check of the weight sync applies to batches generated with the weights being trained.
         fresh = "rollout_weights_version" not in batch or bool(
             (batch["rollout_weights_version"] == self.step_version).all())
+        # Under sampling filters (or raw log-probs at a temperature) the gap measures the sampling: metrics only.
+        threshold = self.spec.max_logprob_gap if self.spec.logprob_gap_uncheckable is None else None
         if "training/rollout_logprob_abs_diff_mean" in metrics and fresh:
-            check_logprob_gap(step, metrics["training/rollout_logprob_abs_diff_mean"], self.spec.max_logprob_gap)
+            check_logprob_gap(step, metrics["training/rollout_logprob_abs_diff_mean"], threshold)
         elif TOKEN_VERSIONS in batch:  # partial rollout: the tokens sampled after the sync are checked
             tokens = batch["response_mask"].bool() & (batch[TOKEN_VERSIONS] == self.step_version)
             gap = logprob_gap(trainer_log_probs, batch["rollout_log_probs"], tokens)
             metrics.update({"async/fresh_tokens_" + k.removeprefix("training/rollout_"): v for k, v in gap.items()})
             if gap:
-                check_logprob_gap(step, gap["training/rollout_logprob_abs_diff_mean"], self.spec.max_logprob_gap,
+                check_logprob_gap(step, gap["training/rollout_logprob_abs_diff_mean"], threshold,
                                   "the tokens a partial rollout sampled with the weights being trained")
         return metrics
 

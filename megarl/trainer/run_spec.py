@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from megarl.agent.loop import AgentSettings
 from megarl.config import critic_enabled, ref_enabled
-from megarl.algorithms import RolloutCorrectionSettings
+from megarl.algorithms import RolloutCorrectionSettings, logprob_gap_uncheckable
 from megarl.config.validate import optimizer_steps_per_step, role_parallel, update_is_on_policy
 from megarl.dtypes import long_name, short_name
 from megarl.layout import ParallelLayout
@@ -43,6 +43,9 @@ class RunSpec:
     reward_model: Optional[EngineRoleSpec] = None
     reward_combine: RewardCombine = RewardCombine()
     max_logprob_gap: Optional[float] = None  # rollout.max_logprob_gap: the driver stops the run above it
+    # Why the training rows' rollout log-probs cannot be compared with the trainer's (sampling filters,
+    # raw log-probs at a temperature): the step's gap check is then skipped; None: it runs.
+    logprob_gap_uncheckable: Optional[str] = None
 
 
 def response_length(cfg: DictConfig) -> int:
@@ -234,6 +237,8 @@ def resolve_run_spec(cfg: DictConfig, model_dir: str, pad_token_id: int, eos_tok
         reward_model=rm_spec,
         reward_combine=RewardCombine(str(rm.combine), float(rm.rule_weight), float(rm.model_weight)),
         max_logprob_gap=float(ro.max_logprob_gap) if ro.max_logprob_gap is not None else None,
+        logprob_gap_uncheckable=logprob_gap_uncheckable(temperature, float(ro.top_p), int(ro.top_k),
+                                                        str(ro.logprobs_mode)),
     )
 
 

@@ -85,3 +85,18 @@ def test_probe_checks_every_sync_of_a_one_step_off_run(tmp_path: Path, task_dir:
         assert m["probe/logprob_abs_diff_max"] < FP32_GAP, step
     assert metrics[3]["sync/synced"] == 0.0 and "probe/weights_version" not in metrics[3]
     assert metrics[3]["async/staleness_mean"] == 1.0  # its rows: version 1, trained from version 2
+
+
+def test_sampling_filters_do_not_pass_for_a_sync_failure(tmp_path: Path, task_dir: Path) -> None:  # noqa: F811
+    """With top-p the rollout's (processed) log-probs are of the filtered distribution: the step's gap is
+    -log of the mass kept, well above rollout.max_logprob_gap's 0.1 for a fresh model, and is logged but
+    not checked (it stopped the run, blaming the weight sync); the probe samples without the filter
+    and still compares at the fp32 level."""
+    proc = run_train(write_config(tmp_path, task_dir), "trainer.total_training_steps=2", "rollout.top_p=0.5",
+                     "rollout.probe_freq=1", "rollout.probe_prompts=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rollout.max_logprob_gap is not checked on the training rows: rollout.top_p = 0.5" in proc.stderr
+    metrics = read_metrics(tmp_path / "run")
+    for step in (1, 2):
+        assert metrics[step]["training/rollout_logprob_abs_diff_mean"] > 0.1
+        assert metrics[step]["probe/logprob_abs_diff_max"] < FP32_GAP

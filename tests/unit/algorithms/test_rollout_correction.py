@@ -18,6 +18,7 @@ from megarl.algorithms import (
     get_policy_loss,
     importance_weights,
     logprob_gap,
+    logprob_gap_uncheckable,
     mini_batch_normalisers,
     mismatch_metrics,
     rollout_mismatch_metrics,
@@ -262,3 +263,10 @@ def test_rows_the_trainer_did_not_score_are_left_out() -> None:
                                                                            RolloutCorrectionSettings())}
     assert got.keys() == want.keys() and all(got[k] == pytest.approx(want[k]) for k in want)
     assert got["training/rollout_logprob_abs_diff_mean"] == pytest.approx((LN2 + LN4) / 3)
+
+
+def test_logprob_gap_is_uncheckable_where_the_sampling_changes_the_log_probs() -> None:
+    assert logprob_gap_uncheckable(0.7, 1.0, -1, "processed") is None
+    assert logprob_gap_uncheckable(1.0, 0.9, 0, "raw") is None  # raw: the filters do not enter
+    assert "rollout.top_p = 0.9 and rollout.top_k = 20" in logprob_gap_uncheckable(1.0, 0.9, 20, "processed")
+    assert "rollout.temperature" in logprob_gap_uncheckable(0.7, 1.0, -1, "raw")
