@@ -395,6 +395,11 @@ class AlgorithmConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     pass_k: Optional[int] = None  # grpo_passk: k of pass@k; null = rollout.n
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # Your modules registering advantage estimators, policy losses or KL estimators
+    # (megarl.algorithms.register_*): dotted module names importable on every node, or .py paths.
+    # The driver imports them before the config is checked, every actor worker before it builds its
+    # loss; the names they register are then valid values of the keys above and of actor.*.
+    import_modules: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from megarl.config.model_files import family_specs
+from megarl.config.plugins import import_modules
 from megarl.config.schema import AlgorithmConfig, KLControlConfig, TrainerConfig
 from megarl.errors import ConfigError
 
@@ -44,8 +45,6 @@ ENUMS: dict[str, set[str]] = {
     "resources.cpu_grad_reduce": {"shared_memory", "gloo"},
     "actor.loss_agg_mode": LOSS_AGG_MODES,
     "critic.loss_agg_mode": LOSS_AGG_MODES,
-    "actor.kl_loss_type": KL_TYPES,
-    "algorithm.kl_penalty": KL_TYPES,
 }
 TRACKING_BACKENDS = {"console", "jsonl", "mlflow"}
 # megarl.rewards.model_scores.COMBINES, which imports torch (a test keeps them equal).
@@ -56,12 +55,19 @@ SHAPE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_local_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
+_REGISTRIES = {"advantage": (_BUILTIN_ADV, "ADVANTAGE_ESTIMATORS"),
+               "policy_loss": (_BUILTIN_POLICY_LOSSES, "POLICY_LOSSES"),
+               "kl": (KL_TYPES, "KL_ESTIMATORS")}
+
+
 def registered_names(kind: str) -> set[str]:
-    """Names in the algorithm registries (``advantage`` or ``policy_loss``), plus the built-ins."""
-    base = _BUILTIN_ADV if kind == "advantage" else _BUILTIN_POLICY_LOSSES
-    algos = sys.modules.get("megarl.algorithms")
-    registry = getattr(algos, "ADVANTAGE_ESTIMATORS" if kind == "advantage" else "POLICY_LOSSES", None)
-    return set(registry or ()) | base
+    """Names in the algorithm registries (``advantage``, ``policy_loss`` or ``kl``: each KL estimator also
+    with its straight-through ``+``), plus the built-ins."""
+    base, attr = _REGISTRIES[kind]
+    names = set(getattr(sys.modules.get("megarl.algorithms"), attr, None) or ())
+    if kind == "kl":
+        names |= {f"{name}+" for name in names}
+    return names | base
 
 
 def model_families() -> set[str]:
@@ -402,6 +408,10 @@ def validate_config(cfg: DictConfig) -> None:
     """Raise ConfigError listing every rule ``cfg`` breaks."""
     r = _Rules(cfg)
     alg, actor, rollout, data = cfg.algorithm, cfg.actor, cfg.rollout, cfg.data
+    try:  # first: the names these modules register are valid values of the keys checked below
+        import_modules(alg.import_modules)
+    except ConfigError as exc:
+        r.err(str(exc))
 
     if cfg.model.dtype == "fp16":
         r.err("model.dtype = 'fp16': training in fp16 needs loss scaling, which megarl does not implement; "
@@ -413,6 +423,8 @@ def validate_config(cfg: DictConfig) -> None:
             r.one_of(key, allowed)
     r.one_of("algorithm.adv_estimator", registered_names("advantage"))
     r.one_of("actor.policy_loss.loss_mode", registered_names("policy_loss"))
+    for key in ("actor.kl_loss_type", "algorithm.kl_penalty"):
+        r.one_of(key, registered_names("kl"))
     for backend in cfg.tracking.backends:
         if backend not in TRACKING_BACKENDS:
             r.err(f"tracking.backends: unknown backend {backend!r}; valid: {sorted(TRACKING_BACKENDS)}")

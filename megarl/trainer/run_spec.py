@@ -7,6 +7,7 @@ and sampling parameters: roles get `EngineRoleSpec` / `RolloutSpec` objects, nev
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -116,6 +117,8 @@ def resolve_run_spec(cfg: DictConfig, model_dir: str, pad_token_id: int, eos_tok
         kl_loss_type=str(actor.kl_loss_type),
         old_log_prob_source=old_log_prob_source(cfg),
         rollout_correction=rollout_correction_settings(cfg.algorithm.rollout_correction),
+        import_modules=tuple(os.path.abspath(m) if str(m).endswith(".py") else str(m)
+                             for m in cfg.algorithm.import_modules),
     )
     actor_spec = EngineRoleSpec(
         name="actor",

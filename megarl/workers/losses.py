@@ -29,6 +29,7 @@ from megarl.algorithms import (
     get_policy_loss,
     kl_penalty,
 )
+from megarl.config.plugins import import_modules
 from megarl.errors import ConfigError
 
 LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor], LossNormalisers], tuple[torch.Tensor, dict[str, Any]]]
@@ -56,6 +57,9 @@ class ActorLossSpec:
     old_log_prob_source: str = "recompute"  # one of OLD_LOG_PROB_SOURCES
     # Rollout-training mismatch correction (algorithm.rollout_correction): per-token loss weights.
     rollout_correction: RolloutCorrectionSettings = RolloutCorrectionSettings()
+    # algorithm.import_modules (.py paths absolute): imported before the loss is built, for the policy
+    # losses and KL estimators they register in this process.
+    import_modules: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ def make_actor_loss(spec: ActorLossSpec, log_prob_sink: Optional[LogProbSink] = 
     if spec.old_log_prob_source not in OLD_LOG_PROB_SOURCES:
         raise ConfigError(f"actor.old_log_prob_source = {spec.old_log_prob_source!r}; the loss takes one of "
                           f"{list(OLD_LOG_PROB_SOURCES)} (auto is resolved by the driver)")
+    import_modules(spec.import_modules)
     policy_loss = get_policy_loss(spec.loss_mode)
     settings = PolicyLossSettings(
         loss_agg_mode=spec.loss_agg_mode,
