@@ -44,7 +44,7 @@ def test_spec_fields_and_defaults() -> None:
         "loss_mode": "vanilla", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
         "loss_agg_mode": "token-mean", "entropy_coeff": 0.0, "use_kl_loss": False, "kl_loss_coef": 0.001,
         "kl_loss_type": "low_var_kl", "old_log_prob_source": "recompute",
-        "rollout_correction": RolloutCorrectionSettings(),
+        "rollout_correction": RolloutCorrectionSettings(), "import_modules": (),
     }
     assert {f.name: f.default for f in dataclasses.fields(CriticLossSpec)} == {
         "cliprange_value": 0.5, "loss_agg_mode": "token-mean",
