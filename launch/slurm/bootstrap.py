@@ -5,8 +5,10 @@
 
     bootstrap.py [--dry-run] CONFIG [OVERRIDES...]
 
-- node 0: ``ray start --head --block`` in the background, wait until every node of the allocation has
-  joined (``ray.nodes()``; timeout -> a clear error), run ``megarl train CONFIG <derived overrides>
+- node 0: read CONFIG's resource pools (the actor pool gets the nodes the other pools leave; pools that
+  do not add up to the allocation are refused here, exit status 2, before Ray starts), ``ray start
+  --head --block`` in the background, wait until every node of the allocation has joined
+  (``ray.nodes()``; timeout -> a clear error), run ``megarl train CONFIG <derived overrides>
   OVERRIDES`` with ``RAY_ADDRESS`` set, then stop the head. Exit status = the trainer's.
 - node k > 0: wait until the head accepts connections, ``ray start --address=HEAD:PORT --block``, and
   stop once the head has been gone for MEGARL_HEAD_GRACE seconds (the job is over).

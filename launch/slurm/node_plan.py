@@ -3,7 +3,10 @@ the wait for the cluster and the ``megarl train`` command with the overrides the
 
 Pure: nothing here starts a process, so ``bootstrap.py --dry-run`` prints exactly what a real run
 executes (but for another node's MEGARL_NET_IFACE address, which only that node can read: shown as
-``<IFACE address on HOST>``), and tests check the commands without SLURM or Ray.
+``<IFACE address on HOST>``), and tests check the commands without SLURM or Ray. Node 0's plan reads
+the experiment config (``pool_nodes``): every resource pool takes whole nodes of its own, the pools
+other than the actor's keep the nnodes the config gives them and the actor's pool gets the rest of
+the allocation; a config whose pools do not add up to the allocation is refused before Ray starts.
 """
 
 from __future__ import annotations
@@ -13,13 +16,16 @@ import shlex
 import socket
 import struct
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from slurm_env import Allocation, LaunchError
 
 DEFAULT_RAY_PORT = 6379
 DEFAULT_WAIT_TIMEOUT_S = 300.0
 DEFAULT_ENTRYPOINT = "megarl train"
+# The experiment config's resource pools (resources.<key>), the actor's first. A pool that is null
+# (the default for all but the actor's) shares the actor's processes and takes no node of its own.
+POOL_KEYS = ("actor_pool", "critic_pool", "ref_pool", "reward_model_pool", "rollout_pool")
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,7 @@ class NodePlan:
     env: dict[str, str] = field(default_factory=dict)  # set for `ray start` and the driver
     expected_nodes: int = 1
     driver: Optional[list[str]] = None
+    pools: dict[str, int] = field(default_factory=dict)  # head only: nodes of each resource pool (pool_nodes)
 
 
 def interface_ip(iface: str) -> str:
@@ -145,23 +152,106 @@ def own_ip(alloc: Allocation, settings: LaunchSettings, rank: int, head_ip: str)
     return None
 
 
-def derived_overrides(alloc: Allocation, settings: LaunchSettings, head_address: str) -> list[str]:
-    """Config overrides that follow from the allocation; the user's own overrides come after and win."""
+def config_pool_nodes(config: str, overrides: Sequence[str]) -> dict[str, int]:
+    """nnodes of every resource pool that ``config`` with ``overrides`` sets (``resources.*_pool``, null ones
+    left out), read as ``megarl train`` reads them, the actor's first.
+
+    Imports megarl.config (yaml and omegaconf, no torch or Ray) only when called: node 0 and the dry run
+    need it, the other nodes never read the config.
+    """
+    try:
+        from megarl.config import load_config
+        from megarl.errors import ConfigError
+    except ImportError as err:
+        import sys
+
+        raise LaunchError(
+            f"cannot read the resource pools of {config}: this Python ({sys.executable}) has no megarl ({err}); "
+            "set MEGARL_PYTHON to the Python of the megarl environment"
+        ) from None
+    try:
+        cfg = load_config(config, list(overrides), validate=False)  # the trainer validates the rest
+    except ConfigError as err:
+        raise LaunchError(f"cannot read the resource pools of {config}: {err}") from None
+    res = cfg.resources
+    return {key: int(res[key].nnodes) for key in POOL_KEYS if res.get(key) is not None}
+
+
+def describe_pools(pools: Mapping[str, int]) -> str:
+    """``actor_pool 1 + critic_pool 1 = 2``"""
+    terms = " + ".join(f"{key} {n}" for key, n in pools.items())
+    return f"{terms} = {sum(pools.values())}" if len(pools) > 1 else terms
+
+
+def pool_nodes(alloc: Allocation, config: str, overrides: Sequence[str]) -> dict[str, int]:
+    """Nodes of each resource pool of the run on this allocation, the actor's first.
+
+    Every pool takes whole nodes of its own: the pools other than the actor's keep the nnodes the config
+    (with the user's overrides) gives them; the actor's pool gets the nodes they leave, and that is the
+    ``resources.actor_pool.nnodes`` the launcher passes. LaunchError, naming the pools, their nodes and
+    the allocation's, when they leave the actor pool no node, or when the user's own overrides (which
+    come after the launcher's and win) make the pools' total differ from the allocation's nodes.
+    """
+    n = alloc.num_nodes
+    configured = config_pool_nodes(config, overrides)
+    others = {key: nodes for key, nodes in configured.items() if key != "actor_pool"}
+    taken = sum(others.values())
+    actor = n - taken
+    if actor < 1:
+        raise LaunchError(
+            f"the resource pools of {config} need more than the allocation's {n} node(s): "
+            f"{describe_pools(others)} node(s) (resources.*_pool.nnodes) plus at least 1 for actor_pool, which "
+            f"gets the nodes the other pools leave; submit with sbatch --nodes={taken + 1} (or more), or give "
+            "those pools fewer nodes"
+        )
+    # What the trainer will read: the launcher's actor nnodes, then the user's overrides (which win).
+    final = config_pool_nodes(config, [f"resources.actor_pool.nnodes={actor}", *overrides])
+    total = sum(final.values())
+    if total != n:
+        raise LaunchError(
+            f"the resource pools of {config} take {describe_pools(final)} node(s) (resources.*_pool.nnodes, with "
+            f"your overrides) but the allocation has {n}; submit with sbatch --nodes={total}, or leave "
+            f"resources.actor_pool.nnodes to the launcher (it gives the actor pool the {actor} node(s) the other "
+            "pools leave)"
+        )
+    return final
+
+
+def derived_overrides(
+    alloc: Allocation, settings: LaunchSettings, head_address: str, pools: Mapping[str, int]
+) -> list[str]:
+    """Config overrides that follow from the allocation; the user's own overrides come after and win.
+
+    ``pools``: nodes of each resource pool (``pool_nodes``). The actor pool's nnodes is its entry; with
+    GPUs allocated, every pool's devices_per_node is the GPUs per node (each pool has whole nodes).
+    """
     overrides = [
         f"resources.ray_address={head_address}",
-        f"resources.actor_pool.nnodes={alloc.num_nodes}",
+        f"resources.actor_pool.nnodes={pools['actor_pool']}",
     ]
     if alloc.gpus_per_node > 0:
-        overrides += [f"resources.actor_pool.devices_per_node={alloc.gpus_per_node}", "resources.device=cuda"]
+        keys = ["actor_pool"] + [key for key in pools if key != "actor_pool"]
+        overrides += [f"resources.{key}.devices_per_node={alloc.gpus_per_node}" for key in keys]
+        overrides.append("resources.device=cuda")
     if settings.checkpoint_dir:
         overrides.append(f"trainer.default_local_dir={settings.checkpoint_dir}")
     return overrides
 
 
 def plan_node(
-    alloc: Allocation, settings: LaunchSettings, rank: int, config: str, overrides: list[str], head_ip: str
+    alloc: Allocation,
+    settings: LaunchSettings,
+    rank: int,
+    config: str,
+    overrides: list[str],
+    head_ip: str,
+    pools: Optional[Mapping[str, int]] = None,
 ) -> NodePlan:
-    """The commands of node ``rank`` (0 = head + driver)."""
+    """The commands of node ``rank`` (0 = head + driver).
+
+    ``pools``: nodes of each resource pool; None on node 0 reads them from the config (``pool_nodes``,
+    which refuses pools that do not fit the allocation). The other nodes do not need them.
+    """
     if settings.node_ips and len(settings.node_ips) != alloc.num_nodes:
         raise LaunchError(
             f"MEGARL_NODE_IPS has {len(settings.node_ips)} addresses but the allocation has {alloc.num_nodes} "
@@ -188,8 +278,11 @@ def plan_node(
         # Collectives bind to the fast fabric, not to whatever interface the hostname resolves to.
         env.update(NCCL_SOCKET_IFNAME=settings.net_iface, GLOO_SOCKET_IFNAME=settings.net_iface)
     driver = None
+    head_pools: dict[str, int] = {}
     if rank == 0:
-        driver = shlex.split(settings.entrypoint) + [config] + derived_overrides(alloc, settings, head_address)
+        head_pools = dict(pools) if pools is not None else pool_nodes(alloc, config, overrides)
+        driver = shlex.split(settings.entrypoint) + [config]
+        driver += derived_overrides(alloc, settings, head_address, head_pools)
         driver += overrides
     return NodePlan(
         rank=rank,
@@ -200,6 +293,7 @@ def plan_node(
         env=env,
         expected_nodes=alloc.num_nodes,
         driver=driver,
+        pools=head_pools,
     )
 
 
@@ -219,6 +313,11 @@ def format_plan(plans: list[NodePlan], settings: LaunchSettings) -> str:
                 f"# wait until the head is up (timeout {settings.head_start_timeout_s:g} s), then until "
                 f"{p.expected_nodes} Ray nodes are alive (timeout {settings.wait_timeout_s:g} s)"
             )
+            if p.pools:
+                lines.append(
+                    f"# resource pools, nodes: {describe_pools(p.pools)} (the allocation's {p.expected_nodes}); "
+                    "the actor pool gets the nodes the others leave"
+                )
             lines.append(f"RAY_ADDRESS={p.head_address} " + shlex.join(p.driver))
             lines.append("# then stop this node's Ray processes; workers stop once the head is gone")
         else:
@@ -229,7 +328,14 @@ def format_plan(plans: list[NodePlan], settings: LaunchSettings) -> str:
     return "\n".join(lines)
 
 
-def plan_cluster(alloc: Allocation, settings: LaunchSettings, config: str, overrides: list[str]) -> list[NodePlan]:
-    """Plans of every node (for the dry run); a real node executes only ``plans[alloc.node_rank]``."""
+def plan_cluster(
+    alloc: Allocation,
+    settings: LaunchSettings,
+    config: str,
+    overrides: list[str],
+    pools: Optional[Mapping[str, int]] = None,
+) -> list[NodePlan]:
+    """Plans of every node (for the dry run); a real node executes only ``plans[alloc.node_rank]``.
+    ``pools``: as for ``plan_node`` (None: read from the config)."""
     head_ip = resolve_head_ip(alloc, settings)
-    return [plan_node(alloc, settings, r, config, overrides, head_ip) for r in range(alloc.num_nodes)]
+    return [plan_node(alloc, settings, r, config, overrides, head_ip, pools) for r in range(alloc.num_nodes)]

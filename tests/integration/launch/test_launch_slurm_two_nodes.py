@@ -93,6 +93,11 @@ class FakeAllocation:
             "STANDIN_HOLD_S": str(hold_s),
             "OMP_NUM_THREADS": "1",
         }
+        # Node 0 reads the config's resource pools before Ray starts: the stand-in runs get a minimal one
+        # (an actor pool only, which the launcher spreads over every node).
+        config = workdir / "experiment.yaml"
+        if not config.exists():
+            config.write_text("resources:\n  device: cpu\n  actor_pool: {nnodes: 1, devices_per_node: 1}\n")
         self.base_env.pop("SLURM_GPUS_ON_NODE", None)
         self.base_env.pop("SLURM_GPUS_PER_NODE", None)
         self.base_env.pop("RAY_ADDRESS", None)

@@ -19,6 +19,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[3]
 K8S = REPO / "launch" / "k8s"
+POOL_KEYS = ("actor_pool", "critic_pool", "ref_pool", "reward_model_pool", "rollout_pool")
 
 
 def load(name: str) -> dict[str, Any]:
@@ -127,10 +128,23 @@ def test_rayjob_entrypoint_matches_cluster_and_schema() -> None:
     assert cfg.resources.ray_address == "auto"
     assert cfg.resources.device == "cuda"
     groups = spec["rayClusterSpec"]["workerGroupSpecs"]
-    assert cfg.resources.actor_pool.nnodes == sum(g["replicas"] for g in groups)
+    # Each pool takes whole worker pods: the pools' nodes add up to the replicas.
+    pools = [cfg.resources[key] for key in POOL_KEYS if cfg.resources.get(key) is not None]
+    assert sum(pool.nnodes for pool in pools) == sum(g["replicas"] for g in groups)
     gpus = {int(g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]) for g in groups}
-    assert gpus == {cfg.resources.actor_pool.devices_per_node}
+    assert gpus == {pool.devices_per_node for pool in pools}
     assert cfg.trainer.default_local_dir.startswith("/mnt/shared/"), "checkpoints must go to the shared volume"
+
+
+@pytest.mark.parametrize("name", ["raycluster.yaml", "rayjob.yaml"])
+def test_manifests_say_how_to_size_the_actor_pool_next_to_other_pools(name: str) -> None:
+    """A manifest cannot read the config: its comments say the actor pool gets the pods the other pools leave."""
+    header = "\n".join(line for line in (K8S / name).read_text().splitlines() if line.startswith("#"))
+    assert "resources.actor_pool.nnodes = worker replicas minus the nnodes of" in " ".join(
+        part.lstrip("# ").strip() for part in header.splitlines())
+    for key in POOL_KEYS[1:]:
+        assert key.split("_pool")[0] in header, f"{name}: the comments should name {key}"
+    assert "devices_per_node = nvidia.com/gpu per" in header
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:

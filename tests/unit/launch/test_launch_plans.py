@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[3]
 SLURM_DIR = REPO / "launch" / "slurm"
 sys.path.insert(0, str(SLURM_DIR))
 
-from node_plan import LaunchSettings, derived_overrides, plan_cluster, plan_node  # noqa: E402
+from node_plan import POOL_KEYS, LaunchSettings, derived_overrides, plan_cluster, plan_node, pool_nodes  # noqa: E402
 from slurm_env import Allocation, LaunchError  # noqa: E402
 
 SHELL_SCRIPTS = sorted(REPO.glob("launch/**/*.sh")) + sorted(REPO.glob("launch/**/*.sbatch"))
@@ -28,11 +28,14 @@ def flag_value(cmd: list[str], flag: str) -> str:
 
 
 GPU_ALLOC = Allocation(hosts=("gpu01", "gpu02", "gpu03"), node_rank=0, gpus_per_node=8, cpus_per_node=96)
+ACTOR_ONLY = {"actor_pool": 3}  # the pools' nodes of a config with only an actor pool, on GPU_ALLOC
+GRPO = "configs/grpo_qwen2.5_7b_gsm8k.yaml"  # an actor pool only: 1 node x 8
+PPO = "configs/ppo_llama3.1_8b_gsm8k.yaml"  # actor_pool 1 node + critic_pool 1 node, x 8
 
 
 def test_plan_head_and_workers() -> None:
     settings = LaunchSettings(node_ips=("10.0.0.1", "10.0.0.2", "10.0.0.3"), ray_port=6400)
-    plans = plan_cluster(GPU_ALLOC, settings, "cfg.yaml", ["actor.optim.lr=1e-6"])
+    plans = plan_cluster(GPU_ALLOC, settings, "cfg.yaml", ["actor.optim.lr=1e-6"], pools=ACTOR_ONLY)
     assert [p.host for p in plans] == ["gpu01", "gpu02", "gpu03"]
     head, workers = plans[0], plans[1:]
     assert head.is_head and "--head" in head.ray_start and "--block" in head.ray_start
@@ -60,7 +63,9 @@ def test_plan_head_and_workers() -> None:
 
 def test_derived_overrides_cpu_cluster_and_checkpoint_dir() -> None:
     alloc = Allocation(hosts=("c1", "c2"), node_rank=0, gpus_per_node=0, cpus_per_node=4)
-    overrides = derived_overrides(alloc, LaunchSettings(checkpoint_dir="/shared/runs/x"), "1.2.3.4:6379")
+    overrides = derived_overrides(
+        alloc, LaunchSettings(checkpoint_dir="/shared/runs/x"), "1.2.3.4:6379", {"actor_pool": 2}
+    )
     # No GPUs: the config keeps its own device and devices_per_node.
     assert overrides == [
         "resources.ray_address=1.2.3.4:6379",
@@ -72,7 +77,7 @@ def test_derived_overrides_cpu_cluster_and_checkpoint_dir() -> None:
 def test_derived_overrides_are_valid_config_keys() -> None:
     from megarl.config import load_config
 
-    overrides = derived_overrides(GPU_ALLOC, LaunchSettings(checkpoint_dir="/shared/ck"), "10.0.0.1:6379")
+    overrides = derived_overrides(GPU_ALLOC, LaunchSettings(checkpoint_dir="/shared/ck"), "10.0.0.1:6379", ACTOR_ONLY)
     cfg = load_config(None, overrides, validate=False)
     assert cfg.resources.ray_address == "10.0.0.1:6379"
     assert (cfg.resources.actor_pool.nnodes, cfg.resources.actor_pool.devices_per_node) == (3, 8)
@@ -81,7 +86,7 @@ def test_derived_overrides_are_valid_config_keys() -> None:
 
 def test_network_interface_exported_for_nccl_and_gloo() -> None:
     settings = LaunchSettings(node_ips=("10.0.0.1", "10.0.0.2", "10.0.0.3"), net_iface="ib0")
-    for plan in plan_cluster(GPU_ALLOC, settings, "cfg.yaml", []):
+    for plan in plan_cluster(GPU_ALLOC, settings, "cfg.yaml", [], pools=ACTOR_ONLY):
         assert plan.env == {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "ib0"}
 
 
@@ -91,7 +96,7 @@ def test_network_interface_sets_the_worker_nodes_ray_address_and_the_head_keeps_
     # every machine has); a node planned from elsewhere (a dry run) shows what it will read.
     settings = LaunchSettings(net_iface="lo")
     on_node_1 = Allocation(hosts=("gpu01", "gpu02", "gpu03"), node_rank=1, gpus_per_node=8, cpus_per_node=96)
-    plans = [plan_node(on_node_1, settings, rank, "cfg.yaml", [], "10.0.0.1") for rank in range(3)]
+    plans = [plan_node(on_node_1, settings, rank, "cfg.yaml", [], "10.0.0.1", ACTOR_ONLY) for rank in range(3)]
     assert flag_value(plans[0].ray_start, "--node-ip-address") == "10.0.0.1"
     assert flag_value(plans[1].ray_start, "--node-ip-address") == "127.0.0.1"
     assert flag_value(plans[2].ray_start, "--node-ip-address") == "<lo address on gpu03>"
@@ -133,10 +138,102 @@ def test_head_resolving_to_loopback_is_refused_for_multi_node() -> None:
     with pytest.raises(LaunchError, match="resolves to the loopback address 127"):
         plan_cluster(two, LaunchSettings(), "cfg.yaml", [])
     one = Allocation(hosts=("localhost",), node_rank=0, gpus_per_node=0, cpus_per_node=1)
-    assert plan_cluster(one, LaunchSettings(), "cfg.yaml", [])[0].head_address.startswith("127.")
+    plan = plan_cluster(one, LaunchSettings(), "cfg.yaml", [], pools={"actor_pool": 1})[0]
+    assert plan.head_address.startswith("127.")
     # An explicit address list is trusted (the loopback test cluster uses it).
-    plans = plan_cluster(two, LaunchSettings(node_ips=("127.0.0.1", "127.0.0.1")), "cfg.yaml", [])
+    plans = plan_cluster(two, LaunchSettings(node_ips=("127.0.0.1", "127.0.0.1")), "cfg.yaml", [], {"actor_pool": 2})
     assert plans[1].head_address == "127.0.0.1:6379"
+
+
+def gpu_nodes(n: int, gpus: int = 8) -> Allocation:
+    return Allocation(hosts=tuple(f"gpu{k:02d}" for k in range(1, n + 1)), node_rank=0, gpus_per_node=gpus,
+                      cpus_per_node=96)
+
+
+def resolved_pools(config: str, overrides: list[str]) -> dict[str, tuple[int, int]]:
+    """(nnodes, devices_per_node) of every set pool of what `megarl train CONFIG OVERRIDES` reads."""
+    from megarl.config import load_config
+
+    res = load_config(REPO / config, overrides, validate=False).resources
+    return {k: (res[k].nnodes, res[k].devices_per_node) for k in POOL_KEYS if res.get(k) is not None}
+
+
+def test_pool_keys_are_the_schemas_pools() -> None:
+    import dataclasses
+
+    from megarl.config.schema import ResourcesConfig
+
+    fields = [f.name for f in dataclasses.fields(ResourcesConfig) if "PoolConfig" in str(f.type)]
+    assert list(POOL_KEYS) == fields
+
+
+def test_ppo_recipe_on_two_nodes_gives_the_actor_one_node_and_the_critic_the_other() -> None:
+    alloc = gpu_nodes(2)
+    pools = pool_nodes(alloc, str(REPO / PPO), [])
+    assert pools == {"actor_pool": 1, "critic_pool": 1}
+    overrides = derived_overrides(alloc, LaunchSettings(), "10.0.0.1:6379", pools)
+    assert overrides == [
+        "resources.ray_address=10.0.0.1:6379",
+        "resources.actor_pool.nnodes=1",
+        "resources.actor_pool.devices_per_node=8",
+        "resources.critic_pool.devices_per_node=8",
+        "resources.device=cuda",
+    ]
+    # What the trainer reads: the recipe's own layout (it was written for 2 nodes x 8).
+    assert resolved_pools(PPO, overrides) == resolved_pools(PPO, []) == {"actor_pool": (1, 8), "critic_pool": (1, 8)}
+    # On 3 nodes the actor pool gets the 2 the critic leaves.
+    assert pool_nodes(gpu_nodes(3), str(REPO / PPO), []) == {"actor_pool": 2, "critic_pool": 1}
+
+
+def test_grpo_recipe_on_its_node_is_unchanged_and_scales_out() -> None:
+    for n in (1, 2):
+        alloc = gpu_nodes(n)
+        pools = pool_nodes(alloc, str(REPO / GRPO), [])
+        assert pools == {"actor_pool": n}
+        overrides = derived_overrides(alloc, LaunchSettings(), "10.0.0.1:6379", pools)
+        assert resolved_pools(GRPO, overrides) == {"actor_pool": (n, 8)}
+    assert resolved_pools(GRPO, []) == {"actor_pool": (1, 8)}
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_every_shipped_recipe_on_exactly_its_nodes_keeps_its_pools(recipe: str) -> None:
+    """A recipe launched on the nodes its pools add up to (with its GPUs per node) keeps every pool as written."""
+    from megarl.config import load_config
+
+    config = f"configs/{recipe}"
+    own = resolved_pools(config, [])
+    gpus = own["actor_pool"][1] if load_config(REPO / config, validate=False).resources.device == "cuda" else 0
+    alloc = gpu_nodes(sum(nodes for nodes, _ in own.values()), gpus)
+    pools = pool_nodes(alloc, str(REPO / config), [])
+    assert resolved_pools(config, derived_overrides(alloc, LaunchSettings(), "10.0.0.1:6379", pools)) == own
+
+
+def test_pools_that_do_not_fit_the_allocation_are_refused_naming_them() -> None:
+    # PPO on one node: the critic takes it and leaves none for the actor.
+    with pytest.raises(LaunchError) as err:
+        pool_nodes(gpu_nodes(1), str(REPO / PPO), [])
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "allocation's 1 node(s): critic_pool 1 node(s)" in msg and "at least 1 for actor_pool" in msg
+    assert "sbatch --nodes=2" in msg
+    # The user's own actor nnodes wins over the launcher's; then the total must still be the allocation's.
+    with pytest.raises(LaunchError) as err:
+        pool_nodes(gpu_nodes(2), str(REPO / PPO), ["resources.actor_pool.nnodes=2"])
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "take actor_pool 2 + critic_pool 1 = 3 node(s)" in msg and "the allocation has 2" in msg
+    assert "sbatch --nodes=3" in msg
+    # An override that agrees with the allocation is fine, and so is one that drops a pool.
+    assert pool_nodes(gpu_nodes(2), str(REPO / PPO), ["resources.actor_pool.nnodes=1"]) == {
+        "actor_pool": 1, "critic_pool": 1}
+    assert pool_nodes(gpu_nodes(2), str(REPO / PPO), ["resources.critic_pool=null"]) == {"actor_pool": 2}
+
+
+def test_a_config_that_cannot_be_read_is_refused_on_the_head_only() -> None:
+    with pytest.raises(LaunchError, match="cannot read the resource pools of no/such.yaml: config file not found"):
+        plan_node(gpu_nodes(2), LaunchSettings(), 0, "no/such.yaml", [], "10.0.0.1")
+    # The other nodes never read the config.
+    assert plan_node(gpu_nodes(2), LaunchSettings(), 1, "no/such.yaml", [], "10.0.0.1").driver is None
 
 
 def slurm_env(**extra: str) -> dict[str, str]:
@@ -170,8 +267,9 @@ def parse_dry_run(text: str) -> dict[int, list[list[str]]]:
 
 def test_bootstrap_dry_run_prints_each_nodes_commands() -> None:
     done = subprocess.run(
-        [sys.executable, str(SLURM_DIR / "bootstrap.py"), "--dry-run", "cfg.yaml", "rollout.n=16"],
+        [sys.executable, str(SLURM_DIR / "bootstrap.py"), "--dry-run", GRPO, "rollout.n=16"],
         env=slurm_env(MEGARL_NET_IFACE="ib0"),
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,
@@ -188,7 +286,7 @@ def test_bootstrap_dry_run_prints_each_nodes_commands() -> None:
     assert driver[1:] == [
         "megarl",
         "train",
-        "cfg.yaml",
+        GRPO,
         "resources.ray_address=10.1.0.7:6379",
         "resources.actor_pool.nnodes=2",
         "resources.actor_pool.devices_per_node=4",
@@ -216,8 +314,9 @@ def test_bootstrap_reports_a_bad_allocation() -> None:
 
 def test_sbatch_dry_run_shows_srun_and_node_plans() -> None:
     done = subprocess.run(
-        ["bash", str(SLURM_DIR / "megarl.sbatch"), "cfg.yaml", "actor.optim.lr=1e-6"],
+        ["bash", str(SLURM_DIR / "megarl.sbatch"), GRPO, "actor.optim.lr=1e-6"],
         env=slurm_env(MEGARL_DRY_RUN="1"),
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,
@@ -226,7 +325,7 @@ def test_sbatch_dry_run_shows_srun_and_node_plans() -> None:
     srun = shlex.split(done.stdout.splitlines()[0].removeprefix("# "))
     assert srun[0] == "srun"
     assert {"--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=32", "--kill-on-bad-exit=1"} <= set(srun)
-    assert srun[-4:] == ["-u", str(SLURM_DIR / "bootstrap.py"), "cfg.yaml", "actor.optim.lr=1e-6"]
+    assert srun[-4:] == ["-u", str(SLURM_DIR / "bootstrap.py"), GRPO, "actor.optim.lr=1e-6"]
     nodes = parse_dry_run(done.stdout)
     assert sorted(nodes) == [0, 1]
     driver = next(c for c in nodes[0] if c and c[0].startswith("RAY_ADDRESS="))
@@ -237,8 +336,9 @@ def test_sbatch_dry_run_shows_srun_and_node_plans() -> None:
 
 def test_bootstrap_dry_run_from_the_environment() -> None:
     done = subprocess.run(
-        [sys.executable, str(SLURM_DIR / "bootstrap.py"), "cfg.yaml"],
+        [sys.executable, str(SLURM_DIR / "bootstrap.py"), GRPO],
         env=slurm_env(MEGARL_DRY_RUN="1", MEGARL_RAY_PORT="7100"),
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,
@@ -248,6 +348,38 @@ def test_bootstrap_dry_run_from_the_environment() -> None:
     worker_start = next(c for c in nodes[1] if c[:2] == ["ray", "start"])
     assert flag_value(worker_start, "--address") == "10.1.0.7:7100"
     assert not any(["ray", "stop", "--force"] in cmds for cmds in nodes.values())
+
+
+def test_bootstrap_dry_run_of_the_ppo_recipe_on_two_nodes() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SLURM_DIR / "bootstrap.py"), "--dry-run", PPO],
+        env=slurm_env(SLURM_GPUS_PER_NODE="8"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "# resource pools, nodes: actor_pool 1 + critic_pool 1 = 2 (the allocation's 2)" in done.stdout
+    driver = next(c for c in parse_dry_run(done.stdout)[0] if c and c[0].startswith("RAY_ADDRESS="))
+    assert "resources.actor_pool.nnodes=1" in driver and "resources.critic_pool.devices_per_node=8" in driver
+
+
+def test_pools_that_do_not_fit_are_refused_before_ray_starts() -> None:
+    # PPO (actor_pool 1 + critic_pool 1) on a one-node allocation: the sbatch dry run, then node 0 for real.
+    one_node = slurm_env(SLURM_JOB_NODELIST="gpu07", SLURM_JOB_NUM_NODES="1", MEGARL_NODE_IPS="10.1.0.7",
+                         MEGARL_HEAD_START_TIMEOUT="5", MEGARL_WAIT_TIMEOUT="5")
+    commands = {
+        "sbatch dry run": (["bash", str(SLURM_DIR / "megarl.sbatch"), PPO], {**one_node, "MEGARL_DRY_RUN": "1"}),
+        "node 0": ([sys.executable, str(SLURM_DIR / "bootstrap.py"), PPO], {**one_node, "SLURM_NODEID": "0"}),
+    }
+    for what, (cmd, env) in commands.items():
+        done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, f"{what}: {done.stdout}{done.stderr}"
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: the resource pools of " + PPO), f"{what}: {lines}"
+        assert "allocation's 1 node(s): critic_pool 1 node(s)" in lines[0] and "sbatch --nodes=2" in lines[0]
+        assert "RAY_ADDRESS=" not in done.stdout and "ray start" not in done.stdout + done.stderr
 
 
 def test_sbatch_without_config_prints_usage() -> None:
