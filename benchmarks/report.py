@@ -375,7 +375,8 @@ def _gpu(result: dict[str, Any]) -> list[str]:
     check = result.get("gpu_check")
     lines = [f"Device: {result.get('device')}", ""]
     if check:
-        lines += [f"`tools/gpu_check.sh` from the offline bundle: {check['steps']}; colocated GRPO run "
+        lines += [f"`tools/gpu_check.sh` (each call's `bundle:` line in the raw summaries says how its packages "
+                  f"were installed): {check['steps']}; colocated GRPO run "
                   f"({check['train_steps']} steps, bf16, every actor offload key on): peak device memory "
                   f"{fmt(check['colocated_peak_ratio_max'])}x the larger phase peak (limit 1.1). Raw files: "
                   f"`{check['files']}`.", ""]

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from reshard import LAYOUTS, SIZES, hf_config  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "sync_verify.json"
-CASE_LAYOUTS = ("tp2->tp1", "tp2->tp2")  # every byte of the model moves / half of it moves
+CASE_LAYOUTS = ("tp2->tp1", "tp2->tp2")  # every byte of the model moves / nothing moves
 
 
 def _worker(rank: int, world: int, port: int, cases: list[tuple[str, str]], shapes: dict[str, dict],
