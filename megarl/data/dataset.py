@@ -372,7 +372,7 @@ class RLDataset:
                     "ground_truth": reward_model.get(GROUND_TRUTH)
                     if isinstance(reward_model, dict)
                     else None,
-                    "reward_style": reward_model.get("style") if isinstance(reward_model, dict) else None,
+                    "reward_style": style_of(reward_model),
                     "extra_info": extra_info or {},
                     "ability": ability,
                     "index": int(indices[k]) % len(self),

@@ -32,12 +32,15 @@ class RowLocator:
 
 
 # Who judges a row (``reward_model.style``): the rule scorers, or a reward model (`reward_model.*`).
+# A style beginning with "rule-" (public datasets name the rule: DAPO-Math-17k's
+# "rule-lighteval/MATH_v2") is "rule".
 REWARD_STYLES = ("rule", "model")
 
 
 def style_of(reward_model: Any) -> Any:
-    """A row's ``reward_model.style`` ("rule", "model"), None when it has none."""
-    return reward_model.get("style") if isinstance(reward_model, dict) else None
+    """A row's ``reward_model.style`` ("rule", "model"; "rule-..." read as "rule"), None when it has none."""
+    style = reward_model.get("style") if isinstance(reward_model, dict) else None
+    return "rule" if isinstance(style, str) and style.startswith("rule-") else style
 
 
 class RowChecker:
@@ -75,7 +78,7 @@ class RowChecker:
         style = style_of(reward_model)
         if style is not None and style not in REWARD_STYLES:
             raise row_error(*self.locate(global_row), REWARD_MODEL,
-                            f"style {style!r}; valid: {list(REWARD_STYLES)} (or none: 'rule')")
+                            f"style {style!r}; valid: {list(REWARD_STYLES)}, 'rule-<name>' (a rule) or none ('rule')")
         if self.require_ground_truth and not (self.model_scored_rows and style == "model"):
             try:
                 ground_truth_of(reward_model)

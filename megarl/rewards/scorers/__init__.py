@@ -11,13 +11,14 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from megarl.errors import ConfigError
-from megarl.rewards.scorers import arithmetic, countdown, gsm8k, math
+from megarl.rewards.scorers import arithmetic, countdown, gsm8k, math, math_dapo
 
 ScorerFn = Callable[..., dict[str, float]]
 
 SCORERS: dict[str, ScorerFn] = {
     "gsm8k": gsm8k.compute_score,
     "math": math.compute_score,
+    "math_dapo": math_dapo.compute_score,
     "countdown": countdown.compute_score,
     "arithmetic": arithmetic.compute_score,
 }
@@ -29,10 +30,14 @@ DATA_SOURCE_SCORERS: dict[str, str] = {
     "lighteval/MATH": "math",
     "DigitalLearningGmbH/MATH-lighteval": "math",
     "HuggingFaceH4/MATH-500": "math",
+    "math_dapo": "math_dapo",  # DAPO-Math-17k's rows
+    "BytedTsinghua-SIA/DAPO-Math-17k": "math_dapo",
     "countdown": "countdown",
     "arithmetic": "arithmetic",
     "arithmetic_tools": "gsm8k",  # megarl.data.tasks.arithmetic_tools: the last number of the answer counts
 }
+# Data sources judged by the scorer of their prefix (verl's convention for AIME sets: aime-2024, aime2025, ...).
+DATA_SOURCE_PREFIXES: dict[str, str] = {"aime": "math_dapo"}
 
 
 class UnknownDataSourceError(ConfigError):
@@ -44,9 +49,13 @@ def scorer_name_for(data_source: str) -> str:
     try:
         return DATA_SOURCE_SCORERS[data_source]
     except KeyError:
+        for prefix, name in DATA_SOURCE_PREFIXES.items():
+            if str(data_source).lower().startswith(prefix):
+                return name
         raise UnknownDataSourceError(
             f"no built-in scorer for data_source {data_source!r}; "
-            f"known data sources: {sorted(DATA_SOURCE_SCORERS)}. "
+            f"known data sources: {sorted(DATA_SOURCE_SCORERS)}, and those beginning with "
+            f"{sorted(DATA_SOURCE_PREFIXES)}. "
             "Configure reward.custom_reward_function.path/name to score other sources."
         ) from None
 

@@ -34,6 +34,17 @@ def test_model_rows_need_no_ground_truth_and_carry_their_style(tmp_path: Path) -
     assert list(batch["ground_truth"]) == ["3", None, "4"]
 
 
+def test_a_named_rule_style_is_a_rule(tmp_path: Path) -> None:
+    # Public datasets name the rule in the style: DAPO-Math-17k's rows say "rule-lighteval/MATH_v2".
+    tokenizer = build_char_tokenizer("0123456789+=helo", tmp_path / "tok")
+    rows = [row("1+2=", "3", index=0), row("2+2=", "4", index=1)]
+    rows[0]["reward_model"]["style"] = "rule-lighteval/MATH_v2"
+    dataset = RLDataset(write_rows(tmp_path / "named.parquet", rows), tokenizer, max_prompt_length=8,
+                        apply_chat_template=False, model_scored_rows=True)
+    assert list(dataset.collate(dataset.get_rows([0, 1]))["reward_style"]) == ["rule", "rule"]
+    assert dataset.rule_data_sources() == ["arithmetic"] and not dataset.has_model_scored_rows()
+
+
 def test_without_a_reward_model_every_row_needs_its_ground_truth(tmp_path: Path) -> None:
     tokenizer = build_char_tokenizer("0123456789+=helo", tmp_path / "tok")
     path = write_rows(tmp_path / "mixed.parquet", _rows())

@@ -13,6 +13,7 @@ from megarl.rewards.scorers import (
     countdown,
     gsm8k,
     math,
+    math_dapo,
     score_builtin,
 )
 
@@ -247,6 +248,27 @@ def test_dispatch_by_data_source() -> None:
     with pytest.raises(UnknownDataSourceError, match="'my/data'.*known data sources: .*'openai/gsm8k'"):
         score_builtin("my/data", "1", "1")
     assert {"openai/gsm8k", "math", "countdown", "arithmetic"} <= set(DATA_SOURCE_SCORERS)
+
+
+@pytest.mark.parametrize(("response", "truth", "score", "found"), [
+    ("Let me think.\nAnswer: 34", "34", 1.0, 1.0),
+    ("so the sum is 1/2.\nanswer:  $\\frac{1}{2}$.", "0.5", 1.0, 1.0),
+    ("Answer: 3\nwait, no.\nAnswer: \\boxed{12}", "12", 1.0, 1.0),  # the last answer line counts
+    ("Answer: 35", "34", -1.0, 1.0),
+    ("The answer is \\boxed{34}", "34", -1.0, 0.0),  # no answer line: DAPO's prompts ask for one
+])
+def test_math_dapo_reads_the_last_answer_line(response: str, truth: str, score: float, found: float) -> None:
+    result = math_dapo.compute_score(response, truth)
+    assert result == {"score": score, "acc": float(score > 0), "format": found}
+
+
+def test_math_dapo_searches_the_end_of_the_response() -> None:
+    late = "Answer: 34\n" + "padding " * 50
+    assert math_dapo.compute_score(late, "34")["format"] == 0.0
+    assert math_dapo.compute_score(late, "34", tail_chars=0)["score"] == 1.0  # 0: the whole response
+    # DAPO-Math-17k and AIME sets (verl's "aime" prefix rule) go to it
+    for source in ("math_dapo", "BytedTsinghua-SIA/DAPO-Math-17k", "aime-2024", "AIME2025"):
+        assert score_builtin(source, "Answer: 7", "7")["score"] == 1.0, source
 
 
 def test_scorer_options_are_checked() -> None:
