@@ -1,7 +1,8 @@
 """Checks of a HF model directory before any worker starts, without torch or transformers.
 
 - the architecture: the config's `model_type` (or `architectures`) must be one a family YAML in
-  model_specs/ lists, read here as plain YAML;
+  model_specs/ lists, read here as plain YAML; the settings that family maps only for some values
+  (its `requires:`) must have one of them, and the RoPE type must be one megarl computes;
 - the weights: megarl's Megatron engine reads safetensors only (`model.safetensors`, or shards
   named by `model.safetensors.index.json`); each file's JSON header is read and every tensor's byte
   range checked against its shape, its dtype and the file's size, so a truncated or corrupt file is
@@ -45,13 +46,72 @@ def spec_dir() -> Path:
 
 
 def family_specs() -> dict[str, dict[str, Any]]:
-    """Family name -> its YAML (`model_types`, `architectures`, ...), for every file in model_specs/."""
+    """Family name -> its YAML (`model_types`, `architectures`, ...; `_file`: the YAML's file name),
+    for every file in model_specs/."""
     out: dict[str, dict[str, Any]] = {}
     for path in sorted(spec_dir().glob("*.yaml")):
         data = yaml.safe_load(path.read_text()) or {}
         if isinstance(data, dict) and "family" in data:
+            data.setdefault("_file", path.name)
             out[str(data["family"])] = data
     return out
+
+
+def unsupported_settings(fam: dict[str, Any], hf: dict[str, Any]) -> list[str]:
+    """The settings of the HF config `hf` that the family YAML `fam` maps only for some values (its
+    `requires:` table) and that have another one, each as "HF config KEY=VALUE is not supported;
+    valid: [...] (why)". [] when none."""
+    out = []
+    for key, rule in (fam.get("requires") or {}).items():
+        found = hf.get(key, rule.get("default"))
+        if found not in rule["allowed"]:
+            out.append(f"HF config {key}={found!r} is not supported; valid: {rule['allowed']}"
+                       + (f" ({rule['why']})" if rule.get("why") else ""))
+    return out
+
+
+# RoPE types megarl's Megatron model computes (`rope_type` of the HF config's rope_parameters /
+# rope_scaling), and the keys Llama 3.x scaling reads (as transformers' `_compute_llama3_parameters`).
+ROPE_TYPES = ("default", "llama3")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def rope_settings(hf: dict[str, Any], where: str) -> tuple[float, Optional[dict[str, float]]]:
+    """(rotary base, Llama 3.x scaling or None) of the HF config `hf`, read as transformers reads
+    them: `rope_parameters` (transformers 5) or else `rope_scaling`; the base from there or the
+    top-level `rope_theta` (default 10000); with `rope_type: llama3` the dict of LLAMA3_ROPE_KEYS,
+    `original_max_position_embeddings` taken from the top level first, then from the RoPE dict, then
+    `max_position_embeddings`. Raises ConfigError naming the key (prefixed by `where`) for another
+    RoPE type or a missing or out-of-range scaling value."""
+    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope = hf.get(key) or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{where}: HF config {key} = {rope!r}: expected an object")
+    theta = next((v for v in (rope.get("rope_theta"), hf.get("rope_theta")) if v is not None), 10000.0)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ConfigError(f"{where}: HF config {key}.rope_type = {rope_type!r} is not supported; "
+                          f"valid: {list(ROPE_TYPES)}")
+    values = {k: rope.get(k) for k in LLAMA3_ROPE_KEYS}
+    for source in (hf.get("original_max_position_embeddings"), rope.get("original_max_position_embeddings"),
+                   hf.get("max_position_embeddings")):
+        if source is not None:
+            values["original_max_position_embeddings"] = source
+            break
+    missing = [k for k, v in values.items() if v is None]
+    if missing:
+        raise ConfigError(f"{where}: HF config {key} with rope_type 'llama3' lacks {missing}; "
+                          f"it needs {list(LLAMA3_ROPE_KEYS)}")
+    bad = [f"{k} = {v!r}" for k, v in values.items()
+           if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0]
+    if not bad and values["high_freq_factor"] <= values["low_freq_factor"]:
+        bad = [f"high_freq_factor = {values['high_freq_factor']!r} <= low_freq_factor = {values['low_freq_factor']!r}"]
+    if bad:
+        raise ConfigError(f"{where}: HF config {key} with rope_type 'llama3': {', '.join(bad)}; valid: positive "
+                          f"numbers {list(LLAMA3_ROPE_KEYS)} with low_freq_factor < high_freq_factor")
+    return float(theta), {k: float(v) for k, v in values.items()}
 
 
 def architecture_problem(hf: dict[str, Any], where: str, family: Optional[str]) -> Optional[str]:
@@ -59,19 +119,31 @@ def architecture_problem(hf: dict[str, Any], where: str, family: Optional[str]) 
 
     `family` (`model.spec`) picks the family by name; otherwise the config's `model_type` or one of
     its `architectures` must be listed by a family (as `ModelSpec.from_hf_config` matches them).
+    The family found must map the config's settings: its `requires:` table and the RoPE type
+    (`unsupported_settings`, `rope_settings`; `ModelSpec` refuses the same in every worker).
     """
     families = family_specs()
     if family is not None:
-        return None if family in families else (
-            f"model.spec = {family!r}: no such family in model_specs/; valid: {sorted(families)}")
+        if family not in families:
+            return f"model.spec = {family!r}: no such family in model_specs/; valid: {sorted(families)}"
+        return _settings_problem(families[family], hf, where)
     model_type = hf.get("model_type")
     archs = hf.get("architectures") or []
     for fam in families.values():
         if model_type in (fam.get("model_types") or []) or any(a in (fam.get("architectures") or []) for a in archs):
-            return None
+            return _settings_problem(fam, hf, where)
     supported = ", ".join(f"{name} ({'/'.join(f.get('model_types') or [])})" for name, f in sorted(families.items()))
     return (f"{where}: model_type = {model_type!r} (architectures {archs}) is not supported; supported families: "
             f"{supported}; or name one with model.spec")
+
+
+def _settings_problem(fam: dict[str, Any], hf: dict[str, Any], where: str) -> Optional[str]:
+    problems = [f"{where}: model spec {fam['_file']}: {p}" for p in unsupported_settings(fam, hf)]
+    try:
+        rope_settings(hf, where)
+    except ConfigError as err:
+        problems.append(str(err))
+    return "; ".join(problems) if problems else None
 
 
 def safetensors_problem(path: Path) -> Optional[str]:

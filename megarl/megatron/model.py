@@ -121,6 +121,11 @@ def build_model_chunk(spec: ModelSpec, role: str, params_dtype: torch.dtype, tp:
         position_embedding_type="rope",
         rotary_base=int(spec.rotary_base) if float(spec.rotary_base).is_integer() else spec.rotary_base,
     )
+    if spec.rope_scaling is not None:
+        # Llama 3.x RoPE scaling with the HF config's own constants, set before the first forward
+        # (RotaryEmbedding caches its output per length). GPTModel's rope_scaling would fix three of
+        # them (see ModelSpec.scaled_inv_freq).
+        model.rotary_pos_emb.inv_freq = spec.scaled_inv_freq(model.rotary_pos_emb.inv_freq)
     if not use_te:
         use_local_mlps(model)
     if scalar and post:

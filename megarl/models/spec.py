@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from megarl.config.model_files import spec_dir
+from megarl.config.model_files import rope_settings, spec_dir, unsupported_settings
 from megarl.errors import ConfigError
 from megarl.models.weight_map import WeightEntry, parse_weight_map
 
@@ -75,6 +75,9 @@ class ModelSpec:
     make_vocab_size_divisible_by: int
     tie_embeddings: bool
     attention_window: int | None = None  # longest sequence the spec computes exactly
+    # Llama 3.x RoPE scaling (HF rope_type 'llama3'): factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings; None: plain RoPE. Applied by `scaled_inv_freq`.
+    rope_scaling: dict[str, float] | None = None
     source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -108,13 +111,9 @@ class ModelSpec:
         act = fam.get("activation", "silu")
         if cfg.get("hidden_act", act) != act:
             raise ConfigError(f"{where}: hidden_act={cfg.get('hidden_act')!r}, expected {act!r}")
-        for key, rule in (fam.get("requires") or {}).items():
-            found = cfg.get(key, rule.get("default"))
-            if found not in rule["allowed"]:
-                raise ConfigError(
-                    f"{where}: HF config {key}={found!r} is not supported; valid: {rule['allowed']}"
-                    + (f" ({rule['why']})" if rule.get("why") else "")
-                )
+        unsupported = unsupported_settings(fam, cfg)  # the family's `requires:` table
+        if unsupported:
+            raise ConfigError(f"{where}: " + "; ".join(unsupported))
         values: dict[str, Any] = {}
         for field_name, rule in fam["config_map"].items():
             values[field_name] = _resolve(rule, cfg, where, field_name)
@@ -127,11 +126,7 @@ class ModelSpec:
             "untied_embeddings": not tie,
             "scalar_head": False,
         }
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ConfigError(f"{where}: rope_type={rope_type!r} is not supported (only 'default')")
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        theta, rope_scaling = rope_settings(cfg, where)
         window = cfg.get("sliding_window")
         if not cfg.get("use_sliding_window", True):
             window = None
@@ -143,7 +138,8 @@ class ModelSpec:
             weight_map=parse_weight_map(fam["weight_map"], where),
             vocab_size=int(_resolve("vocab_size", cfg, where, "vocab_size")),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            rotary_base=float(theta),
+            rotary_base=theta,
+            rope_scaling=rope_scaling,
             normalization=fam.get("normalization", "RMSNorm"),
             make_vocab_size_divisible_by=int(fam.get("make_vocab_size_divisible_by", 128)),
             tie_embeddings=tie,
@@ -204,6 +200,30 @@ class ModelSpec:
             raise ConfigError(f"{self.family}: tp={tp} must divide intermediate_size={v['ffn_hidden_size']}")
         if self.num_layers % pp:
             raise ConfigError(f"{self.family}: pp={pp} must divide num_hidden_layers={self.num_layers}")
+
+    def scaled_inv_freq(self, inv_freq: Any) -> Any:
+        """RoPE inverse frequencies `inv_freq` (float32, one per rotary pair) with this model's
+        Llama 3.x scaling applied, as transformers' `_compute_llama3_parameters` does (the same
+        operations in the same order); unchanged without scaling. Megatron-Core's own
+        `rope_scaling` (0.16) takes the factor only and fixes low_freq_factor=1, high_freq_factor=4,
+        original_max_position_embeddings=8192, so `megarl.megatron.model` applies this instead."""
+        if self.rope_scaling is None:
+            return inv_freq
+        import torch  # here, not at the top: the config checks read specs without loading torch
+
+        s = self.rope_scaling
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_context_len = s["original_max_position_embeddings"]
+        low_freq_wavelen = old_context_len / low
+        high_freq_wavelen = old_context_len / high
+        wavelen = 2 * math.pi / inv_freq
+        # Wavelengths above low_freq_wavelen: divided by factor; below high_freq_wavelen: kept;
+        # in between: interpolated.
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(medium, smoothed, scaled)
 
     # ---------------------------------------------------------------- Megatron objects
     def transformer_config(self, tp: int = 1, pp: int = 1, cp: int = 1, params_dtype: Any = None,

@@ -51,6 +51,12 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
     # GQA: 4 query heads, 2 key/value groups.
     "llama": dict(num_key_value_heads=2, tie_word_embeddings=False),
     "llama_tied": dict(num_key_value_heads=2, tie_word_embeddings=True),
+    # Llama 3.x RoPE scaling with a short original context (16), so that it changes every frequency
+    # at the tests' positions (wavelengths 6.3 (interpolated), 19.9 and longer (divided by 4)) and
+    # its constants differ from the ones Megatron-Core's own rope_scaling fixes (1, 4, 8192).
+    "llama_rope": dict(num_key_value_heads=2, tie_word_embeddings=False,
+                       rope_scaling=dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=3.0,
+                                         original_max_position_embeddings=16)),
     "qwen2": dict(num_key_value_heads=2, tie_word_embeddings=False),  # q/k/v biases
     "qwen3": dict(num_key_value_heads=2, tie_word_embeddings=False, head_dim=16),  # QK-norm
     "mistral": dict(num_key_value_heads=2, tie_word_embeddings=False, sliding_window=64),

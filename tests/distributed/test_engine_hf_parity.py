@@ -1,7 +1,7 @@
 """Engine log-probs, entropy, values and reward scores equal HF transformers with the same weights
-(tiny random Llama (GQA, tied and untied), Qwen2 (QKV bias), Qwen3 (QK-norm), Mistral), with rows
-padded per micro-batch and packed into one row; the policy's output layer computes only the
-positions that predict a response token."""
+(tiny random Llama (GQA, tied and untied, Llama 3.x RoPE scaling), Qwen2 (QKV bias), Qwen3
+(QK-norm), Mistral), with rows padded per micro-batch and packed into one row; the policy's output
+layer computes only the positions that predict a response token."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from engine_helpers import hf_logprobs, hf_weight_names, make_batch, make_hf_mod
 
 pytestmark = pytest.mark.distributed
 
-KINDS = ["llama", "llama_tied", "qwen2", "qwen3", "mistral"]
+KINDS = ["llama", "llama_tied", "llama_rope", "qwen2", "qwen3", "mistral"]
 
 
 def _engine(hf_dir: str, cfg: dict) -> Any:
@@ -63,6 +63,12 @@ def test_log_probs_and_entropy_equal_hf_for_every_family() -> None:
             assert lp_err < 1e-5 and ent_err < 1e-5, f"{kind} packed={packed}: errors {lp_err}, {ent_err}"
             # The output layer computed only the positions predicting a response token: batch x R.
             assert res["head_rows"] == mask.numel() < int(batch["attention_mask"].numel()), (kind, packed)
+    # The RoPE scaling matters here: the same weights with plain RoPE give log-probs that differ by
+    # far more than the tolerance above (7e-4 measured; the tiny model's attention is nearly uniform).
+    plain = make_hf_model("llama", seed=KINDS.index("llama_rope"))
+    plain.load_state_dict(models["llama_rope"].state_dict())
+    scaled_lp, _ = hf_logprobs(models["llama_rope"], batch, temperature=1.3)
+    assert (hf_logprobs(plain, batch, temperature=1.3)[0] - scaled_lp)[mask].abs().max() > 1e-4
     ref_lp, _ = hf_logprobs(models["llama"], batch, temperature=1.3)
     bf16_err = (got["llama_bf16"]["log_probs"].double() - ref_lp)[mask].abs().max().item()
     assert 0 < bf16_err < 0.5, f"bf16 log-probs off by {bf16_err}"

@@ -23,7 +23,9 @@ pytestmark = pytest.mark.distributed
 TRAIN_CFG = dict(lr=1e-2, eps=1e-2, weight_decay=0.0, clip_grad=1.0, micro_batch_size=2)
 CASES = {"qwen2-tp2": ("qwen2", dict(tp=2)), "qwen2-pp2": ("qwen2", dict(pp=2)),
          "llama_tied-pp2": ("llama_tied", dict(pp=2)), "qwen2-dp2": ("qwen2", dict(dp=2)),
-         "qwen2-tp2-unverified": ("qwen2", dict(tp=2))}
+         "qwen2-tp2-unverified": ("qwen2", dict(tp=2)),
+         # Llama 3.x RoPE scaling: the trainer and the HF rollout engine compute the same RoPE.
+         "llama_rope-tp2": ("llama_rope", dict(tp=2))}
 # Written straight into the HF engine's parameters: syncs that are not verified (verified ones fill
 # new tensors and hand them over after the check), at DP=2 because nothing crosses a process.
 UNVERIFIED = {"qwen2-tp2-unverified"}
