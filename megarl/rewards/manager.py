@@ -274,15 +274,20 @@ class RewardManager:
 
     def score_batch(self, batch: Any, tokenizer: Any) -> RewardResult:
         """Score a rollout Batch: decodes ``responses`` under ``response_mask`` (skipping special
-        tokens) and reads ``ground_truth``, ``data_source`` and ``extra_info``."""
+        tokens) and reads ``ground_truth``, ``data_source`` and ``extra_info``. Overlong shaping counts
+        the response's tokens of ``attention_mask`` where the batch has it: in a multi-turn rollout the
+        tool outputs too (``response_mask`` holds the model's tokens only), as rollout.response_length
+        caps both."""
         responses, mask = batch["responses"], batch["response_mask"]
+        lengths = (batch["attention_mask"][:, -responses.shape[1]:].sum(dim=1)
+                   if "attention_mask" in batch.keys() else None)
         # Plain lists: indexing each row's tensor by its mask costs ~30 us a row.
         texts = tokenizer.batch_decode(
             [[t for t, m in zip(row, keep) if m] for row, keep in zip(responses.tolist(), mask.tolist())],
             skip_special_tokens=True,
         )
         extra = batch["extra_info"] if "extra_info" in batch.keys() else None
-        result = self.score(texts, batch["ground_truth"], batch["data_source"], extra, None, mask)
+        result = self.score(texts, batch["ground_truth"], batch["data_source"], extra, lengths, mask)
         if "tool_reward" in batch.keys():  # multi-turn rollouts: the tools' calc_reward (megarl.agent)
             add_tool_rewards(result, batch["tool_reward"], mask)
         return result

@@ -55,6 +55,22 @@ def test_builtin_scores_land_on_the_last_valid_token() -> None:
     assert result.metrics["reward/num_failed"] == 0.0
 
 
+def test_overlong_shaping_counts_tool_tokens_of_a_multi_turn_response(tmp_path: Path) -> None:
+    # Model tokens "7", a 5-token tool output (response_mask 0, attention_mask 1), "7", EOS: the
+    # response is 8 tokens long against the cap of 10, 3 of them the model's.
+    tokenizer = build_char_tokenizer("0123456789+=", tmp_path)
+    seven, eos = tokenizer.convert_tokens_to_ids("7"), tokenizer.eos_token_id
+    responses = torch.tensor([[seven] + [seven] * 5 + [seven, eos, 0, 0]])
+    mask = torch.tensor([[1, 0, 0, 0, 0, 0, 1, 1, 0, 0]])
+    attention = torch.cat([torch.ones(1, 3, dtype=torch.long), torch.tensor([[1] * 8 + [0, 0]])], dim=1)
+    batch = Batch.from_dict({"responses": responses, "response_mask": mask, "attention_mask": attention},
+                            non_tensors={"ground_truth": ["77"], "data_source": ["arithmetic"], "extra_info": [{}]})
+    manager = RewardManager(overlong_enable=True, overlong_buffer_len=4, overlong_penalty_factor=1.0,
+                            max_response_length=10)
+    result = manager.score_batch(batch, tokenizer)
+    assert result.reward_info["overlong_penalty"].tolist() == pytest.approx([-(8 - 6) / 4])
+
+
 def test_overlong_penalty_matches_the_dapo_formula() -> None:
     # max 10, buffer 4: no penalty up to 6 tokens, then -(len-6)/4 * factor.
     manager = RewardManager(
