@@ -53,7 +53,13 @@ class SamplingParams:
         stop_token_ids: tokens that end a response besides the engine's EOS ids (kept in the
             response and in ``response_mask``).
         seed: when set, the same prompts, params and weights give the same samples; when None the
-            engine's own random stream (seeded at construction) continues.
+            engine's own random stream (seeded at construction) continues. Response row r of the
+            whole batch samples from a stream of its own, `megarl.rollout.seeds.row_seed(seed, r)`:
+            rows, samples of a prompt, ranks and calls with other seeds never share one.
+        row_offset: the index of this call's first prompt in the whole batch when the batch is
+            split over several engines (data-parallel ranks): prompt i's samples are rows
+            (row_offset + i) * n + c of the batch, so each rank draws its own random numbers and
+            a seeded batch samples the same whatever its split.
         greedy: argmax decoding (validation); temperature/top_p/top_k are then ignored.
         ignore_eos: keep generating after EOS / stop tokens (benchmarks).
     """
@@ -67,11 +73,14 @@ class SamplingParams:
     seed: int | None = None
     greedy: bool = False
     ignore_eos: bool = False
+    row_offset: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if self.n < 1:
             raise ConfigError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.row_offset < 0:
+            raise ConfigError(f"SamplingParams.row_offset must be >= 0, got {self.row_offset}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not self.greedy and not self.temperature > 0:
@@ -100,9 +109,11 @@ class EngineOptions:
 
     Attributes:
         pad_token_id: id written into padded response positions.
-        eos_token_ids: ids that end a response (the tokenizer's EOS and, e.g., end-of-turn ids).
+        eos_token_ids: ids that end a response: the tokenizer's EOS and the model's
+            `generation_config.json` `eos_token_id`s (end-of-turn ids such as Llama-3's
+            <|eot_id|> or Qwen2.5's <|im_end|>), see `megarl.trainer.cli.eos_token_ids`.
         dtype: "float32", "bfloat16" or "float16" (or fp32 / bf16 / fp16): weights and compute.
-        seed: the engine's random stream seed.
+        seed: the engine's random stream seed (calls without `SamplingParams.seed`).
         tensor_parallel_size: vLLM tensor-parallel ranks (the HF engine needs 1).
         logprobs_mode: "processed" (verl's default, see module doc) or "raw".
         max_model_len: longest prompt + response the engine must hold (None: model config).

@@ -29,6 +29,7 @@ from megarl.rollout.base import (
 )
 from megarl.rollout.output import assemble_rollout_batch, check_prompt_tensors, prompt_position_ids
 from megarl.rollout.sampling import sample_next_tokens
+from megarl.rollout.seeds import SEED_SPACE, row_seeds, row_uniforms
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,25 @@ def decoding_cache(config: Any, capacity: int) -> DynamicCache:
     return cache
 
 
+class _RowStreams:
+    """The random numbers of a decode: one stream per row (`megarl.rollout.seeds`), drawn one
+    uniform per row and step, computed `chunk` steps at a time for all rows at once."""
+
+    def __init__(self, seed: int, first_row: int, rows: int, device: torch.device, chunk: int = 64) -> None:
+        self.seeds = row_seeds(seed, first_row, rows)
+        self.device = device
+        self.chunk = chunk
+        self.start = 0
+        self.block: torch.Tensor | None = None
+
+    def draw(self, step: int) -> torch.Tensor:
+        """(rows,) float64: each row's uniform for decoding step `step`."""
+        if self.block is None or not self.start <= step < self.start + self.block.shape[1]:
+            self.start = step - step % self.chunk
+            self.block = torch.from_numpy(row_uniforms(self.seeds, self.start, self.chunk)).to(self.device)
+        return self.block[:, step - self.start]
+
+
 # Cache layers that hold only keys and values, so that repeating them along the batch repeats the
 # state of each sequence (`HFRolloutEngine._decode` shares a prompt's prefill among its responses).
 _REPEATABLE_CACHE_LAYERS = (DynamicLayer, PreallocatedLayer, DynamicSlidingWindowLayer)
@@ -181,7 +201,8 @@ class HFRolloutEngine(RolloutEngine):
         if self.model.config._attn_implementation == "sdpa":
             self.model.set_attn_implementation(GROUPED_SDPA)
         self.device = next(self.model.parameters()).device
-        self._generator = torch.Generator(device=self.device).manual_seed(options.seed)
+        # Draws the seed of each unseeded call (`SamplingParams.seed` None): the engine's own stream.
+        self._generator = torch.Generator().manual_seed(options.seed)
         self._canonical, self._update_parts = _weight_names(self.model)
         self._part_owner = {part: owner for owner, parts in self._update_parts.items() for part in parts}
         self._unwritten: dict[str, set[str]] = {}  # weight -> update names still missing for it
@@ -229,7 +250,8 @@ class HFRolloutEngine(RolloutEngine):
         every: int, interrupted: Callable[[int], bool],
     ) -> list[TokenContinuation]:
         """`RolloutEngine.generate_interruptible` in one decoding loop: its KV cache stays between two
-        checks, and a stop ends the loop (one random stream, `params.seed`, for the whole call)."""
+        checks, and a stop ends the loop (one random stream per context, from `params.seed`, for
+        the whole call)."""
         self._require_generate()
         budgets = token_budgets(contexts, params, max_new_tokens)
         if not contexts:
@@ -264,9 +286,8 @@ class HFRolloutEngine(RolloutEngine):
         rows = input_ids.shape[0] * n
 
         stop_ids = torch.tensor(sorted(set(self.options.eos_token_ids) | set(params.stop_token_ids)), device=self.device)
-        generator = self._generator
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        streams = None if params.greedy else _RowStreams(self._call_seed(params), params.row_offset * n, rows,
+                                                         self.device)
 
         responses = torch.full((rows, r), self.options.pad_token_id, dtype=torch.long, device=self.device)
         log_probs = torch.zeros((rows, r), dtype=torch.float32, device=self.device)
@@ -282,7 +303,8 @@ class HFRolloutEngine(RolloutEngine):
             cache.batch_repeat_interleave(n)
             logits, mask, positions = (t.repeat_interleave(n, dim=0) for t in (logits, mask, positions))
         for step in range(r):
-            tokens, step_log_probs = sample_next_tokens(logits, params, generator, self.options.logprobs_mode)
+            tokens, step_log_probs = sample_next_tokens(logits, params, None, self.options.logprobs_mode,
+                                                        uniforms=None if streams is None else streams.draw(step))
             tokens = tokens.masked_fill(finished, self.options.pad_token_id)
             responses[:, step] = tokens
             log_probs[:, step] = step_log_probs.masked_fill(finished, 0.0)
@@ -306,6 +328,12 @@ class HFRolloutEngine(RolloutEngine):
         return assemble_rollout_batch(
             prompts, responses.cpu(), lengths.cpu(), log_probs.cpu(), n, self.options.pad_token_id
         )
+
+    def _call_seed(self, params: SamplingParams) -> int:
+        """The call's seed: `params.seed`, or the next draw of the engine's own stream."""
+        if params.seed is not None:
+            return int(params.seed)
+        return int(torch.randint(0, SEED_SPACE, (1,), generator=self._generator))
 
     # -- weights --------------------------------------------------------------------------------
     def engine_model(self) -> torch.nn.Module:

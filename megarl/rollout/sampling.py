@@ -35,19 +35,37 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return scaled
 
 
+def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` (N, V) from one uniform per row (N,) in [0, 1): the first token
+    whose cumulative probability exceeds `u` x the row's total, so row i's token depends on row i's
+    probabilities and number alone. Tokens of probability 0 add nothing to the cumulative sum
+    (float64) and are never taken; the target stays below the total, where rounding would put it at
+    the end, so the last token of positive probability is the furthest one taken."""
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    target = uniforms.to(device=probs.device, dtype=torch.float64).unsqueeze(-1) * total
+    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return tokens.clamp_(max=probs.shape[-1] - 1)
+
+
 def sample_next_tokens(
     logits: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | None,
     logprobs_mode: str,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row and its log-prob.
 
     Args:
         logits: (N, V) raw next-token logits.
-        generator: the random stream for sampling (unused when greedy).
+        generator: the random stream for sampling (unused when greedy or with `uniforms`).
         logprobs_mode: "processed" (log-prob under the filtered, tempered distribution; greedy
             counts as temperature 1 without filters) or "raw" (``log_softmax(logits)``).
+        uniforms: (N,) one uniform in [0, 1) per row, drawn from each row's own stream
+            (`megarl.rollout.seeds.row_uniforms`): rows then sample by `inverse_cdf_sample`,
+            independently of one another and of the batch they are in.
     Returns:
         tokens (N,) int64 and log_probs (N,) float32.
     """
@@ -58,7 +76,10 @@ def sample_next_tokens(
     else:
         filtered = filter_logits(logits, params)
         distribution = torch.log_softmax(filtered, dim=-1)
-        tokens = torch.multinomial(distribution.exp(), num_samples=1, generator=generator).squeeze(-1)
+        if uniforms is not None:
+            tokens = inverse_cdf_sample(distribution.exp(), uniforms)
+        else:
+            tokens = torch.multinomial(distribution.exp(), num_samples=1, generator=generator).squeeze(-1)
         if logprobs_mode == "raw":
             distribution = torch.log_softmax(logits, dim=-1)
     log_probs = distribution.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -39,6 +39,7 @@ from megarl.rollout.base import (
     token_budgets,
 )
 from megarl.rollout.output import assemble_rollout_batch, pad_responses, unpad_prompts
+from megarl.rollout.seeds import row_seed
 
 logger = logging.getLogger(__name__)
 
@@ -168,8 +169,10 @@ class VLLMRolloutEngine(RolloutEngine):
                     ignore_eos=True,
                     logprobs=0,
                     detokenize=False,
-                    # vLLM gives the n children of a request seeds seed, seed+1, ...: keep prompts apart.
-                    seed=None if params.seed is None or params.greedy else params.seed + i * params.n,
+                    # vLLM gives the n children of a request seeds seed, seed+1, ...: the request's
+                    # seed is that of its first row in the whole batch (`megarl.rollout.seeds`).
+                    seed=None if params.seed is None or params.greedy
+                    else row_seed(params.seed, (params.row_offset + i) * params.n),
                 )
             )
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -31,6 +34,45 @@ def ray_cpus_needed(cfg: DictConfig) -> int:
     return int(total * per_worker + 0.999) + 1
 
 
+def generation_eos_token_ids(model_dir: str | Path) -> list[int]:
+    """The `eos_token_id` of `model_dir/generation_config.json` (an int or a list) as a list; [] when
+    the file is absent or names none. Chat models list their end-of-turn tokens there (Llama-3.1-8B-
+    Instruct: [128001, 128008, 128009], Qwen2.5-Instruct: [151645, 151643]), and HF generation stops
+    on any of them, while their tokenizers name only one EOS."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        value = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as err:
+        logger.warning("%s: not read (%s); its eos_token_id does not end responses", path, err)
+        return []
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        logger.warning("%s: eos_token_id %r is not an int or a list of ints; ignored", path, value)
+        return []
+    return [int(v) for v in values]
+
+
+def eos_token_ids(tokenizer_eos: int | None, model_dirs: Iterable[str | Path], vocab_size: int | None = None
+                  ) -> list[int]:
+    """The ids that end a response: the tokenizer's EOS first, then the `generation_config.json`
+    EOS ids of each directory in `model_dirs` (`generation_eos_token_ids`), without repeats. Ids
+    outside the tokenizer's vocabulary (`vocab_size`, when given) are left out with a warning: such
+    a file belongs to another tokenizer."""
+    ids: list[int] = [] if tokenizer_eos is None else [int(tokenizer_eos)]
+    for model_dir in model_dirs:
+        for token in generation_eos_token_ids(model_dir):
+            if vocab_size is not None and not 0 <= token < vocab_size:
+                logger.warning("%s/generation_config.json: eos_token_id %d is outside the tokenizer's %d ids; "
+                               "ignored", model_dir, token, vocab_size)
+            elif token not in ids:
+                ids.append(token)
+    return ids
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
     """Run one experiment; returns the last validation metrics. `cfg` must already be validated."""
     # Imported here, not at the top: `megarl config` and `megarl data` start without torch, Ray
@@ -45,9 +87,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
     from megarl.tracking.tracker import Tracker
 
     run = prepare_run(cfg)  # data, tokenizer, model and rewards are checked before Ray starts
-    eos = run.tokenizer.eos_token_id
-    pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else eos
-    spec = resolve_run_spec(cfg, str(run.model_dir), pad_token_id=pad, eos_token_ids=[eos],
+    # The model's own generation_config.json (model.path, or the directory the run built or linked
+    # from it) adds its end-of-turn ids to the tokenizer's EOS.
+    model_dirs = list(dict.fromkeys(str(d) for d in (run.model_dir, cfg.model.path) if d))
+    eos = eos_token_ids(run.tokenizer.eos_token_id, model_dirs, vocab_size=len(run.tokenizer))
+    if eos != [run.tokenizer.eos_token_id]:
+        logger.info("responses end on EOS ids %s (tokenizer and generation_config.json)", eos)
+    pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else (eos[0] if eos else None)
+    spec = resolve_run_spec(cfg, str(run.model_dir), pad_token_id=pad, eos_token_ids=eos,
                             total_steps=run.total_steps)
     resume_step = run.resume[0] if run.resume else None
     res = cfg.resources

@@ -278,9 +278,16 @@ class RolloutRole:
     def connect_roles(self, roles: dict[str, Any]) -> None:
         self.actor = roles.get("actor")
 
+    @property
+    def dp_rank(self) -> int:
+        """This rank's engine among the rollout's data-parallel engines (one per rollout TP group)."""
+        return self.context.rank // self.spec.tensor_parallel_size
+
     def init_engine(self) -> str:
-        """Build the engine (vLLM or HF, per `spec.engine`); returns which and why."""
-        options = dataclasses.replace(self.spec.options, seed=self.spec.options.seed + self.context.rank)
+        """Build the engine (vLLM or HF, per `spec.engine`); returns which and why. The engine's own
+        random stream (unseeded calls) is seeded per data-parallel engine: the TP ranks of one vLLM
+        engine must draw alike."""
+        options = dataclasses.replace(self.spec.options, seed=self.spec.options.seed + self.dp_rank)
         self.engine = create_rollout_engine(self.spec.engine, self.spec.model_dir, options)
         return f"{self.engine.name} ({self.engine.selection_reason})"
 
@@ -321,10 +328,10 @@ class RolloutRole:
         loop (turns and tool calls; the rollout TP group's first rank drives it and runs the tools)."""
         start = time.perf_counter()
         if self.spec.multi_turn is None:
-            out = self.engine.generate(prompts, sampling)
-        else:
-            out = multi_turn_generate(self._agent_loop(), prompts, sampling, driver=self._leads_rollout_group(),
-                                      share=self._share_in_rollout_group)
+            out = self.engine.generate(prompts, self._rows_of_shard(prompts, sampling))
+        else:  # the agent loop calls the engine with n=1, one context per episode (n per prompt)
+            out = multi_turn_generate(self._agent_loop(), prompts, self._rows_of_shard(prompts, sampling, sampling.n),
+                                      driver=self._leads_rollout_group(), share=self._share_in_rollout_group)
         if not self.spec.calculate_log_probs and "rollout_log_probs" in out:
             out.pop("rollout_log_probs")
         # How long this rank generated, on every row (the driver takes it off: async/rollout_busy_s).
@@ -354,8 +361,8 @@ class RolloutRole:
             newer = self.weight_signal.newest() > interrupt_above if self.weight_signal is not None else False
             return bool(self._share_in_rollout_group(newer))  # the ranks of one engine stop together
 
-        out = advance_rows(self.engine, rows, sampling, version, settings.chunk_tokens, interrupted,
-                           restart_stale=settings.mode == "drop")
+        out = advance_rows(self.engine, rows, self._rows_of_shard(rows, sampling), version, settings.chunk_tokens,
+                           interrupted, restart_stale=settings.mode == "drop")
         out[ROLLOUT_BUSY] = torch.full((len(out),), time.perf_counter() - start, dtype=torch.float64)
         return out
 
@@ -363,7 +370,16 @@ class RolloutRole:
         """One engine call on this rank's probe prompts (`rollout.probe_freq`), with the sampled tokens'
         log-probs whatever `calculate_log_probs` and `multi_turn` say: the weight-sync probe compares them
         with the actor's."""
-        return self.engine.generate(prompts, sampling)
+        return self.engine.generate(prompts, self._rows_of_shard(prompts, sampling))
+
+    def _rows_of_shard(self, shard: Batch, sampling: SamplingParams, per_row: int = 1) -> SamplingParams:
+        """`sampling` for this rank's DP shard: its rows counted from the shard's first row in the whole
+        batch (`SamplingParams.row_offset`, in units of `per_row` engine requests a shard row). `call_dp`
+        gives every rank an equal run of consecutive rows, so the shard of DP rank d starts at row
+        d x len(shard): a seeded row then samples from streams of its own on whichever rank it lands,
+        and (one engine call per shard) the same streams whatever the split."""
+        offset = sampling.row_offset + self.dp_rank * len(shard) * per_row
+        return dataclasses.replace(sampling, row_offset=offset)
 
     def _agent_loop(self) -> AgentLoop:
         if self.agent is None:
