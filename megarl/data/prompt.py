@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerBase
 
 from megarl.errors import ConfigError
@@ -55,6 +56,7 @@ class PromptRenderer:
         self.tokenizer = tokenizer
         self.use_chat_template = has_template if mode is None else mode
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self._plain: Tokenizer | None = None  # `plain_backend`, made on first use
 
     def text(self, prompt: Prompt) -> str:
         """The prompt as the model will see it (before tokenisation)."""
@@ -74,9 +76,23 @@ class PromptRenderer:
         texts = [self.text(p) for p in prompts]
         return self.tokenizer(texts, add_special_tokens=not self.use_chat_template)["input_ids"]
 
+    def plain_backend(self) -> Tokenizer | None:
+        """A copy of the fast tokenizer's Rust backend without padding or truncation; None for a slow
+        tokenizer. The tokenizer's own backend keeps whatever its tokenizer.json or an earlier call
+        with padding / truncation set, which would change every count; :meth:`encode_batch` (the
+        tokenizer's __call__ without them) switches both off."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        if self._plain is None:
+            self._plain = Tokenizer.from_str(backend.to_str())
+            self._plain.no_padding()
+            self._plain.no_truncation()
+        return self._plain
+
     def lengths(self, prompts: Sequence[Prompt]) -> list[int]:
         """Token count of each prompt (what :meth:`encode_batch` would return, counted)."""
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        backend = self.plain_backend()
         if backend is None:
             return [len(ids) for ids in self.encode_batch(prompts)]
         # A fast tokenizer's ids come from its Rust backend; asking it directly skips building
@@ -90,7 +106,7 @@ class PromptRenderer:
     def fingerprint_parts(self) -> list[str]:
         """What determines the token ids (for dataset cache fingerprints)."""
         tok = self.tokenizer
-        backend = getattr(tok, "backend_tokenizer", None)
+        backend = self.plain_backend()
         vocab_repr = backend.to_str() if backend is not None else repr(sorted(tok.get_vocab().items()))
         return [
             type(tok).__name__,

@@ -141,6 +141,29 @@ def test_overlong_prompts_are_dropped_counted_and_logged(
     assert dataset.locate(2) == (path, 2)
 
 
+@pytest.mark.parametrize("setting", ["padding", "truncation"])
+def test_overlong_filter_ignores_the_tokenizers_padding_and_truncation(
+    tmp_path: Path, char_tokenizer: PreTrainedTokenizerBase, cache_dir: str, setting: str
+) -> None:
+    # A tokenizer.json (or an earlier call) may leave padding or truncation on the backend: lengths
+    # measured with it were the batch's longest (every row dropped) or the cut (overlong rows kept,
+    # refused later at fetch).
+    contents = ["1=", "1234=", "12345678901="]  # 2, 5, 12 tokens
+    path = write_rows(tmp_path / "s.parquet", [row(c, answer=str(i)) for i, c in enumerate(contents)])
+    backend = char_tokenizer.backend_tokenizer
+    if setting == "padding":
+        backend.enable_padding()  # to the batch's longest
+    else:
+        backend.enable_truncation(max_length=6)
+    try:
+        dataset = RLDataset(path, char_tokenizer, max_prompt_length=8, cache_dir=cache_dir)
+    finally:
+        backend.no_padding()
+        backend.no_truncation()
+    assert dataset.prompt_lengths.tolist() == [2, 5] and dataset.num_dropped_overlong == 1
+    assert [dataset[i]["ground_truth"] for i in range(2)] == ["0", "1"]
+
+
 def test_overlong_filter_in_worker_processes_matches(
     tmp_path: Path, char_tokenizer: PreTrainedTokenizerBase, cache_dir: str
 ) -> None:
