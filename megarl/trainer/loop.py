@@ -830,7 +830,8 @@ class RLTrainer:
         sampling = self.sampling(self.global_step, validation=True)
         batches = validation_batches(self.run.val_dataset, self.cfg.data.val_batch_size)
         with self.phase("val"):
-            metrics, scored = validate(batches, lambda prompts: self.generate(prompts, sampling),
+            metrics, scored = validate(batches, lambda prompts, first: self.generate(
+                                           prompts, dataclasses.replace(sampling, row_offset=first)),
                                        lambda gen: self.score(gen)[0], sampling.n)
             self.rollout_sleep(after="val")
             self.settle_rollout_sleep()  # a checkpoint or the end of the run may follow

@@ -40,15 +40,17 @@ def summarise(scores: np.ndarray, acc: np.ndarray | None, sources: np.ndarray, u
     return metrics
 
 
-def validate(batches: Sequence[Batch], generate: Callable[[Batch], Batch],
+def validate(batches: Sequence[Batch], generate: Callable[[Batch, int], Batch],
              score: Callable[[Batch], Batch], n: int) -> tuple[dict[str, float], list[Batch]]:
     """Generate for every prompt batch and score the responses.
 
-    `generate(prompts) -> responses` (n per prompt); `score(responses) -> responses` with
-    `token_level_scores` and `reward_info/<key>` columns added. Returns the metrics and the scored
-    batches.
+    `generate(prompts, first) -> responses` (n per prompt; `first`: the index of the batch's first
+    prompt in the validation set, so that sampled validation rows take random streams of their own,
+    `SamplingParams.row_offset`); `score(responses) -> responses` with `token_level_scores` and
+    `reward_info/<key>` columns added. Returns the metrics and the scored batches.
     """
-    scored = [score(generate(batch)) for batch in batches]
+    firsts = np.cumsum([0] + [len(batch) for batch in batches[:-1]]).tolist()
+    scored = [score(generate(batch, int(first))) for batch, first in zip(batches, firsts)]
     has_acc = all("reward_info/acc" in gen for gen in scored)
     scores = np.concatenate([gen["token_level_scores"].sum(-1).numpy() for gen in scored])
     acc = np.concatenate([np.asarray(gen["reward_info/acc"], dtype=np.float64) for gen in scored]) if has_acc else None

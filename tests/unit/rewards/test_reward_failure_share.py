@@ -143,7 +143,7 @@ def test_the_trainers_scoring_call_raises_in_training_and_in_validation(user_fil
         with pytest.raises(RewardFailureError, match="failed on 2 of 3 calls"):
             RLTrainer.score(trainer, gen)
         with pytest.raises(RewardFailureError, match="failed on 2 of 3 calls"):
-            validate([gen], lambda prompts: prompts, lambda g: RLTrainer.score(trainer, g)[0], n=1)
+            validate([gen], lambda prompts, first: prompts, lambda g: RLTrainer.score(trainer, g)[0], n=1)
         scored, metrics = RLTrainer.score(trainer, gen[[2]])
     assert metrics["reward/num_failed"] == 0 and scored["token_level_scores"].tolist() == [[0.0, 1.0, 0.0, 0.0]]
 
