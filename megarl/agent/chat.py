@@ -37,6 +37,7 @@ class ToolTurnEncoder:
         if eos and base.startswith(eos, end):
             end += len(eos)  # the model's turn ends on its EOS token; what follows belongs to the tool turn
         self._prefix = base[:end]
+        self.text(["0"])  # a template that renders earlier turns otherwise is refused here, not at a tool call
 
     def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)

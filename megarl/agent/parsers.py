@@ -80,13 +80,16 @@ class HermesParser:
         except json.JSONDecodeError as err:
             return ParseError(f"the tool call is not valid JSON ({err.msg} at character {err.pos}); write "
                               '{"name": "<tool>", "arguments": {...}}', raw)
+        except (ValueError, RecursionError) as err:  # an integer past Python's digit limit, deep nesting
+            return ParseError(f"the tool call cannot be read as JSON ({type(err).__name__}); write "
+                              '{"name": "<tool>", "arguments": {...}}', raw)
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
             return ParseError('the tool call needs a "name" string: {"name": "<tool>", "arguments": {...}}', raw)
         args = obj.get("arguments", {})
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
                 return ParseError(f'"arguments" of {obj["name"]} is a string that is not JSON', raw)
         if not isinstance(args, dict):
             return ParseError(f'"arguments" of {obj["name"]} must be an object, got {type(args).__name__}', raw)

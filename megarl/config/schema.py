@@ -277,7 +277,7 @@ class MultiTurnConfig:
     tools: list[str] = field(default_factory=list)
     max_turns: int = 4  # assistant turns per episode; rollout.response_length caps model + tool tokens over all turns
     tool_timeout_s: float = 10.0  # per tool call; a call past it answers the model with a timeout error
-    max_parallel_calls: int = 8  # threads running tool calls while the engine generates other requests' turns
+    max_parallel_calls: int = 8  # threads running tool calls (with wait_for_tools false, while the engine generates)
     max_tool_response_chars: int = 256  # a longer tool output is cut before it is tokenised
     format: str = "hermes"  # tool-call format of the model's turns (megarl.agent.parsers)
     # true: each round of generation waits for every running tool call, so rounds (and the sampled

@@ -649,6 +649,10 @@ def _check_multi_turn(r: Any, multi_turn: Any) -> None:
         if name not in MULTI_TURN_TOOLS and ":" not in str(name):
             r.err(f"rollout.multi_turn.tools: unknown tool {name!r}; built in: {sorted(MULTI_TURN_TOOLS)}, "
                   "or a megarl.agent.tools.Tool subclass as 'package.module:ClassName'")
+    if multi_turn.enable and r.cfg.rollout.ignore_eos:
+        r.err("rollout.ignore_eos = true with rollout.multi_turn.enable: a turn ends on EOS before its tool calls run, "
+              "and with ignore_eos none does (every episode would be one turn that runs to the length limit, no tool "
+              "called); set ignore_eos false")
     if multi_turn.format not in MULTI_TURN_FORMATS:
         r.err(f"rollout.multi_turn.format = {multi_turn.format!r}: must be one of {sorted(MULTI_TURN_FORMATS)}")
 

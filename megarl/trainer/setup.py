@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from megarl.agent.chat import ToolTurnEncoder
 from megarl.config.model_files import weights_problems
 from megarl.config.run_files import check_run_files
 from megarl.data.dataset import RLDataset
@@ -237,6 +238,8 @@ def prepare_run(cfg: DictConfig) -> RunContext:
     check_run_files(cfg)
     run_dir = Path(cfg.trainer.default_local_dir).absolute()
     tokenizer = load_run_tokenizer(cfg)
+    if cfg.rollout.multi_turn.enable:  # a chat template that cannot render tool turns: refused now, not at a tool call
+        ToolTurnEncoder(tokenizer)
     train_loader, val_dataset = build_datasets(cfg, tokenizer)
     reward_manager = RewardManager.from_config(cfg.reward, response_length(cfg))
     reward_manager.check_data_sources(train_loader.dataset.rule_data_sources())

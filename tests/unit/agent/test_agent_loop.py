@@ -8,6 +8,7 @@ tests/integration/trainer/test_multi_turn_e2e.py runs the loop with a real model
 
 from __future__ import annotations
 
+import copy
 import string
 import threading
 import time
@@ -22,7 +23,7 @@ from megarl.agent.loop import AgentLoop, AgentSettings
 from megarl.agent.rollout import agent_metrics, multi_turn_generate
 from megarl.agent.tools import CalculatorTool, Tool, ToolResult, ToolSet
 from megarl.data.tokenizer import CHATML_SPECIAL_TOKENS, CHATML_TEMPLATE, build_char_tokenizer
-from megarl.errors import DataError
+from megarl.errors import ConfigError, DataError
 from megarl.protocol import Batch
 from megarl.rollout.base import EngineOptions, SamplingParams, TokenContinuation
 
@@ -252,6 +253,18 @@ def test_retokenize_mismatch_is_detected(tokenizer: Any) -> None:
     # "<|im_end|>" spelled with character tokens decodes to the text of the special token
     spelled = tokenizer.encode("<", add_special_tokens=False) + tokenizer.encode("|im_end|>", add_special_tokens=False)
     assert retokenize_mismatch(tokenizer, ids + spelled)
+
+
+def test_a_template_that_renders_earlier_turns_otherwise_is_refused_when_built(tokenizer: Any) -> None:
+    # As Qwen3's: the last assistant message gets an empty think block, an earlier one none; the tool
+    # turn then cannot be appended to what the model produced. Refused at construction (the driver
+    # builds one before any worker starts), not at the first tool call.
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and "
+                         "loop.last %}<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(ConfigError, match="renders an earlier turn differently once tool messages follow"):
+        ToolTurnEncoder(tok)
 
 
 def test_no_chat_template_is_refused(tmp_path: Path) -> None:

@@ -64,6 +64,7 @@ def test_bad_values_are_named(config_file: Path) -> None:
     msg = errors_of(config_file, "rollout.multi_turn.tools=[search]")
     assert "unknown tool 'search'" in msg and "calculator" in msg
     assert "rollout.multi_turn.format = 'json'" in errors_of(config_file, "rollout.multi_turn.format=json")
+    assert "rollout.ignore_eos = true with rollout.multi_turn.enable" in errors_of(config_file, "rollout.ignore_eos=true")
 
 
 def test_validation_lists_match_the_registries() -> None:

@@ -36,6 +36,10 @@ def test_no_call_is_plain_content() -> None:
     ('["calculator"]', 'needs a "name" string'),
     ('{"name": "calculator", "arguments": [1, 2]}', "must be an object, got list"),
     ('{"name": "calculator", "arguments": "not json"}', "is a string that is not JSON"),
+    # what json.loads raises besides JSONDecodeError (a degenerate policy can write either)
+    ('{"name": "c", "arguments": ' + "[" * 5000 + "]" * 5000 + "}", "cannot be read as JSON (RecursionError)"),
+    ('{"name": "c", "arguments": {"x": ' + "1" * 5000 + "}}", "cannot be read as JSON (ValueError)"),
+    ('{"name": "c", "arguments": "{\\"x\\": ' + "1" * 5000 + '}"}', "is a string that is not JSON"),
 ])
 def test_malformed_calls_become_messages_for_the_model(body: str, message: str) -> None:
     turn = HermesParser().parse(f"<tool_call>{body}</tool_call><tool_call>{{\"name\": \"ok\"}}</tool_call>")
