@@ -108,6 +108,12 @@ class RLTrainer:
         alg = self.cfg.algorithm
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon)
         self.estimator = get_advantage_estimator(alg.adv_estimator)
+        if (alg.filter_groups.enable and not self.cfg.trainer.total_training_steps
+                and self.cfg.actor.optim.lr_scheduler != "constant"):
+            logger.warning("algorithm.filter_groups with trainer.total_training_steps null: the %s learning-rate "
+                           "schedule is sized for %d steps of one generation batch each, and dynamic sampling takes "
+                           "several a step, so the run ends before the decay does; set trainer.total_training_steps",
+                           self.cfg.actor.optim.lr_scheduler, run.total_steps)
         if spec.max_logprob_gap is not None and spec.logprob_gap_uncheckable is not None:
             logger.warning("rollout.max_logprob_gap is not checked on the training rows: %s; the "
                            "training/rollout_* metrics are logged, and rollout.probe_freq checks the weight sync on "
@@ -228,7 +234,7 @@ class RLTrainer:
     def train_step(self, step: int) -> dict[str, Any]:
         cfg, alg = self.cfg, self.cfg.algorithm
         actor, ref, critic = self.workers.actor, self.workers.ref, self.workers.critic
-        metrics: dict[str, Any] = {"training/global_step": step, "training/epoch": self.run.train_loader.epoch}
+        metrics: dict[str, Any] = {"training/global_step": step}
         self.step_version = self.weights_version  # the weights this step's batch is trained from
         # Calls sent by the last step for this one (a queued generation) count as this step's.
         calls_before = self.worker_calls_sent() - self.queued_calls()
@@ -238,6 +244,7 @@ class RLTrainer:
             # 1-3. prompts -> responses -> scores (DAPO: until enough groups carry a signal); with
             #      `score_beside_pass` the scores come with the first pass of step 4
             batch, gen_metrics = self.collect_scored_batch(step, score=not self.score_beside_pass)
+            metrics["training/epoch"] = self.run.train_loader.epoch  # of the step's (last) generation batch
             metrics.update(gen_metrics)
             metrics.update(self.staleness_metrics(batch))
             metrics.update(partial_metrics(batch, self.step_version))

@@ -3,6 +3,7 @@ dynamic sampling, learning, kill-and-resume, and a bad config refused before Ray
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -333,6 +334,9 @@ def test_dapo_generation_batches_and_the_run_ends_with_its_epochs(tmp_path: Path
     # 24 prompts / 8 per round = 3 rounds an epoch: the last step began with data left and ended without.
     assert sum(rounds) >= 3 and sum(rounds) - rounds[-1] < 3, rounds
     assert len(steps) < 3 or rounds == [1, 1, 1], rounds
+    # training/epoch: the epoch of the step's last generation batch (the last step's may be the next one)
+    ends = list(itertools.accumulate(rounds))
+    assert [metrics[s]["training/epoch"] for s in steps] == [(end - 1) // 3 for end in ends], (rounds, metrics)
 
 
 def test_dapo_cap_is_a_clear_error(tmp_path: Path, task_dir: Path) -> None:
