@@ -100,7 +100,18 @@ def compute_data_metrics(
         diff_var = _unbiased_var(returns - token_values["values"])
         metrics["critic/vf_explained_var"] = 1.0 - diff_var / (_unbiased_var(returns) + VF_EXPLAINED_VAR_EPS)
 
-    response_length = response_mask.sum(-1).to(torch.float64)
+    attention: Optional[torch.Tensor] = None
+    if "attention_mask" in keys:
+        attention = batch["attention_mask"]
+        if attention.dim() != 2 or attention.shape[0] != num_seqs or attention.shape[1] < resp_len:
+            raise ValueError(
+                f"compute_data_metrics: 'attention_mask' has shape {tuple(attention.shape)}, expected "
+                f"({num_seqs}, P+{resp_len}) covering prompt and response"
+            )
+    # A response's tokens: those of the attention mask (in a multi-turn rollout the tool outputs too,
+    # which response_mask leaves out and rollout.response_length counts), else of response_mask.
+    response_tokens = response_mask if attention is None else attention[:, attention.shape[1] - resp_len:].bool()
+    response_length = response_tokens.sum(-1).to(torch.float64)
     limit = resp_len if max_response_length is None else max_response_length
     metrics.update(_stats("response_length", response_length))
     metrics["response_length/clip_ratio"] = float((response_length == limit).to(torch.float64).mean())
@@ -108,13 +119,7 @@ def compute_data_metrics(
     prompt_mask: Optional[torch.Tensor] = None
     if "prompt_mask" in keys:
         prompt_mask = batch["prompt_mask"].bool()
-    elif "attention_mask" in keys:
-        attention = batch["attention_mask"]
-        if attention.dim() != 2 or attention.shape[0] != num_seqs or attention.shape[1] < resp_len:
-            raise ValueError(
-                f"compute_data_metrics: 'attention_mask' has shape {tuple(attention.shape)}, expected "
-                f"({num_seqs}, P+{resp_len}) covering prompt and response"
-            )
+    elif attention is not None:
         prompt_mask = attention[:, : attention.shape[1] - resp_len].bool()
     if prompt_mask is not None:
         prompt_length = prompt_mask.sum(-1).to(torch.float64)

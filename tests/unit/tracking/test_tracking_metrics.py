@@ -61,6 +61,19 @@ def test_data_metrics_match_hand_computed_values() -> None:
         assert m[name] == pytest.approx(value, abs=1e-6), name
 
 
+def test_multi_turn_response_length_counts_tool_tokens() -> None:
+    # Response 0: model, tool, tool, model (the attention mask's 4 tokens, cut at the limit); the
+    # response mask holds the model's 2. The length and the cut follow rollout.response_length's count.
+    b = _batch()
+    b["response_mask"] = torch.tensor([[1, 0, 0, 1], [1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.float32)
+    b["attention_mask"][:, 3:] = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 0, 0, 0]])
+    for key in ("advantages", "returns", "values"):
+        del b[key]
+    m = compute_data_metrics(b)
+    assert m["response_length/mean"] == pytest.approx(8 / 3) and m["response_length/max"] == 4.0
+    assert m["response_length/clip_ratio"] == pytest.approx(1 / 3)
+
+
 def test_limits_override_the_tensor_widths() -> None:
     m = compute_data_metrics(_batch(), max_response_length=5, max_prompt_length=4)
     assert m["response_length/clip_ratio"] == 0.0
