@@ -12,26 +12,7 @@ from test_train_e2e import read_metrics, run_train, task_dir, write_config  # no
 
 pytestmark = pytest.mark.integration
 
-PLUGIN = '''
-from megarl.algorithms import (get_advantage_estimator, get_policy_loss, register_advantage_estimator,
-                               register_kl_estimator, register_policy_loss)
-
-
-@register_advantage_estimator("plugin_adv")
-def plugin_adv(inputs, settings):
-    return get_advantage_estimator("grpo")(inputs, settings)
-
-
-@register_policy_loss("plugin_loss")
-def plugin_loss(inputs, settings):
-    loss, metrics = get_policy_loss("vanilla")(inputs, settings)
-    return loss, {**metrics, "plugin_loss_calls": 1.0}
-
-
-@register_kl_estimator("plugin_kl")
-def plugin_kl(log_prob, ref_log_prob):
-    return (log_prob - ref_log_prob).square()
-'''
+PLUGIN = (Path(__file__).resolve().parents[2] / "unit" / "config" / "user_algorithms.py").read_text()
 
 
 def test_user_algorithms_run_in_the_driver_and_the_workers(tmp_path: Path, task_dir: Path) -> None:  # noqa: F811

@@ -13,26 +13,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[3]
-PLUGIN = '''
-from megarl.algorithms import (get_advantage_estimator, get_policy_loss, register_advantage_estimator,
-                               register_kl_estimator, register_policy_loss)
-
-
-@register_advantage_estimator("plugin_adv")
-def plugin_adv(inputs, settings):
-    return get_advantage_estimator("grpo")(inputs, settings)
-
-
-@register_policy_loss("plugin_loss")
-def plugin_loss(inputs, settings):
-    loss, metrics = get_policy_loss("vanilla")(inputs, settings)
-    return loss, {**metrics, "plugin_loss_calls": 1.0}
-
-
-@register_kl_estimator("plugin_kl")
-def plugin_kl(log_prob, ref_log_prob):
-    return (log_prob - ref_log_prob).square()
-'''
+PLUGIN = (Path(__file__).parent / "user_algorithms.py").read_text()
 USES = ("algorithm.adv_estimator=plugin_adv", "actor.policy_loss.loss_mode=plugin_loss", "actor.use_kl_loss=true",
         "actor.kl_loss_type=plugin_kl+")
 
