@@ -33,26 +33,34 @@ class ToolTurnEncoder:
         self.tokenizer = tokenizer
         base = self._render(_BASE, generation_prompt=False)
         end = base.rfind(_BASE[-1]["content"]) + len(_BASE[-1]["content"])
-        eos = tokenizer.eos_token or ""
-        if eos and base.startswith(eos, end):
-            end += len(eos)  # the model's turn ends on its EOS token; what follows belongs to the tool turn
         self._prefix = base[:end]
+        # The special token the template closes an assistant turn with (ChatML's <|im_end|>), if any: a
+        # model turn that ended on it already holds it, and the tool turn's text then starts after it.
+        specials = sorted(getattr(tokenizer, "all_special_tokens", []) or [], key=len, reverse=True)
+        self.end_of_turn = next((tok for tok in specials if tok and base.startswith(tok, end)), None)
         self.text(["0"])  # a template that renders earlier turns otherwise is refused here, not at a tool call
 
     def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
-    def text(self, outputs: Sequence[str]) -> str:
-        """The text appended after an assistant turn that ended on EOS, for these tool outputs."""
+    def text(self, outputs: Sequence[str], ended_on: int | None = None) -> str:
+        """The text appended after an assistant turn, for these tool outputs. `ended_on`: the id of the
+        turn's last token (None: the tokenizer's EOS); when it is the template's end-of-turn token, the
+        text starts after it (the model wrote it), else with it (the turn is closed as the template
+        closes it)."""
         full = self._render(_BASE + [{"role": "tool", "content": t} for t in outputs], generation_prompt=True)
         if not full.startswith(self._prefix):
             raise ConfigError(
                 "rollout.multi_turn: the chat template renders an earlier turn differently once tool messages follow "
                 f"(expected the rendering to start with {self._prefix!r}); it cannot be used for multi-turn rollouts")
-        return full[len(self._prefix):]
+        tail = full[len(self._prefix):]
+        last = self.tokenizer.eos_token if ended_on is None else self.tokenizer.convert_ids_to_tokens(int(ended_on))
+        if self.end_of_turn is not None and last == self.end_of_turn and tail.startswith(self.end_of_turn):
+            tail = tail[len(self.end_of_turn):]
+        return tail
 
-    def encode(self, outputs: Sequence[str]) -> list[int]:
-        return list(self.tokenizer.encode(self.text(outputs), add_special_tokens=False))
+    def encode(self, outputs: Sequence[str], ended_on: int | None = None) -> list[int]:
+        return list(self.tokenizer.encode(self.text(outputs, ended_on), add_special_tokens=False))
 
 
 def retokenize_mismatch(tokenizer: Any, ids: Sequence[int]) -> bool:

@@ -248,7 +248,7 @@ class AgentLoop:
         ep.tool_seconds += sum(a.seconds for a in answers)
         ep.calls = []
         cap = self.settings.max_tool_response_chars
-        ids = self.encoder.encode([a.text[:cap] for a in answers])
+        ids = self.encoder.encode([a.text[:cap] for a in answers], ended_on=ep.response_ids[-1])  # the model's last token
         room = self.settings.max_response_length - len(ep.response_ids)
         ep.append(ids[:room], model=False)
         if len(ids) >= room:

@@ -96,6 +96,19 @@ def test_tool_turn_text_is_the_chat_templates_tool_role_turn(tokenizer: Any) -> 
         "\n<|im_start|>tool\n1<|im_end|>\n<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_the_end_of_turn_token_is_there_once_whatever_ended_the_turn(tokenizer: Any) -> None:
+    # A tokenizer whose EOS is not the template's end-of-turn token (a base model's <eos> with ChatML);
+    # responses also stop on <|im_end|> (generation_config.json's ids). A turn that ended on
+    # <|im_end|> already holds it; one that ended on <eos> gets it from the tool turn.
+    tok = copy.deepcopy(tokenizer)
+    tok.eos_token = "<eos>"
+    encoder = ToolTurnEncoder(tok)
+    im_end, eos = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<eos>")
+    assert encoder.text(["7"], ended_on=im_end) == "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+    assert encoder.text(["7"], ended_on=eos) == "<|im_end|>\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+    assert ToolTurnEncoder(tokenizer).text(["7"]) == encoder.text(["7"], ended_on=im_end)  # EOS = <|im_end|>
+
+
 def test_masks_token_by_token_on_a_hand_built_conversation(tokenizer: Any) -> None:
     loop, engine = make_loop(tokenizer, calculator_script)
     out = multi_turn_generate(loop, prompt_batch(tokenizer, ["12+30"]), SamplingParams(n=1, max_new_tokens=200))
