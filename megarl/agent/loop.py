@@ -73,8 +73,9 @@ class AgentSettings:
 class _Call:
     name: str
     future: Optional[concurrent.futures.Future]  # None: answered already (a malformed call)
-    deadline: float
+    submitted: float  # time.monotonic() when the call was queued
     answer: Optional[ToolResult] = None
+    started: Optional[float] = None  # when a thread began running it (set by that thread)
 
 
 @dataclass
@@ -138,6 +139,7 @@ class AgentLoop:
         self.encoder = encoder if encoder is not None else ToolTurnEncoder(tokenizer)
         self.parser = get_parser(settings.format)
         self._pool = concurrent.futures.ThreadPoolExecutor(settings.max_parallel_calls, thread_name_prefix="tool")
+        self._last_start = 0.0  # time.monotonic() when a tool call last began running (any thread)
         self.engine_calls = 0  # batched generate_tokens calls made (for tests and profiling)
 
     def close(self) -> None:
@@ -198,7 +200,7 @@ class AgentLoop:
                         [self.settings.max_response_length - len(ep.response_ids) for ep in ready])
             if not calling:
                 return None
-            wait = max(0.0, min(c.deadline for c in calling) - time.monotonic())
+            wait = max(0.0, min(self._deadline(c) for c in calling) - time.monotonic())
             concurrent.futures.wait([c.future for c in calling], timeout=wait,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
 
@@ -215,17 +217,31 @@ class AgentLoop:
             return self._done(ep, "max_turns")
         if len(ep.response_ids) >= self.settings.max_response_length:
             return self._done(ep, "length")
-        deadline = time.monotonic() + self.settings.tool_timeout_s
-        ep.calls = [self._submit(ep, call, deadline) for call in turn.calls]
-        ep.calls += [_Call("", None, deadline, ToolResult(f"error: {err.message}", error="parse"))
-                     for err in turn.errors]
+        now = time.monotonic()
+        ep.calls = [self._submit(ep, call, now) for call in turn.calls]
+        ep.calls += [_Call("", None, now, ToolResult(f"error: {err.message}", error="parse")) for err in turn.errors]
         ep.phase = Phase.CALLING_TOOLS
         self._collect(ep)
 
-    def _submit(self, ep: Episode, call: ToolCall, deadline: float) -> _Call:
+    def _submit(self, ep: Episode, call: ToolCall, submitted: float) -> _Call:
         kwargs = ep.tools_kwargs.get(call.name, {}).get("execute_kwargs", {})
-        future = self._pool.submit(self.tools.call, ep.episode_id, call.name, call.arguments, **kwargs)
-        return _Call(call.name, future, deadline)
+        record = _Call(call.name, None, submitted)
+
+        def run() -> ToolResult:
+            record.started = self._last_start = time.monotonic()
+            return self.tools.call(ep.episode_id, call.name, call.arguments, **kwargs)
+
+        record.future = self._pool.submit(run)
+        return record
+
+    def _deadline(self, call: _Call) -> float:
+        """When `call` is answered with a timeout error: `tool_timeout_s` after it began running (the wait
+        for one of `max_parallel_calls` threads does not count); a call still queued, when no call has
+        begun running for `tool_timeout_s` since it was queued (every thread is then held by a call
+        past its timeout)."""
+        if call.started is not None:
+            return call.started + self.settings.tool_timeout_s
+        return max(call.submitted, self._last_start) + self.settings.tool_timeout_s
 
     def _collect(self, ep: Episode) -> None:
         """When every call of the turn is answered (or past its deadline): append the tool turn."""
@@ -235,10 +251,11 @@ class AgentLoop:
                 continue
             if call.future.done():
                 call.answer = call.future.result()
-            elif now >= call.deadline:
-                call.future.cancel()
-                call.answer = ToolResult(f"error: {call.name} timed out after {self.settings.tool_timeout_s:g} s",
-                                         error="timeout", timed_out=True, seconds=self.settings.tool_timeout_s)
+            elif now >= self._deadline(call):
+                queued = call.future.cancel()  # True: it never began running
+                text = (f"error: {call.name} did not start: every tool thread is held by a call past its timeout"
+                        if queued else f"error: {call.name} timed out after {self.settings.tool_timeout_s:g} s")
+                call.answer = ToolResult(text, error="timeout", timed_out=True, seconds=self.settings.tool_timeout_s)
         if any(c.answer is None for c in ep.calls):
             return
         answers = [c.answer for c in ep.calls]

@@ -276,7 +276,7 @@ class MultiTurnConfig:
     # Tools by name: built-ins (calculator, code_interpreter) or "package.module:ClassName" (a megarl.agent.tools.Tool)
     tools: list[str] = field(default_factory=list)
     max_turns: int = 4  # assistant turns per episode; rollout.response_length caps model + tool tokens over all turns
-    tool_timeout_s: float = 10.0  # per tool call; a call past it answers the model with a timeout error
+    tool_timeout_s: float = 10.0  # per tool call, from when it begins running; past it the model reads a timeout error
     max_parallel_calls: int = 8  # threads running tool calls (with wait_for_tools false, while the engine generates)
     max_tool_response_chars: int = 256  # a longer tool output is cut before it is tokenised
     format: str = "hermes"  # tool-call format of the model's turns (megarl.agent.parsers)

@@ -241,6 +241,27 @@ def test_a_tool_past_its_timeout_answers_with_a_timeout_error(tokenizer: Any) ->
     assert agent_metrics(out)["agent/tool_timeouts"] == 1.0
 
 
+def test_the_timeout_counts_from_when_a_call_runs_not_from_its_wait_for_a_thread(tokenizer: Any) -> None:
+    # One thread, four episodes calling a 0.3 s tool with a 0.6 s timeout: the last waits 0.9 s for
+    # the thread and must still run (the last two timed out without running when the wait counted).
+    loop, _ = make_loop(tokenizer, sleepy_script, ToolSet({"sleep": SleepyTool()}), tool_timeout_s=0.6,
+                        max_turns=2, max_parallel_calls=1)
+    kw = {"tools_kwargs": {"sleep": {"execute_kwargs": {"seconds": 0.3}}}}
+    out = multi_turn_generate(loop, prompt_batch(tokenizer, ["1", "2", "3", "4"], [kw] * 4),
+                              SamplingParams(max_new_tokens=200))
+    assert out["agent/tool_timeouts"].tolist() == [0.0, 0.0, 0.0, 0.0]
+    # A thread held by a call past its timeout: the call behind it is answered once no call has begun
+    # running for a timeout, without running.
+    loop, _ = make_loop(tokenizer, sleepy_script, ToolSet({"sleep": SleepyTool()}), tool_timeout_s=0.2,
+                        max_turns=2, max_parallel_calls=1)
+    kw = {"tools_kwargs": {"sleep": {"execute_kwargs": {"seconds": 1.5}}}}
+    out = multi_turn_generate(loop, prompt_batch(tokenizer, ["1", "2"], [kw] * 2), SamplingParams(max_new_tokens=200))
+    assert out["agent/tool_timeouts"].tolist() == [1.0, 1.0]
+    texts = [tokenizer.decode(out["responses"][i].tolist(), skip_special_tokens=False) for i in range(2)]
+    assert "sleep timed out after 0.2 s" in texts[0]
+    assert "sleep did not start: every tool thread is held by a call past its timeout" in texts[1]
+
+
 def test_followers_make_the_drivers_engine_calls(tokenizer: Any) -> None:
     """Tensor-parallel ranks: the follower runs no state machine and no tools, only the engine calls
     the driver planned; both return the driver's episodes."""
