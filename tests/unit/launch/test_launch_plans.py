@@ -265,15 +265,14 @@ def parse_dry_run(text: str) -> dict[int, list[list[str]]]:
     return nodes
 
 
+def bootstrap_dry_run(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """`bootstrap.py --dry-run ARGS` in the repository, under the stand-in SLURM environment plus `env`."""
+    return subprocess.run([sys.executable, str(SLURM_DIR / "bootstrap.py"), "--dry-run", *args],
+                          env=slurm_env(**env), cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
 def test_bootstrap_dry_run_prints_each_nodes_commands() -> None:
-    done = subprocess.run(
-        [sys.executable, str(SLURM_DIR / "bootstrap.py"), "--dry-run", GRPO, "rollout.n=16"],
-        env=slurm_env(MEGARL_NET_IFACE="ib0"),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = bootstrap_dry_run(GRPO, "rollout.n=16", MEGARL_NET_IFACE="ib0")
     assert done.returncode == 0, done.stderr
     nodes = parse_dry_run(done.stdout)
     assert sorted(nodes) == [0, 1]
@@ -351,14 +350,7 @@ def test_bootstrap_dry_run_from_the_environment() -> None:
 
 
 def test_bootstrap_dry_run_of_the_ppo_recipe_on_two_nodes() -> None:
-    done = subprocess.run(
-        [sys.executable, str(SLURM_DIR / "bootstrap.py"), "--dry-run", PPO],
-        env=slurm_env(SLURM_GPUS_PER_NODE="8"),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = bootstrap_dry_run(PPO, SLURM_GPUS_PER_NODE="8")
     assert done.returncode == 0, done.stderr
     assert "# resource pools, nodes: actor_pool 1 + critic_pool 1 = 2 (the allocation's 2)" in done.stdout
     driver = next(c for c in parse_dry_run(done.stdout)[0] if c and c[0].startswith("RAY_ADDRESS="))
