@@ -57,8 +57,12 @@ def reference_scores(model: transformers.PreTrainedModel, tokenizer, rows: list[
                      chat: bool = False) -> torch.Tensor:
     """transformers' score (float64) of each dumped prompt + response text, one sequence at a time.
     `chat`: the text is "u:<prompt>;a:<response>;" (what CHAT_TEMPLATE renders) without the
-    response's special tokens, as the driver re-tokenises for a reward model of another vocabulary."""
+    response's special tokens, as the driver re-tokenises for a reward model of another vocabulary.
+    Each sequence is scored at its last token, as megarl scores a response at its last one: with a
+    pad_token_id, transformers would take the last token that is not padding, and a random model
+    samples the padding id as a response token too."""
     ref = model.double()
+    ref.config.pad_token_id = None  # one unpadded sequence at a time: its last token
     out = []
     with torch.no_grad():
         for row in rows:
