@@ -303,7 +303,7 @@ class HFRolloutEngine(RolloutEngine):
             cache.batch_repeat_interleave(n)
             logits, mask, positions = (t.repeat_interleave(n, dim=0) for t in (logits, mask, positions))
         for step in range(r):
-            tokens, step_log_probs = sample_next_tokens(logits, params, None, self.options.logprobs_mode,
+            tokens, step_log_probs = sample_next_tokens(logits, params, self.options.logprobs_mode,
                                                         uniforms=None if streams is None else streams.draw(step))
             tokens = tokens.masked_fill(finished, self.options.pad_token_id)
             responses[:, step] = tokens

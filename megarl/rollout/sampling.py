@@ -52,7 +52,6 @@ def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
 def sample_next_tokens(
     logits: torch.Tensor,
     params: SamplingParams,
-    generator: torch.Generator | None,
     logprobs_mode: str,
     uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,12 +59,11 @@ def sample_next_tokens(
 
     Args:
         logits: (N, V) raw next-token logits.
-        generator: the random stream for sampling (unused when greedy or with `uniforms`).
         logprobs_mode: "processed" (log-prob under the filtered, tempered distribution; greedy
             counts as temperature 1 without filters) or "raw" (``log_softmax(logits)``).
         uniforms: (N,) one uniform in [0, 1) per row, drawn from each row's own stream
-            (`megarl.rollout.seeds.row_uniforms`): rows then sample by `inverse_cdf_sample`,
-            independently of one another and of the batch they are in.
+            (`megarl.rollout.seeds.row_uniforms`): rows sample by `inverse_cdf_sample`,
+            independently of one another and of the batch they are in. Needed unless greedy.
     Returns:
         tokens (N,) int64 and log_probs (N,) float32.
     """
@@ -76,10 +74,9 @@ def sample_next_tokens(
     else:
         filtered = filter_logits(logits, params)
         distribution = torch.log_softmax(filtered, dim=-1)
-        if uniforms is not None:
-            tokens = inverse_cdf_sample(distribution.exp(), uniforms)
-        else:
-            tokens = torch.multinomial(distribution.exp(), num_samples=1, generator=generator).squeeze(-1)
+        if uniforms is None:
+            raise ValueError("sample_next_tokens: sampling needs one uniform per row (uniforms)")
+        tokens = inverse_cdf_sample(distribution.exp(), uniforms)
         if logprobs_mode == "raw":
             distribution = torch.log_softmax(logits, dim=-1)
     log_probs = distribution.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -31,10 +31,7 @@ _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 def mix64(x: int) -> int:
     """SplitMix64's finaliser: a bijection of 64-bit integers that spreads every input bit."""
-    x &= _MASK64
-    x = ((x ^ (x >> 30)) * _M1) & _MASK64
-    x = ((x ^ (x >> 27)) * _M2) & _MASK64
-    return x ^ (x >> 31)
+    return int(_mix64_array(np.array([int(x) & _MASK64], dtype=np.uint64))[0])
 
 
 def call_base(seed: int) -> int:

@@ -40,20 +40,20 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
 def test_processed_log_prob_is_renormalised_over_the_kept_tokens() -> None:
     logits = torch.tensor([[3.0, 1.0, 0.5, -2.0]])
     params = SamplingParams(top_k=2, temperature=0.5)
-    generator = torch.Generator().manual_seed(0)
-    token, log_prob = sample_next_tokens(logits, params, generator, "processed")
+    uniforms = torch.tensor([0.3], dtype=torch.float64)
+    token, log_prob = sample_next_tokens(logits, params, "processed", uniforms)
     assert token.item() in (0, 1)
     kept = [3.0 / 0.5, 1.0 / 0.5]
     expected = kept[token.item()] - math.log(sum(math.exp(x) for x in kept))
     assert log_prob.item() == pytest.approx(expected, abs=1e-6)
-    _, raw = sample_next_tokens(logits, params, torch.Generator().manual_seed(0), "raw")
+    _, raw = sample_next_tokens(logits, params, "raw", uniforms)
     expected_raw = logits[0, token.item()].item() - math.log(sum(math.exp(x) for x in logits[0].tolist()))
     assert raw.item() == pytest.approx(expected_raw, abs=1e-6)
 
 
 def test_greedy_log_prob_ignores_temperature() -> None:
     logits = torch.tensor([[0.0, 2.0, 1.0]])
-    token, log_prob = sample_next_tokens(logits, SamplingParams.make_greedy(4, temperature=0.3), None, "processed")
+    token, log_prob = sample_next_tokens(logits, SamplingParams.make_greedy(4, temperature=0.3), "processed")
     assert token.item() == 1
     assert log_prob.item() == pytest.approx(2.0 - math.log(1 + math.exp(2) + math.exp(1)), abs=1e-6)
 

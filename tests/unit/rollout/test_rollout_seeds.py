@@ -17,7 +17,7 @@ from megarl.protocol import Batch
 from megarl.rollout.base import EngineOptions, SamplingParams
 from megarl.rollout.hf_engine import HFRolloutEngine
 from megarl.rollout.sampling import inverse_cdf_sample, sample_next_tokens
-from megarl.rollout.seeds import SEED_SPACE, call_base, row_seed, row_seeds, row_uniforms
+from megarl.rollout.seeds import SEED_SPACE, call_base, mix64, row_seed, row_seeds, row_uniforms
 from megarl.workers.roles import RolloutRole
 from megarl.workers.specs import RolloutSpec
 
@@ -48,6 +48,12 @@ def engine_of(model: torch.nn.Module, seed: int = 0) -> HFRolloutEngine:
 
 def rows(batch: Batch) -> list[tuple[int, ...]]:
     return [tuple(r) for r in batch["responses"].tolist()]
+
+
+def test_mix64_is_splitmix64s_finaliser() -> None:
+    # SplitMix64 seeded with 0 outputs mix(0 + GAMMA) first: 0xE220A8397B1DCDAF (its published sequence)
+    assert mix64(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF
+    assert mix64(-1) == mix64(2**64 - 1)
 
 
 def test_row_seeds_are_consecutive_from_a_hash_of_the_call_seed() -> None:
@@ -102,7 +108,7 @@ def test_inverse_cdf_sampling_follows_the_distribution_and_skips_zero_mass() -> 
     assert edges.tolist() == [1, 4]
     # through sample_next_tokens: the processed log-prob of the token drawn
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
-    token, log_prob = sample_next_tokens(logits, SamplingParams(top_k=2), None, "processed",
+    token, log_prob = sample_next_tokens(logits, SamplingParams(top_k=2), "processed",
                                          uniforms=torch.tensor([0.99]))
     assert token.item() == 1
     assert log_prob.item() == pytest.approx(1.0 - float(torch.logsumexp(torch.tensor([2.0, 1.0]), 0)), abs=1e-6)
