@@ -250,7 +250,7 @@ run_step imports 300 -- "${python_abs}" "${check}" imports
 run_step ray 180 -- "${python_abs}" "${check}" ray --gpus "${gpus}"
 run_step unit 300 -- "${pytest_cmd[@]}" -m "not gpu" "${src}/tests/unit/gpu_modules" "${src}/tests/unit/config" \
     "${src}/tests/unit/algorithms"
-run_step gpu-tests 240 -- "${pytest_cmd[@]}" -m gpu -rs --junitxml "${out}/gpu-tests.xml" "${src}/tests/gpu"
+run_step gpu-tests 300 -- "${pytest_cmd[@]}" -m gpu -rs --junitxml "${out}/gpu-tests.xml" "${src}/tests/gpu"
 run_step train 300 -- step_train
 run_step bench 360 -- step_bench
 

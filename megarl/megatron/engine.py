@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -84,6 +85,18 @@ def _require(data: Mapping[str, torch.Tensor], keys: tuple[str, ...], what: str)
     missing = [k for k in keys if k not in data]
     if missing:
         raise DataError(f"{what}: batch lacks columns {missing}; it has {sorted(data)}")
+
+
+# Packing on a GPU without TransformerEngine: the local spec attends over one dense block-diagonal
+# mask across the whole packed row (THD needs TE), so its cost grows with the square of the
+# micro-batch's tokens. On an H200 at 32 sequences of 512 tokens (bf16, Qwen2.5-0.5B shape) the
+# packed train step ran 0.44x and the log-prob pass 0.66x the padded one
+# (benchmarks/results/gpu_h200/gpu_call4.json).
+PACKING_WITHOUT_TE = (
+    "model.use_remove_padding packs micro-batches, but TransformerEngine is not installed: packed rows "
+    "attend over one dense block-diagonal mask, slower on a GPU than padded micro-batches (0.44x the "
+    "padded train step on an H200 at 32 x 512 tokens). Install transformer-engine (THD attention) or set "
+    "model.use_remove_padding: false.")
 
 
 class MegatronEngine:
@@ -152,6 +165,8 @@ class MegatronEngine:
         self.padded_vocab = spec.padded_vocab_size(self.ranks.tp_size)
         self.vocab_start = self.ranks.tp_rank * (self.padded_vocab // self.ranks.tp_size)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        if self.cfg.use_sequence_packing and self.device.type == "cuda" and not self.use_te and self.ranks.rank == 0:
+            warnings.warn(PACKING_WITHOUT_TE, stacklevel=2)
         self.offloaded: off.OffloadState | None = None
         self.hf_dir: str | None = None  # the HF directory the weights came from (load_hf_weights)
 
