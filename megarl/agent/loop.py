@@ -55,6 +55,25 @@ class Phase(enum.Enum):
     DONE = "done"
 
 
+TRUNCATION_MARK = "...(truncated)..."
+
+
+def cut_tool_output(text: str, cap: int, side: str) -> str:
+    """`text` cut to `cap` characters where longer, with a mark where text was left out, so the model
+    can tell a cut output from a whole one. `side`: the part kept, left (the start), right (the end)
+    or middle (both ends, the middle left out), as verl's `tool_response_truncate_side`."""
+    if len(text) <= cap:
+        return text
+    if side == "left":
+        return text[:cap] + "...(truncated)"
+    if side == "right":
+        return "(truncated)..." + text[len(text) - cap:]
+    if side == "middle":
+        head = (cap + 1) // 2
+        return text[:head] + TRUNCATION_MARK + text[len(text) - (cap - head):]
+    raise ValueError(f"tool_response_truncate_side must be left, middle or right, got {side!r}")
+
+
 @dataclass(frozen=True)
 class AgentSettings:
     """Limits of one episode (`rollout.multi_turn.*`). Lengths in tokens unless named otherwise."""
@@ -63,7 +82,8 @@ class AgentSettings:
     max_response_length: int = 64  # model and tool tokens together, over all turns
     tool_timeout_s: float = 10.0  # per call
     max_parallel_calls: int = 8  # threads running tool calls
-    max_tool_response_chars: int = 256  # a longer tool output is cut (the model reads the start)
+    max_tool_response_chars: int = 256  # a longer tool output is cut (`cut_tool_output`)
+    tool_response_truncate_side: str = "middle"  # left | middle | right: the part of a cut output kept
     format: str = "hermes"  # tool-call parser
     tools: tuple[str, ...] = ()  # tool names for `ToolSet.from_names` (the roles build the set)
     wait_for_tools: bool = True  # each round waits for every running tool call (reproducible rounds)
@@ -264,8 +284,9 @@ class AgentLoop:
         ep.tool_timeouts += sum(a.timed_out for a in answers)
         ep.tool_seconds += sum(a.seconds for a in answers)
         ep.calls = []
-        cap = self.settings.max_tool_response_chars
-        ids = self.encoder.encode([a.text[:cap] for a in answers], ended_on=ep.response_ids[-1])  # the model's last token
+        cap, side = self.settings.max_tool_response_chars, self.settings.tool_response_truncate_side
+        ids = self.encoder.encode([cut_tool_output(a.text, cap, side) for a in answers],
+                                  ended_on=ep.response_ids[-1])  # the model's last token
         room = self.settings.max_response_length - len(ep.response_ids)
         ep.append(ids[:room], model=False)
         if len(ids) >= room:

@@ -4,7 +4,8 @@ What each run gets:
 - its own process (a new session, so the whole group is killed on timeout), started with `python -I`
   (no user site, no PYTHON* variables) and an empty environment;
 - a fresh scratch directory as its working directory, deleted afterwards;
-- resource limits set in the child before it executes: CPU seconds (RLIMIT_CPU), address space
+- resource limits set in the child before it executes the interpreter (by a launcher, not in the
+  calling process, which may be threaded): CPU seconds (RLIMIT_CPU), address space
   (RLIMIT_AS), size of any file it writes (RLIMIT_FSIZE), number of processes (RLIMIT_NPROC: no
   fork or thread that needs a new task beyond the limit), no core dumps;
 - a wall-clock timeout on top of the CPU limit (a call that sleeps uses no CPU);
@@ -24,10 +25,9 @@ boundary against a determined attacker: run untrusted workloads in a container o
 
 from __future__ import annotations
 
-import ctypes
+import json
 import os
 import pwd
-import resource
 import shutil
 import signal
 import subprocess
@@ -35,9 +35,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Optional
-
-CLONE_NEWNET = 0x40000000
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
@@ -84,20 +82,59 @@ def _nobody() -> Optional[tuple[int, int]]:
     return entry.pw_uid, entry.pw_gid
 
 
-def _limit_child(limits: SandboxLimits, drop_to: Optional[tuple[int, int]], unshare_net: bool) -> None:
-    """Runs in the forked child before exec; an exception here reaches the parent's Popen."""
-    if unshare_net and ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET) != 0:
-        raise OSError(ctypes.get_errno(), "sandbox: could not open a network namespace")
+# The child's limits are set by a small launcher that then executes the interpreter running the code:
+# the same process (limits and user survive exec), but no Python code runs between fork and exec in
+# the calling process, which may be threaded (tool calls run on a thread pool), where `preexec_fn`
+# can deadlock. A failure before the exec is written to `report_fd`, which the exec closes.
+_LAUNCHER = r"""
+import ctypes, json, os, resource, sys
+spec = json.loads(sys.argv[1])
+report = spec["report_fd"]
+os.set_inheritable(report, False)
+try:
+    if spec["unshare_net"] and ctypes.CDLL(None, use_errno=True).unshare(0x40000000) != 0:  # CLONE_NEWNET
+        raise OSError(ctypes.get_errno(), "could not open a network namespace")
     # SIGXCPU at the soft limit; SIGKILL a second later if the code ignores it.
-    resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
+    resource.setrlimit(resource.RLIMIT_CPU, (spec["cpu_seconds"], spec["cpu_seconds"] + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (spec["memory_bytes"], spec["memory_bytes"]))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (spec["file_bytes"], spec["file_bytes"]))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if drop_to is not None:
+    if spec["drop_to"] is not None:
         os.setgroups([])
-        os.setgid(drop_to[1])
-        os.setuid(drop_to[0])
-    resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
+        os.setgid(spec["drop_to"][1])
+        os.setuid(spec["drop_to"][0])
+    resource.setrlimit(resource.RLIMIT_NPROC, (spec["max_processes"], spec["max_processes"]))
+    os.execv(sys.argv[2], sys.argv[2:])
+except BaseException as exc:
+    os.write(report, f"{type(exc).__name__}: {exc}".encode())
+    os._exit(127)
+"""
+
+
+def _launch(command: list[str], limits: SandboxLimits, drop_to: Optional[tuple[int, int]], unshare_net: bool,
+            **popen: Any) -> tuple[subprocess.Popen, int]:
+    """Start `command` under `limits` through the launcher; returns the process and the read end of
+    its report pipe (see `_launch_failure`)."""
+    read_fd, write_fd = os.pipe()
+    spec = {"report_fd": write_fd, "unshare_net": unshare_net, "drop_to": drop_to, "cpu_seconds": limits.cpu_seconds,
+            "memory_bytes": limits.memory_bytes, "file_bytes": limits.file_bytes,
+            "max_processes": limits.max_processes}
+    try:
+        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(spec), *command],
+                                pass_fds=(write_fd,), close_fds=True, **popen)
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)
+    return proc, read_fd
+
+
+def _launch_failure(read_fd: int) -> Optional[str]:
+    """What the launcher reported, once the process has ended: None when it reached the code."""
+    with os.fdopen(read_fd, "rb") as report:
+        message = report.read().decode("utf-8", errors="replace")
+    return message or None
 
 
 def _interpreter(drop_to: Optional[tuple[int, int]]) -> tuple[str, Optional[tuple[int, int]]]:
@@ -115,8 +152,7 @@ def _interpreter(drop_to: Optional[tuple[int, int]]) -> tuple[str, Optional[tupl
                 continue
             try:
                 probe = subprocess.run([candidate, "-I", "-c", "import json, math, re"], capture_output=True, env={},
-                                       timeout=30, preexec_fn=lambda: (os.setgroups([]), os.setgid(key[1]),
-                                                                       os.setuid(key[0])))
+                                       timeout=30, user=key[0], group=key[1], extra_groups=[])
             except (OSError, subprocess.SubprocessError):
                 continue
             if probe.returncode == 0:
@@ -205,16 +241,17 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
         # Output goes to files the parent opened (the file-size limit applies to them too), so a
         # chatty call cannot fill a pipe and block.
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen(
-                [python, "-I", "-B", script], cwd=scratch, env={}, stdin=subprocess.DEVNULL,
-                stdout=out, stderr=err, start_new_session=True, close_fds=True,
-                preexec_fn=lambda: _limit_child(limits, drop_to, unshare_net))
+            proc, report = _launch([python, "-I", "-B", script], limits, drop_to, unshare_net, cwd=scratch, env={},
+                                   stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
             try:
                 proc.wait(timeout=limits.wall_seconds)
             except subprocess.TimeoutExpired:
                 timed_out = True
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        failure = _launch_failure(report)
+        if failure is not None:
+            raise OSError(f"sandbox: the run could not start ({failure})")
         seconds = time.perf_counter() - start
         stdout = _read_capped(out_path, limits.output_bytes)
         stderr = _read_capped(err_path, limits.output_bytes)

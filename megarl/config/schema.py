@@ -278,7 +278,8 @@ class MultiTurnConfig:
     max_turns: int = 4  # assistant turns per episode; rollout.response_length caps model + tool tokens over all turns
     tool_timeout_s: float = 10.0  # per tool call, from when it begins running; past it the model reads a timeout error
     max_parallel_calls: int = 8  # threads running tool calls (with wait_for_tools false, while the engine generates)
-    max_tool_response_chars: int = 256  # a longer tool output is cut before it is tokenised
+    max_tool_response_chars: int = 256  # a longer tool output is cut before it is tokenised, marked "(truncated)"
+    tool_response_truncate_side: str = "middle"  # what of a cut output is kept: left (its start) | middle | right (its end)
     format: str = "hermes"  # tool-call format of the model's turns (megarl.agent.parsers)
     # true: each round of generation waits for every running tool call, so rounds (and the sampled
     # tokens) do not depend on tool timing and a seeded run is reproducible; false: requests whose

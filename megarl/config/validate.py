@@ -634,6 +634,7 @@ def validate_config(cfg: DictConfig) -> None:
 # Built-in names of megarl.agent.tools.BUILTIN_TOOLS and megarl.agent.parsers (a test keeps them equal).
 MULTI_TURN_TOOLS = {"calculator", "code_interpreter"}
 MULTI_TURN_FORMATS = {"hermes"}
+TRUNCATE_SIDES = ("left", "middle", "right")  # megarl.agent.loop.cut_tool_output's sides
 
 
 def _check_multi_turn(r: Any, multi_turn: Any) -> None:
@@ -653,6 +654,9 @@ def _check_multi_turn(r: Any, multi_turn: Any) -> None:
         r.err("rollout.ignore_eos = true with rollout.multi_turn.enable: a turn ends on EOS before its tool calls run, "
               "and with ignore_eos none does (every episode would be one turn that runs to the length limit, no tool "
               "called); set ignore_eos false")
+    if multi_turn.tool_response_truncate_side not in TRUNCATE_SIDES:
+        r.err(f"rollout.multi_turn.tool_response_truncate_side = {multi_turn.tool_response_truncate_side!r}: must be "
+              f"one of {list(TRUNCATE_SIDES)} (the part of a cut tool output the model reads)")
     if multi_turn.format not in MULTI_TURN_FORMATS:
         r.err(f"rollout.multi_turn.format = {multi_turn.format!r}: must be one of {sorted(MULTI_TURN_FORMATS)}")
 

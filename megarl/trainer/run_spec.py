@@ -283,5 +283,6 @@ def multi_turn_settings(multi_turn: Any, response_length: int) -> Optional[Agent
                          tool_timeout_s=float(multi_turn.tool_timeout_s),
                          max_parallel_calls=int(multi_turn.max_parallel_calls),
                          max_tool_response_chars=int(multi_turn.max_tool_response_chars),
+                         tool_response_truncate_side=str(multi_turn.tool_response_truncate_side),
                          format=str(multi_turn.format), tools=tuple(str(t) for t in multi_turn.tools),
                          wait_for_tools=bool(multi_turn.wait_for_tools))

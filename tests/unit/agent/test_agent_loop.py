@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megarl.agent.chat import ToolTurnEncoder, retokenize_mismatch
-from megarl.agent.loop import AgentLoop, AgentSettings
+from megarl.agent.loop import AgentLoop, AgentSettings, cut_tool_output
 from megarl.agent.rollout import agent_metrics, multi_turn_generate
 from megarl.agent.tools import CalculatorTool, Tool, ToolResult, ToolSet
 from megarl.data.tokenizer import CHATML_SPECIAL_TOKENS, CHATML_TEMPLATE, build_char_tokenizer
@@ -130,6 +130,35 @@ def test_masks_token_by_token_on_a_hand_built_conversation(tokenizer: Any) -> No
     assert out["agent/num_turns"].tolist() == [2.0] and out["agent/tool_calls"].tolist() == [1.0]
     assert out["agent/retokenize_mismatch"].tolist() == [0.0]
     assert engine.calls and len(engine.calls) == 2
+
+
+def test_cut_tool_outputs_keep_the_side_asked_for_and_say_they_were_cut() -> None:
+    text = "0123456789"
+    assert cut_tool_output(text, 10, "middle") == text  # not longer than the cap: whole, no mark
+    assert cut_tool_output(text, 4, "left") == "0123...(truncated)"
+    assert cut_tool_output(text, 4, "right") == "(truncated)...6789"
+    assert cut_tool_output(text, 4, "middle") == "01...(truncated)...89"
+    assert cut_tool_output(text, 5, "middle") == "012...(truncated)...89"
+    assert cut_tool_output(text, 1, "middle") == "0...(truncated)..."
+    with pytest.raises(ValueError, match="left, middle or right"):
+        cut_tool_output(text, 4, "start")
+
+
+class EchoTool(Tool):
+    schema = {"type": "function", "function": {"name": "echo", "parameters": {"type": "object", "properties": {}}}}
+
+    def execute(self, episode: str, arguments: dict, **kwargs: Any) -> ToolResult:
+        return ToolResult("".join(string.ascii_lowercase))
+
+
+def test_a_long_tool_output_reaches_the_model_cut_and_marked(tokenizer: Any) -> None:
+    call = '<tool_call>{"name": "echo", "arguments": {}}</tool_call><|im_end|>'
+    script = lambda text: "done<|im_end|>" if "<|im_start|>tool\n" in text else call  # noqa: E731
+    loop, _ = make_loop(tokenizer, script, ToolSet({"echo": EchoTool()}), max_tool_response_chars=6,
+                        tool_response_truncate_side="middle")
+    out = multi_turn_generate(loop, prompt_batch(tokenizer, ["1+1"]), SamplingParams(n=1, max_new_tokens=200))
+    text = tokenizer.decode(out["responses"][0].tolist(), skip_special_tokens=False)
+    assert "<|im_start|>tool\nabc...(truncated)...xyz<|im_end|>" in text
 
 
 def test_tools_kwargs_reach_create_and_calc_reward(tokenizer: Any) -> None:

@@ -46,10 +46,11 @@ def test_settings_resolve_from_every_key(config_file: Path) -> None:
                                     "rollout.multi_turn.max_parallel_calls=3",
                                     "rollout.multi_turn.max_tool_response_chars=100",
                                     "rollout.multi_turn.wait_for_tools=false",
+                                    "rollout.multi_turn.tool_response_truncate_side=right",
                                     "rollout.multi_turn.tools=[calculator,code_interpreter]"])
     settings = multi_turn_settings(cfg.rollout.multi_turn, 48)
     assert settings == AgentSettings(max_turns=5, max_response_length=48, tool_timeout_s=2.5, max_parallel_calls=3,
-                                     max_tool_response_chars=100, format="hermes",
+                                     max_tool_response_chars=100, tool_response_truncate_side="right", format="hermes",
                                      tools=("calculator", "code_interpreter"), wait_for_tools=False)
     assert multi_turn_settings(load_config(config_file, ["rollout.multi_turn.enable=false"]).rollout.multi_turn, 48) is None
 
@@ -64,6 +65,8 @@ def test_bad_values_are_named(config_file: Path) -> None:
     msg = errors_of(config_file, "rollout.multi_turn.tools=[search]")
     assert "unknown tool 'search'" in msg and "calculator" in msg
     assert "rollout.multi_turn.format = 'json'" in errors_of(config_file, "rollout.multi_turn.format=json")
+    msg = errors_of(config_file, "rollout.multi_turn.tool_response_truncate_side=start")
+    assert "rollout.multi_turn.tool_response_truncate_side = 'start'" in msg and "'middle'" in msg
     assert "rollout.ignore_eos = true with rollout.multi_turn.enable" in errors_of(config_file, "rollout.ignore_eos=true")
 
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from megarl.agent import sandbox
 from megarl.agent.sandbox import SandboxLimits, network_isolation_supported, process_limit_supported, run_python
 
 pytestmark = pytest.mark.unit
@@ -56,3 +59,33 @@ def test_no_network_where_namespaces_exist() -> None:
 def test_bad_limits_are_refused() -> None:
     with pytest.raises(ValueError, match="sandbox limit cpu_seconds must be positive"):
         SandboxLimits(cpu_seconds=0)
+
+
+def test_runs_from_a_thread_pool_start_without_python_code_between_fork_and_exec(monkeypatch) -> None:
+    """Tool calls run on threads; `preexec_fn` (Python code in the forked child of a threaded
+    process) can deadlock there, so the limits are set by a launcher after exec instead."""
+    popen = subprocess.Popen
+    seen: list[dict] = []
+
+    def recording_popen(*args, **kwargs):
+        seen.append(kwargs)
+        return popen(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", recording_popen)
+    with ThreadPoolExecutor(6) as pool:
+        runs = list(pool.map(lambda i: run_python(f"print({i} * 7)", LIMITS), range(12)))
+    assert [r.stdout.strip() for r in runs] == [str(i * 7) for i in range(12)]
+    assert seen and not any(kw.get("preexec_fn") for kw in seen)
+
+
+def test_the_code_inherits_no_descriptor_beyond_its_standard_streams() -> None:
+    run = run_python("import os\nprint(sorted(int(f) for f in os.listdir('/proc/self/fd')))", LIMITS)
+    assert run.ok, run.stderr
+    fds = eval(run.stdout)  # noqa: S307 - the list the code printed
+    assert fds[:3] == [0, 1, 2] and len(fds) == 4  # the fourth: the directory listing itself
+
+
+def test_a_run_that_cannot_start_says_why(monkeypatch) -> None:
+    monkeypatch.setattr(sandbox, "_interpreter", lambda drop_to: ("/nonexistent/python3", None))
+    with pytest.raises(OSError, match="sandbox: the run could not start .*FileNotFoundError"):
+        run_python("print(1)", LIMITS)
