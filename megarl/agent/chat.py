@@ -60,7 +60,21 @@ class ToolTurnEncoder:
         return tail
 
     def encode(self, outputs: Sequence[str], ended_on: int | None = None) -> list[int]:
-        return list(self.tokenizer.encode(self.text(outputs, ended_on), add_special_tokens=False))
+        """Ids of `text(outputs, ended_on)`. The template's own text is tokenised with its special
+        tokens; each tool output is tokenised on its own with special-token parsing off, so an output
+        that prints `<|im_end|>` or `<|im_start|>assistant` reaches the model as plain text and cannot
+        close its turn or open another. A template that does not copy an output verbatim (one
+        placeholder per output, in order) has its whole text tokenised as one string, as before."""
+        marks = [f"MEGARLTOOLOUTPUT{i}X" for i in range(len(outputs))]
+        rendered = self.text(marks, ended_on)
+        if any(rendered.count(mark) != 1 for mark in marks) or any(mark in "".join(outputs) for mark in marks):
+            return list(self.tokenizer.encode(self.text(outputs, ended_on), add_special_tokens=False))
+        ids: list[int] = []
+        for mark, output in zip(marks, outputs):
+            before, rendered = rendered.split(mark, 1)
+            ids += self.tokenizer.encode(before, add_special_tokens=False)
+            ids += self.tokenizer.encode(output, add_special_tokens=False, split_special_tokens=True)
+        return ids + list(self.tokenizer.encode(rendered, add_special_tokens=False))
 
 
 def retokenize_mismatch(tokenizer: Any, ids: Sequence[int]) -> bool:
