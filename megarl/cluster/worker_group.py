@@ -129,7 +129,8 @@ class _Calls:
         per_rank_args = [((shard_args[plan.shard_of_rank[rank]], *args), kwargs) for rank in range(group.world_size)]
 
         def finish(results: list[Any]) -> Any:
-            return merge_data_parallel_results([results[rank] for rank in plan.collect_ranks], pad)
+            return merge_data_parallel_results([results[rank] for rank in plan.collect_ranks], pad,
+                                               method=getattr(method, "__qualname__", str(method)))
 
         return group._submit(range(group.world_size), role, method, per_rank_args, finish)
 

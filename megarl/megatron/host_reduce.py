@@ -20,6 +20,7 @@ distributed optimizer, whose reduce-scatter stays with gloo) with synchronous gr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -90,27 +91,42 @@ class HostSumReducer:
         error = ""
         fd = -1
         if self.rank == 0:
+            name: str | None = None
             try:
                 fd, name = tempfile.mkstemp(prefix="megarl_grad_reduce_", dir=directory)
-                path[0] = name
                 os.posix_fallocate(fd, 0, nbytes)  # fails now on a full tmpfs, not with SIGBUS later
+                path[0] = name
             except OSError as exc:
                 error = f"rank 0 could not reserve {nbytes} bytes under {directory}: {exc}"
-        dist.broadcast_object_list(path, src=src, group=group)
-        if self.rank != 0 and path[0] is not None:
-            try:
-                fd = os.open(path[0], os.O_RDWR)
-            except OSError as exc:
-                error = f"rank {self.rank} could not open {path[0]}: {exc}"
+                # Removed at once and not sent: the others would map a file shorter than the
+                # segment (mmap raises ValueError), and a rank that fails before the gather would
+                # leave the name behind.
+                if fd >= 0:
+                    os.close(fd)
+                    fd = -1
+                if name is not None:
+                    with contextlib.suppress(OSError):  # rank 0 must still reach the broadcast
+                        os.unlink(name)
         self._map = None
-        if not error and path[0] is not None:  # no path: rank 0 failed, and says so below
-            self._map = mmap.mmap(fd, nbytes)
-        if fd >= 0:
-            os.close(fd)
-        errors: list[Any] = [None] * self.world
-        dist.all_gather_object(errors, error, group=group)  # every rank has mapped it, or gives up
-        if self.rank == 0 and path[0] is not None:
-            os.unlink(path[0])
+        try:
+            dist.broadcast_object_list(path, src=src, group=group)
+            if path[0] is not None:  # no path: rank 0 failed, and says so below
+                try:
+                    if self.rank != 0:
+                        fd = os.open(path[0], os.O_RDWR)
+                    self._map = mmap.mmap(fd, nbytes)
+                except (OSError, ValueError) as exc:  # ValueError: a file shorter than the segment
+                    error = f"rank {self.rank} could not map {nbytes} bytes of {path[0]}: {exc}"
+                finally:
+                    if fd >= 0:
+                        os.close(fd)
+            errors: list[Any] = [None] * self.world
+            dist.all_gather_object(errors, error, group=group)  # every rank has mapped it, or gives up
+        finally:
+            # Every rank that could has mapped it by now, and one that raised is not coming back for
+            # it: the name goes however this ended.
+            if self.rank == 0 and path[0] is not None:
+                os.unlink(path[0])
         failed = [e for e in errors if e]
         if failed:
             self.close()

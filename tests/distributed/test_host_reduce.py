@@ -1,8 +1,9 @@
 """Data-parallel gradient sums through shared memory (`megarl.megatron.host_reduce`) on real gloo
 processes: the sum equals the inputs gathered and added in rank order (bit for bit, every rank the
 same), with two ranks gloo's all-reduce too; a training step of a data-parallel Megatron engine is
-bit-identical with it and with gloo's all-reduce; a segment that cannot be set up is refused on
-every rank, and none is left behind."""
+bit-identical with it and with gloo's all-reduce; a segment that cannot be set up (no directory,
+no room on rank 0, a rank that cannot map it) is refused on every rank together, and none is left
+behind."""
 
 from __future__ import annotations
 
@@ -95,6 +96,69 @@ def test_a_segment_that_cannot_be_made_is_refused_on_every_rank() -> None:
     for message in run_distributed(_unavailable, 2, timeout=60):
         assert message.startswith("shared-memory gradient reduction unavailable: rank 0 could not reserve")
         assert "/nonexistent/megarl" in message
+
+
+def _setup_fails(rank: int, world: int, port: int, directory: str, failing: str) -> dict[str, Any]:
+    """Build a reducer with rank 0's reservation (failing="fallocate") or rank 1's map ("mmap")
+    failing; then check that the ranks are still in step, and that a reducer can still be built."""
+    import errno
+    import mmap
+    import os
+
+    import torch.distributed as dist
+
+    from megarl.megatron.host_reduce import HostReduceUnavailable, HostSumReducer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    out: dict[str, Any] = {"error": "no error"}
+    real_fallocate, real_mmap = os.posix_fallocate, mmap.mmap
+
+    def no_room(fd: int, offset: int, length: int) -> None:  # a /dev/shm too small for the segment
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def unmappable(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("mmap length is greater than file size")
+
+    if failing == "fallocate" and rank == 0:
+        os.posix_fallocate = no_room
+    if failing == "mmap" and rank == 1:
+        mmap.mmap = unmappable
+    try:
+        HostSumReducer(None, directory=Path(directory))
+    except HostReduceUnavailable as exc:
+        out["error"] = str(exc)
+    finally:
+        os.posix_fallocate, mmap.mmap = real_fallocate, real_mmap
+    dist.barrier()  # rank 0 is done with the segment on every path
+    out["left_behind"] = sorted(p.name for p in Path(directory).iterdir())
+    x = torch.full((3,), float(rank + 1))
+    dist.all_reduce(x)  # the ranks left the constructor together: the next collective pairs up
+    out["gloo_sum"] = x
+    reducer = HostSumReducer(None, directory=Path(directory))
+    out["host_sum"] = reducer(torch.full((3,), float(rank + 1)))
+    reducer.close()
+    return out
+
+
+@pytest.mark.parametrize("failing", ["fallocate", "mmap"])
+def test_a_failed_setup_falls_back_on_every_rank_and_leaves_nothing_behind(failing: str) -> None:
+    # Rank 0's fallocate failing on a small /dev/shm once sent the path of a 0-byte file: rank 1's
+    # mmap raised ValueError, rank 0 waited in the gather, and the file stayed.
+    directory = scratch_dir("megarl_shm_test_")
+    results = run_distributed(_setup_fails, 2, directory, failing, timeout=60)
+    for rank, r in enumerate(results):
+        if failing == "fallocate":
+            assert r["error"].startswith("shared-memory gradient reduction unavailable: rank 0 could not "
+                                         "reserve"), (rank, r["error"])
+            assert "No space left on device" in r["error"]
+        else:
+            assert r["error"].startswith("shared-memory gradient reduction unavailable: rank 1 could not "
+                                         "map"), (rank, r["error"])
+            assert "mmap length is greater than file size" in r["error"]
+        assert r["left_behind"] == [], rank
+        assert torch.equal(r["gloo_sum"], torch.full((3,), 3.0))
+        assert torch.equal(r["host_sum"], torch.full((3,), 3.0))
+    assert not any(Path(directory).iterdir())
 
 
 def _train(rank: int, world: int, port: int, hf_dir: str, ports: list[int]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import torch
 
 from megarl.cluster.dispatch import (
     DispatchError,
+    ShardPadding,
     merge_data_parallel_results,
     plan_dispatch,
     split_for_data_parallel,
@@ -68,35 +69,83 @@ def numbered(rows: int) -> Batch:
 
 
 def test_split_pads_with_leading_rows_hand_worked():
-    shards, pad = split_for_data_parallel(numbered(5), 3)
-    assert pad == 1
+    shards, padding = split_for_data_parallel(numbered(5), 3)
+    assert padding == ShardPadding(rows=1, shard_rows=2, shards=3)
     assert [shard["x"].tolist() for shard in shards] == [[0, 2], [4, 6], [8, 0]]
     assert [list(shard["uid"]) for shard in shards] == [["u0", "u1"], ["u2", "u3"], ["u4", "u0"]]
 
 
 def test_fewer_rows_than_ranks_still_gives_every_rank_a_row():
-    shards, pad = split_for_data_parallel(numbered(2), 4)
-    assert pad == 2 and [shard["x"].tolist() for shard in shards] == [[0], [2], [0], [2]]
+    shards, padding = split_for_data_parallel(numbered(2), 4)
+    assert padding.rows == 2 and [shard["x"].tolist() for shard in shards] == [[0], [2], [0], [2]]
 
 
 @pytest.mark.parametrize("rows, dp", [(1, 1), (1, 4), (7, 2), (8, 4), (9, 4), (10, 3)])
 def test_split_then_merge_round_trips_rows_in_order(rows, dp):
     batch = numbered(rows)
-    shards, pad = split_for_data_parallel(batch, dp)
+    shards, padding = split_for_data_parallel(batch, dp)
     assert len({len(shard) for shard in shards}) == 1
-    merged = merge_data_parallel_results(shards, pad)
+    merged = merge_data_parallel_results(shards, padding)
     assert merged["x"].tolist() == [2 * i for i in range(rows)]
     assert list(merged["uid"]) == [f"u{i}" for i in range(rows)]
-    tensors = merge_data_parallel_results([shard["x"] for shard in shards], pad)
+    tensors = merge_data_parallel_results([shard["x"] for shard in shards], padding)
     assert tensors.tolist() == [2 * i for i in range(rows)]
 
 
 def test_merge_of_non_row_results():
-    assert merge_data_parallel_results([None, None], 1) is None
+    _, padding = split_for_data_parallel(numbered(3), 2)
+    assert merge_data_parallel_results([None, None], padding) is None
     metrics = [{"loss": 1.0}, {"loss": 2.0}]
-    assert merge_data_parallel_results(metrics, 1) == metrics
+    assert merge_data_parallel_results(metrics, padding) == metrics
 
 
 def test_empty_batch_is_refused():
     with pytest.raises(DispatchError, match="empty batch"):
         split_for_data_parallel(numbered(0), 2)
+
+
+def samples(shard: Batch, n: int) -> Batch:
+    """What rollout's generate returns for a shard: n rows per prompt, each prompt's together."""
+    out = shard.repeat(n, interleave=True)
+    out["sample"] = torch.arange(len(out)) % n
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("rows, dp", [(3, 2), (5, 3), (7, 4), (1, 4), (2, 4), (3, 8), (4, 2)])
+def test_merge_drops_every_output_of_the_padding_rows(rows, dp, n):
+    # 3 prompts over DP=2 with n=4 once gave 15 rows: prompt 0's padding copy kept 3 of its 4 samples.
+    shards, padding = split_for_data_parallel(numbered(rows), dp)
+    merged = merge_data_parallel_results([samples(shard, n) for shard in shards], padding)
+    assert merged["x"].tolist() == [2 * i for i in range(rows) for _ in range(n)]
+    assert list(merged["uid"]) == [f"u{i}" for i in range(rows) for _ in range(n)]
+    assert merged["sample"].tolist() == list(range(n)) * rows
+    tensors = merge_data_parallel_results([samples(shard, n)["x"] for shard in shards], padding)
+    assert tensors.tolist() == [2 * i for i in range(rows) for _ in range(n)]
+
+
+def test_rows_per_input_row_are_counted_per_shard():
+    shards, padding = split_for_data_parallel(numbered(3), 2)  # [u0, u1], [u2, u0 (padding)]
+    merged = merge_data_parallel_results([samples(shards[0], 2), samples(shards[1], 3)], padding)
+    assert list(merged["uid"]) == ["u0", "u0", "u1", "u1", "u2", "u2", "u2"]
+
+
+def test_a_result_that_is_not_whole_rows_per_input_row_is_refused_with_the_method():
+    shards, padding = split_for_data_parallel(numbered(3), 2)  # 2 rows a shard
+    results = [samples(shards[0], 2), samples(shards[1], 2)[:3]]
+    with pytest.raises(DispatchError, match=r"RolloutRole.generate returned 3 rows for data shard 1 of 2 rows"):
+        merge_data_parallel_results(results, padding, method="RolloutRole.generate")
+    with pytest.raises(DispatchError, match=r"a data-parallel call returned 3 rows"):
+        merge_data_parallel_results([r["x"] for r in results], padding)
+
+
+def test_without_padding_every_result_row_is_kept():
+    shards, padding = split_for_data_parallel(numbered(4), 2)
+    merged = merge_data_parallel_results([shards[0][:1], shards[1]], padding)  # nothing to drop
+    assert merged["x"].tolist() == [0, 4, 6]
+
+
+def test_merge_refuses_a_wrong_number_of_shard_results():
+    shards, padding = split_for_data_parallel(numbered(3), 2)
+    with pytest.raises(DispatchError, match="got 1 shard results for 2 data shards"):
+        merge_data_parallel_results(shards[:1], padding)
