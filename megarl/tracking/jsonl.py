@@ -34,10 +34,11 @@ def _finite_or_none(value: float) -> Optional[float]:
 class JsonlWriter:
     """Appends one line per ``write`` call to ``<run_dir>/metrics.jsonl`` and flushes it."""
 
-    def __init__(self, run_dir: Union[str, Path], resume_step: Optional[int] = None) -> None:
+    def __init__(self, run_dir: Union[str, Path], resume_step: Optional[int] = None, keep_all: bool = False) -> None:
+        """`keep_all`: a resumed run appends to the file as it is (a validation-only pass over it)."""
         self.path = Path(run_dir) / METRICS_FILE
         if resume_step is not None:
-            if self.path.exists():
+            if self.path.exists() and not keep_all:
                 truncate_after_step(self.path, resume_step)
         elif self.path.exists() and self.path.stat().st_size > 0:
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -96,6 +97,28 @@ def truncate_after_step(path: Union[str, Path], step: int) -> int:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return len(records) - len(kept)
+
+
+def keep_steps_up_to(path: Union[str, Path], step: int) -> None:
+    """Rewrite a JSONL file of ``{"step": ...}`` lines (any other fields) keeping those with
+    ``step <= step`` (atomically); a missing file stays missing. A resumed run's per-step files
+    then hold each step once."""
+    path = Path(path)
+    if not path.exists():
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    kept = []
+    for line in lines:
+        try:
+            if int(json.loads(line)["step"]) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a crash
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
 
 
 def read_metrics(path: Union[str, Path]) -> list[dict[str, Any]]:

@@ -94,6 +94,7 @@ class MlflowBackend:
         run_name: str,
         tracking_uri: Optional[str] = None,
         resume: bool = False,
+        log_earlier_steps: bool = False,
     ) -> None:
         self.run_dir = Path(run_dir)
         self._default_store = not tracking_uri
@@ -130,6 +131,8 @@ class MlflowBackend:
             "mlflow_last_step": self._earlier_attempt_up_to,
         }
         _save_state(self.run_dir, self._state)
+        if log_earlier_steps:  # a validation-only pass adds its line at a step logged before
+            self._earlier_attempt_up_to = -1
 
     def _open_run(self, state: dict[str, Any], experiment: str, run_name: str, resume: bool) -> tuple[str, bool]:
         client = self._client

@@ -11,6 +11,8 @@ from typing import Any, Optional
 
 # The policy-update KL, the KL loss term, and the KL penalised in the reward (use_kl_in_reward).
 KL_KEYS = ("actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty")
+# Phases timed after a step (validation, checkpoint), logged with it, not part of timing_s/step.
+OUTSIDE_STEP_PHASES = ("val", "save_checkpoint")
 RM_SCORE_KEY = "reward_model/score/mean"
 MAX_VAL_CURVES = 4
 MAX_PHASES = 10  # phases beyond the largest ones are drawn as "other"
@@ -173,7 +175,8 @@ def plot_memory(table: MetricTable, path: Path) -> bool:
 
 def plot_timing(table: MetricTable, path: Path) -> bool:
     """Seconds per phase per step, stacked (the largest phases; the rest summed as "other")."""
-    phases = [n for n in table.names if n.startswith("timing_s/") and n != "timing_s/step"]
+    phases = [n for n in table.names if n.startswith("timing_s/") and n != "timing_s/step"
+              and n[len("timing_s/"):] not in OUTSIDE_STEP_PHASES]
     if not phases:
         return False
     totals = {p: math.fsum(v for v in table.column(p) if not math.isnan(v)) for p in phases}

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from megarl.tracking.jsonl import METRICS_FILE, read_metrics
-from megarl.tracking.plots import RM_SCORE_KEY, MetricTable, validation_reward_keys, write_plots
+from megarl.tracking.plots import OUTSIDE_STEP_PHASES, RM_SCORE_KEY, MetricTable, validation_reward_keys, write_plots
 from megarl.tracking.progress import format_duration
 
 REPORT_DIR = "report"
@@ -44,11 +44,13 @@ class PhaseShare:
 
 
 def phase_shares(table: MetricTable) -> list[PhaseShare]:
-    """Total time per phase over the run, largest first (``timing_s/step`` is the total, not a phase)."""
+    """Total time per phase of the step over the run, largest first (``timing_s/step`` is the total,
+    not a phase; validation and checkpoints lie outside the step: `outside_step_totals`)."""
     totals = {
         name[len("timing_s/") :]: math.fsum(_finite(table.column(name)))
         for name in table.names
         if name.startswith("timing_s/") and name != STEP_TIME_KEY
+        and name[len("timing_s/") :] not in OUTSIDE_STEP_PHASES
     }
     step_total = math.fsum(_finite(table.column(STEP_TIME_KEY))) if STEP_TIME_KEY in table.names else 0.0
     denom = step_total if step_total > 0 else math.fsum(totals.values())
@@ -88,6 +90,11 @@ def summarize(table: MetricTable, run_name: str, k: Optional[int] = None) -> str
             lines.append(f"- validation reward ({key}): {v0:.4f} at step {s0} -> {v1:.4f} at step {s1}")
     if THROUGHPUT_KEY in table.names:
         lines.append(f"- throughput ({THROUGHPUT_KEY}): mean {_mean(table.column(THROUGHPUT_KEY)):.1f} tokens/s per device")
+    outside = {p: math.fsum(_finite(table.column(f"timing_s/{p}"))) for p in OUTSIDE_STEP_PHASES
+               if f"timing_s/{p}" in table.names}
+    if outside:
+        lines.append("- outside the steps: " + ", ".join(
+            f"{'validation' if p == 'val' else 'checkpoints'} {_duration_text(s)}" for p, s in outside.items()))
     shares = phase_shares(table)
     if shares:
         top = shares[0]

@@ -7,6 +7,10 @@ Resume (``resume_step=S``, the step of the checkpoint the run continues from):
 - mlflow: the run id in ``<run_dir>/tracking.json`` is reopened, so one megarl run is one mlflow run;
   steps the earlier attempt already logged are not logged twice (see ``mlflow_backend``).
 - jsonl: ``metrics.jsonl`` keeps the lines with ``step <= S`` and appends from there (see ``jsonl``).
+
+``append_only`` (``trainer.val_only`` on a run that has checkpoints): the validation line is added to
+the run's metrics as they are, without truncating ``metrics.jsonl`` after ``S`` and, in mlflow, even
+at a step the earlier attempts logged.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class Tracker:
         mlflow_tracking_uri: mlflow store; ``None`` means ``sqlite:///<run_dir>/mlflow.db``.
         config: the experiment config (nested dict, OmegaConf or dataclass), logged as flattened params.
         resume_step: the checkpoint step a resumed run continues from; ``None`` for a fresh run.
+        append_only: add to a resumed run's metrics without dropping any (module docstring).
         console_write: how console lines are written (default: print to stdout); pass
             ``Progress.write`` so lines do not break a progress bar.
         total_steps: shown as ``step k/total`` on the console.
@@ -74,6 +79,7 @@ class Tracker:
         resume_step: Optional[int] = None,
         console_write: Optional[Callable[[str], None]] = None,
         total_steps: Optional[int] = None,
+        append_only: bool = False,
     ) -> None:
         unknown = [b for b in backends if b not in BACKENDS]
         if unknown:
@@ -101,10 +107,11 @@ class Tracker:
                 run_name=run_name or experiment,
                 tracking_uri=mlflow_tracking_uri,
                 resume=resume_step is not None,
+                log_earlier_steps=append_only,
             )
         if "jsonl" in self.backends:
             try:
-                self._jsonl = JsonlWriter(self.run_dir, resume_step=resume_step)
+                self._jsonl = JsonlWriter(self.run_dir, resume_step=resume_step, keep_all=append_only)
             except BaseException:
                 self.close(status="FAILED")
                 raise

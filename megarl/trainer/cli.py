@@ -109,6 +109,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         experiment=cfg.trainer.experiment_name, mlflow_tracking_uri=cfg.tracking.mlflow_tracking_uri,
         config=OmegaConf.to_container(cfg, resolve=True), resume_step=resume_step,
         console_write=progress.write, total_steps=run.total_steps,
+        append_only=bool(cfg.trainer.val_only) and resume_step is not None,
     )
     status = "FAILED"
     try:

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Iterable, Iterator
 from typing import Any, Optional
 
@@ -71,14 +72,28 @@ from megarl.trainer.setup import RunContext
 from megarl.trainer.timing import Timer
 from megarl.trainer.validation import validate, validation_batches
 from megarl.trainer.workers import Workers
+from megarl.tracking.jsonl import keep_steps_up_to
 from megarl.tracking.memory import phase_metrics as memory_phase_metrics
 from megarl.tracking.memory import step_metrics as memory_step_metrics
 from megarl.tracking.metrics import compute_data_metrics, compute_throughput, compute_timing_metrics, count_tokens
+from megarl.tracking.plots import OUTSIDE_STEP_PHASES
 from megarl.workers.losses import OLD_LOG_PROB_SOURCES
 from megarl.workers.roles import ROLLOUT_BUSY, ActorRole, CriticRole, EngineRole, RefRole, RewardModelRole, RolloutRole
 from megarl.workers.specs import EngineRoleSpec
 
 logger = logging.getLogger(__name__)
+
+
+MEMORY_TRACE_FILE = "memory_phases.jsonl"  # one line of memory transitions per step
+
+
+def mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """An update's metrics over its data-parallel ranks: each key's mean over the ranks that report
+    it (each rank's value describes its own shard of the batch; the loss, grad norm and LR are the
+    same on every rank), as verl reduces its workers' metrics."""
+    keys = dict.fromkeys(key for metrics in per_rank for key in metrics)
+    return {key: math.fsum(values) / len(values)
+            for key in keys for values in [[float(m[key]) for m in per_rank if key in m]]}
 
 
 @dataclasses.dataclass
@@ -195,10 +210,12 @@ class RLTrainer:
         state = self.checkpointer.load(self.run.resume)  # chosen and verified by prepare_run
         if state is not None:
             self.load_state_dict(state)
+        # The steps after the checkpoint are trained again (a fresh run starts the file anew).
+        keep_steps_up_to(self.run.run_dir / MEMORY_TRACE_FILE, self.global_step)
         last_val: dict[str, float] = {}
         if self.run.val_dataset is not None and (trainer.val_only or (trainer.val_before_train and self.global_step == 0)):
             last_val = self.validate()
-            self.tracker.log(last_val, step=self.global_step)
+            self.tracker.log({**last_val, **self.outside_step_metrics()}, step=self.global_step)
         if trainer.val_only:
             return last_val
         self.progress.start()
@@ -217,10 +234,24 @@ class RLTrainer:
                     # it does not log them again (mlflow_backend).
                     self.tracker.flush()
                     self.checkpointer.save(step, self.state_dict())
-                metrics["timing_s/save_checkpoint"] = self.timer.pop()["save_checkpoint"]
+            metrics.update(self.outside_step_metrics())
             self.tracker.log(metrics, step=step)
+            if "timing_s/save_checkpoint" in metrics:  # a kill now would otherwise lose this step's metrics
+                self.tracker.flush()
             self.progress.step_done(step, reward=metrics.get("critic/score/mean"))
         return last_val
+
+    def outside_step_metrics(self) -> dict[str, float]:
+        """`timing_s/val`, `timing_s/save_checkpoint` and `memory/val/*` of the validation and the
+        checkpoint that followed a step (or came before the first), logged with that step; they
+        are not in `timing_s/step`. The phases timed inside the validation (its generation and
+        weight sync) are part of `timing_s/val`, not of the next step's `gen` and `sync_weights`."""
+        timings = self.timer.pop()
+        metrics = {f"timing_s/{name}": timings[name] for name in OUTSIDE_STEP_PHASES if name in timings}
+        self.read_memory_probes()
+        metrics.update({key: value for key, value in self.memory_metrics.items() if key.startswith("memory/val/")})
+        self.memory_metrics = {}
+        return metrics
 
     def finished(self) -> bool:
         """`trainer.total_training_steps` done, or (when it is null) the data of `total_epochs` used."""
@@ -298,7 +329,7 @@ class RLTrainer:
             # 6. updates: critic first, actor after the warm-up
             if critic is not None:
                 with self.phase("update_critic"), self.onloaded(critic, self.spec.critic):
-                    metrics.update(critic.call_dp(CriticRole.update_critic, batch)[0])
+                    metrics.update(mean_over_ranks(critic.call_dp(CriticRole.update_critic, batch)))
             if step > cfg.trainer.critic_warmup:
                 queue = self.may_queue_generation(step, self.weights_version + 1)
                 with self.phase("update_actor"), self.onloaded(actor, self.spec.actor):
@@ -307,7 +338,7 @@ class RLTrainer:
                         self.probe_memory("update_actor", (actor.group,))
                         self.queue_generation(step, self.weights_version + 1)
                     per_rank = update.result(actor.group.call_timeout_s)  # ActorUpdate per DP rank, in order
-                    metrics.update(per_rank[0].metrics)
+                    metrics.update(mean_over_ranks([update.metrics for update in per_rank]))
                     if source != "recompute":  # the trainer's log-probs of the sampling weights
                         # The padding rows of the split come last: the first len(batch) are the batch's.
                         update_log_probs = torch.cat([shard.log_probs for shard in per_rank])[: len(batch)]
@@ -330,7 +361,8 @@ class RLTrainer:
                                             max_prompt_length=cfg.data.max_prompt_length))
         metrics.update(compute_timing_metrics(timings, total_tokens, response_tokens))
         metrics.update(compute_throughput(total_tokens, timings["step"], self.n_devices))
-        metrics.update(self.sync_metrics)
+        metrics.update(self.sync_metrics)  # of the sync this step's generation took (or the validation before)
+        self.sync_metrics = {}
         metrics.update(self.probe_metrics)
         self.probe_metrics = {}
         if self.prefetch is None:  # else the sleep waits behind the next step's generation: read it then
@@ -439,7 +471,7 @@ class RLTrainer:
 
     def write_memory_trace(self, step: int) -> None:
         """This step's memory transitions as one line of `<run>/memory_phases.jsonl`."""
-        with open(self.run.run_dir / "memory_phases.jsonl", "a") as f:
+        with open(self.run.run_dir / MEMORY_TRACE_FILE, "a") as f:
             f.write(json.dumps({"step": step, "transitions": [list(t) for t in self.memory_trace]}) + "\n")
         self.memory_trace = []
         self.memory_metrics = {}
@@ -797,7 +829,8 @@ class RLTrainer:
         if "training/rollout_logprob_abs_diff_mean" in metrics and fresh:
             check_logprob_gap(step, metrics["training/rollout_logprob_abs_diff_mean"], threshold)
         elif TOKEN_VERSIONS in batch:  # partial rollout: the tokens sampled after the sync are checked
-            tokens = batch["response_mask"].bool() & (batch[TOKEN_VERSIONS] == self.step_version)
+            tokens = (batch["response_mask"].bool() & (batch[TOKEN_VERSIONS] == self.step_version)
+                      & torch.isfinite(trainer_log_probs))  # NaN: rows no first optimizer step held
             gap = logprob_gap(trainer_log_probs, batch["rollout_log_probs"], tokens)
             metrics.update({"async/fresh_tokens_" + k.removeprefix("training/rollout_"): v for k, v in gap.items()})
             if gap:

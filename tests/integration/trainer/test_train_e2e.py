@@ -245,6 +245,25 @@ def test_memory_phase_trace_of_each_key_alone(tmp_path: Path, task_dir: Path, ca
     assert all(t[2] != "wake_up:weights" for t in trace[1])
 
 
+def test_validation_and_checkpoint_time_is_logged_with_the_step_they_follow(tmp_path: Path, task_dir: Path) -> None:
+    """Validation after step 2 (and its generation) and the checkpoint saved after it are step 2's
+    `timing_s/val` and `timing_s/save_checkpoint`; before, they were popped with step 3's phases
+    (step 3 carried `timing_s/val` and the validation's generation in its `timing_s/gen`), and a
+    checkpoint step dropped the validation's time."""
+    config = write_config(tmp_path, task_dir, trainer={"total_training_steps": 4, "test_freq": 2, "save_freq": 2})
+    assert run_train(config).returncode == 0
+    metrics = read_metrics(tmp_path / "run")
+    assert sorted(metrics) == [1, 2, 3, 4]
+    for step in (2, 4):
+        assert metrics[step]["timing_s/val"] > 0 and metrics[step]["timing_s/save_checkpoint"] > 0, step
+        assert any(key.startswith("memory/val/") for key in metrics[step]), step
+    for step in (1, 3):
+        assert not any(k.startswith("memory/val/") or k in ("timing_s/val", "timing_s/save_checkpoint")
+                       for k in metrics[step]), (step, sorted(metrics[step]))
+    # the steps' phases stay within the step: the validation's generation is not in step 3's
+    assert metrics[3]["timing_s/gen"] < metrics[3]["timing_s/step"]
+
+
 def test_val_only_validates_and_stops(tmp_path: Path, task_dir: Path) -> None:
     config = write_config(tmp_path, task_dir, trainer={"val_only": True})
     proc = run_train(config)

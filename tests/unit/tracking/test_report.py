@@ -140,3 +140,19 @@ def test_many_phases_fold_into_other(tmp_path: Path) -> None:
     assert mpimg.imread(paths["timing"]).std() > 0.01
     # no timing_s/step: shares are of the sum of phases, 12 / (1 + ... + 12) = 12 / 78
     assert "biggest phase: phase11, 36.0 s in total (15.4% of step time)" in paths["summary"].read_text()
+
+
+def test_validation_and_checkpoint_time_stay_out_of_the_steps_phase_table(tmp_path: Path) -> None:
+    """`timing_s/val` and `timing_s/save_checkpoint` lie outside `timing_s/step`: the phase table
+    adds up to the step time without them, and the summary gives them on a line of their own."""
+    _write_run(tmp_path)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    for rec in records:
+        if rec["step"] in (10, 20):
+            rec["metrics"].update({"timing_s/val": 4.0, "timing_s/save_checkpoint": 1.0})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = write_report(tmp_path)["summary"].read_text()
+    assert "| gen | 60.00 | 60.0% |" in text  # 20 x 3 s of 20 x 5 s
+    assert "| val |" not in text and "| save_checkpoint |" not in text
+    assert "- outside the steps: validation 8.0 s, checkpoints 2.0 s" in text

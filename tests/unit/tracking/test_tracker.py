@@ -215,3 +215,42 @@ def test_tracker_from_experiment_config(tmp_path: Path) -> None:
         assert tracker.backends == ("jsonl",) and tracker.run_dir == tmp_path / "run"
         tracker.log({"critic/score/mean": 1.0}, 1)
     assert [r["step"] for r in _jsonl_lines(tmp_path / "run")] == [1]
+
+
+def test_a_validation_only_pass_over_a_finished_run_adds_its_line_and_drops_nothing(tmp_path: Path) -> None:
+    """`trainer.val_only` resuming a run's step-2 checkpoint after the run reached step 4: the
+    validation is logged at step 2 in both stores and steps 3-4 stay (before, metrics.jsonl was cut
+    after step 2 and mlflow skipped step 2 as already logged)."""
+    from mlflow.tracking import MlflowClient
+
+    run_dir = tmp_path / "run"
+    tracker = Tracker(run_dir, backends=["jsonl", "mlflow"], experiment="exp")
+    run_id = tracker.mlflow_run_id
+    for step in (1, 2, 3, 4):
+        tracker.log({"critic/score/mean": 0.1 * step}, step)
+    tracker.close()
+    val = Tracker(run_dir, backends=["jsonl", "mlflow"], experiment="exp", resume_step=2, append_only=True)
+    assert val.mlflow_run_id == run_id
+    val.log({"val/reward_mean": 0.75}, 2)
+    val.close()
+    assert [(r["step"], sorted(r["metrics"])) for r in _jsonl_lines(run_dir)] == [
+        (1, ["critic/score/mean"]), (2, ["critic/score/mean"]), (3, ["critic/score/mean"]),
+        (4, ["critic/score/mean"]), (2, ["val/reward_mean"])]
+    client = MlflowClient(tracking_uri=f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
+    assert _history(client, run_id, "val/reward_mean") == ([2], [0.75])
+    assert _history(client, run_id, "critic/score/mean")[0] == [1, 2, 3, 4]
+
+
+def test_per_step_files_keep_each_step_once_after_a_resume(tmp_path: Path) -> None:
+    from megarl.tracking.jsonl import keep_steps_up_to
+
+    path = tmp_path / "memory_phases.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "transitions": [["gen", "rollout", "sleep"]]}) + "\n"
+                            for s in (1, 2, 3, 4)) + '{"step": 5, "transi')  # the last line cut by a crash
+    keep_steps_up_to(path, 2)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    assert json.loads(path.read_text().splitlines()[0])["transitions"] == [["gen", "rollout", "sleep"]]
+    keep_steps_up_to(path, 0)  # a fresh run
+    assert path.read_text() == ""
+    keep_steps_up_to(tmp_path / "missing.jsonl", 3)
+    assert not (tmp_path / "missing.jsonl").exists()
