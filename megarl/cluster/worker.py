@@ -51,6 +51,12 @@ class WorkerContext:
         }
 
 
+def visible_device_index(local_rank: str | int, device_count: int) -> int:
+    """The CUDA device a rank with node-local rank `local_rank` uses among the `device_count` it
+    sees: `local_rank` modulo their number. A Ray worker given one GPU sees it as cuda:0 whatever its
+    place on the node; a process that sees the whole node takes its own."""
+    return int(local_rank) % max(1, device_count)
+
 @dataclass(frozen=True)
 class NodeInfo:
     """Where a worker process actually runs (reported by the worker itself)."""

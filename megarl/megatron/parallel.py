@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megarl.cluster.worker import visible_device_index
 from megarl.layout import ParallelLayout, RankCoord
 from megarl.megatron.cpu_compat import apply_cpu_compat
 
@@ -50,7 +51,7 @@ def init_distributed(
 
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank)) if local_rank is None else local_rank
-        torch.cuda.set_device(local % torch.cuda.device_count())
+        torch.cuda.set_device(visible_device_index(local, torch.cuda.device_count()))
     if not dist.is_initialized():
         dist.init_process_group(
             backend=backend,

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from megarl.cluster.worker import visible_device_index
 from megarl.errors import ConfigError
 from megarl.models.weight_map import split_fused_experts
 from megarl.protocol import Batch
@@ -107,6 +108,12 @@ class VLLMRolloutEngine(RolloutEngine):
                 )
         else:
             kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
+            if options.tensor_parallel_size > 1:
+                # vLLM's external launcher puts this rank on cuda:LOCAL_RANK. A Ray worker sees only
+                # the GPUs Ray gave it (CUDA_VISIBLE_DEVICES), while LOCAL_RANK is its index on the
+                # node: take the visible device the same rule gives Megatron (megatron.parallel).
+                os.environ["LOCAL_RANK"] = str(visible_device_index(os.environ.get("LOCAL_RANK", "0"),
+                                                                        torch.cuda.device_count()))
         kwargs.update(options.extra)
         self._expected_shapes = hf_parameter_shapes(self.model_path)
         self._expert_staging: dict[str, torch.Tensor] = {}  # CPU MoE: loading-layout copies (fused_expert_target)

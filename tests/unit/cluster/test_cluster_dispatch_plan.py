@@ -149,3 +149,13 @@ def test_merge_refuses_a_wrong_number_of_shard_results():
     shards, padding = split_for_data_parallel(numbered(3), 2)
     with pytest.raises(DispatchError, match="got 1 shard results for 2 data shards"):
         merge_data_parallel_results(shards[:1], padding)
+
+
+def test_a_worker_uses_its_local_rank_among_the_devices_it_sees() -> None:
+    """Ray shows a worker given one GPU that GPU alone (cuda:0), whatever its local rank on the
+    node; vLLM's external launcher and Megatron both take this index (LOCAL_RANK 3 was cuda:3)."""
+    from megarl.cluster.worker import visible_device_index
+
+    assert [visible_device_index(r, 1) for r in range(4)] == [0, 0, 0, 0]
+    assert [visible_device_index(str(r), 8) for r in (0, 3, 7)] == [0, 3, 7]
+    assert visible_device_index(5, 4) == 1 and visible_device_index(2, 0) == 0
