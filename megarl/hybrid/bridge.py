@@ -294,8 +294,13 @@ class BridgeReceiver:
         peer = self.bridge.rank() - self.bridge.size() // 2
         with torch.no_grad():
             targets = self._targets()
-            stats = receive_shard(self.bridge, peer, [targets[t.name] for t in self.layout.tensors], self.layout,
-                                  self.bucket_bytes, verify, self.rank)
+            try:
+                stats = receive_shard(self.bridge, peer, [targets[t.name] for t in self.layout.tensors], self.layout,
+                                      self.bucket_bytes, verify, self.rank)
+            except WeightSyncError:
+                if self.layout.engine_layout != "hf":  # written into the engine's parameters in place
+                    self.engine.mark_weights_damaged()
+                raise
             if self.layout.engine_layout == "hf":
                 self.engine.update_weights(targets.items())
             else:

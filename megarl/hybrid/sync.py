@@ -28,6 +28,7 @@ from megarl.hybrid.executor import ExecStats, Transport, execute_plan
 from megarl.hybrid.plan import DEFAULT_BUCKET_BYTES, ReshardPlan
 from megarl.hybrid.rank_plan import RankPlanner
 from megarl.hybrid.slices import vllm_expert_view
+from megarl.hybrid.verify import WeightSyncError
 from megarl.layout import ParallelLayout
 from megarl.models.weight_map import stage_entries
 
@@ -94,8 +95,9 @@ def sync_shards(plan: ReshardPlan, shards: Mapping[str, torch.Tensor], rollout_e
     handed to `update_weights` after the check, so any engine works.
     Layout "vllm": pieces are written straight into the vLLM model's parameters of this process
     (vLLM's loaders want full HF tensors, which would defeat the sharding).
-    `verify`: compare every bucket's sender and receiver fingerprints before the engine takes the
-    weights (see `megarl.hybrid.verify`). `transport`: point-to-point over `group` by default.
+    `verify`: compare every bucket's sender and receiver fingerprints (see `megarl.hybrid.verify`);
+    in layout "hf" before the engine takes the weights, in layout "vllm" after the pieces were
+    written in place, so a failed check leaves the engine refusing to generate until a whole sync. `transport`: point-to-point over `group` by default.
     """
     if plan.engine == "hf":
         # Unverified, straight into the engine's own tensors where it offers them (the HF engine):
@@ -115,7 +117,11 @@ def sync_shards(plan: ReshardPlan, shards: Mapping[str, torch.Tensor], rollout_e
         raise ConfigError(f"rollout engine is {rollout_engine.state.value}; wake it up before a weight sync")
     targets = _vllm_targets(rollout_engine, plan, dist.get_rank(group))
     with torch.no_grad():
-        _, stats = execute_plan(plan, shards, group, out=targets, verify=verify, transport=transport)
+        try:
+            _, stats = execute_plan(plan, shards, group, out=targets, verify=verify, transport=transport)
+        except WeightSyncError:
+            rollout_engine.mark_weights_damaged()  # the changed buckets are in its parameters already
+            raise
         if any(vllm_expert_view(name) for name in targets):
             rollout_engine.finish_fused_experts()  # e.g. the CPU kernel's prepacked layout
     rollout_engine.mark_weights_updated()  # e.g. vLLM's prefix cache was computed with the old weights

@@ -402,6 +402,13 @@ class RolloutEngine(abc.ABC):
         parameter names and layouts are the engine's own (vLLM fuses ``qkv_proj`` and
         ``gate_up_proj``) and with tensor parallelism it holds only this rank's shards."""
 
+    def mark_weights_damaged(self) -> None:
+        """Call when an in-place copy into ``engine_model()`` failed part-way (a verified sync found
+        a changed bucket after writing it): the engine refuses to generate, as after a discarding
+        sleep, until an update names every weight or ``mark_weights_updated`` follows a whole copy."""
+        self._weights_discarded = True
+        self._expect_every_weight()
+
     def mark_weights_updated(self) -> None:
         """Call after copying into ``engine_model()`` parameters directly (not through
         ``update_weights``): every weight counts as rewritten, and anything the engine computed
@@ -435,6 +442,9 @@ class RolloutEngine(abc.ABC):
         """Names an update must still give before a discarded model is whole again (default: the
         engine cannot tell, so any update counts as complete)."""
         return []
+
+    def _expect_every_weight(self) -> None:
+        """From now on every weight is missing until an update names it (default: names not tracked)."""
 
     # -- helpers --------------------------------------------------------------------------------
     def _holds(self, tag: str) -> bool:

@@ -392,6 +392,9 @@ class HFRolloutEngine(RolloutEngine):
     def _missing_weights(self) -> list[str]:
         return sorted(part for parts in self._unwritten.values() for part in parts)
 
+    def _expect_every_weight(self) -> None:
+        self._unwritten = {owner: set(parts) for owner, parts in self._update_parts.items()}
+
     def _weights_rewritten(self) -> None:
         self._unwritten.clear()
 
@@ -415,7 +418,7 @@ class HFRolloutEngine(RolloutEngine):
                     else:
                         group[0].untyped_storage().resize_(nbytes)
             self._freed = []
-            self._unwritten = {owner: set(parts) for owner, parts in self._update_parts.items()}
+            self._expect_every_weight()
         elif self.options.sleep_level == 1 and self.device.type != "cpu":
             self.model.to(self.device)
 

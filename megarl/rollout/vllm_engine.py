@@ -18,6 +18,7 @@ first rollout), and head_dim must be >= 64.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -117,6 +118,8 @@ class VLLMRolloutEngine(RolloutEngine):
         kwargs.update(options.extra)
         self._expected_shapes = hf_parameter_shapes(self.model_path)
         self._expert_staging: dict[str, torch.Tensor] = {}  # CPU MoE: loading-layout copies (fused_expert_target)
+        # After a discarding sleep: the HF names an update has still to give before the model is whole.
+        self._unwritten: set[str] = set()
         self.llm = vllm.LLM(**kwargs)
         if not self._sleep_supported:
             logger.info(
@@ -226,7 +229,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 param.data = packed
         if swapped:
             self.finish_fused_experts()
-        self._weights_rewritten()
+        # Cached prefix blocks were computed with the old weights (a stale block gives wrong tokens).
+        self.llm.reset_prefix_cache()
         return counter[0]
 
     def _cpu_expert_params(self) -> dict[str, tuple[torch.nn.Parameter, tuple[int, ...]]]:
@@ -298,8 +302,18 @@ class VLLMRolloutEngine(RolloutEngine):
             param.data.copy_(vllm_ops.cpu_prepack_moe_weight(weight.contiguous(), experts.isa))
 
     def _weights_rewritten(self) -> None:
-        # Cached prefix blocks were computed with the old weights (a stale block gives wrong tokens).
+        # Every weight was rewritten in place; cached prefix blocks were computed with the old ones.
+        self._unwritten.clear()
         self.llm.reset_prefix_cache()
+
+    def _note_written(self, name: str) -> None:
+        self._unwritten.discard(name)
+
+    def _missing_weights(self) -> list[str]:
+        return sorted(self._unwritten)
+
+    def _expect_every_weight(self) -> None:
+        self._unwritten = set(self._expected_shapes)
 
     def _checked(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], counter: list[int]
@@ -317,6 +331,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 )
             counter[0] += 1
             yield name, tensor
+            self._note_written(name)  # loaded: vLLM's load_weights takes the next name after this one
 
     # -- memory ---------------------------------------------------------------------------------
     def _sleep(self) -> None:
@@ -325,12 +340,17 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def _wake_up(self, tags: tuple[str, ...]) -> None:
         if self._sleep_supported and tags:
+            if torch.cuda.is_available():
+                # Training freed its blocks into torch's caching allocator; vLLM's sleep-mode allocator
+                # sees only what the driver has free, so hand them back first.
+                gc.collect()
+                torch.cuda.empty_cache()
             self.llm.wake_up(tags=list(tags))
+            if "weights" in tags and self.sleep_discards_weights:
+                self._expect_every_weight()
 
     def _release(self) -> None:
         del self.llm
-        import gc
-
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
