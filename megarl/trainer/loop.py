@@ -56,7 +56,7 @@ from megarl.algorithms import (
 )
 from megarl.cluster.dispatch import plan_dispatch
 from megarl.cluster.host_worker import HostWorker
-from megarl.cluster.remote_call import CallHandle
+from megarl.cluster.remote_call import CallHandle, gather
 from megarl.cluster.rendezvous import address_and_free_port
 from megarl.cluster.worker_group import RoleView, WorkerGroup
 from megarl.protocol import Batch
@@ -82,6 +82,39 @@ from megarl.workers.roles import ROLLOUT_BUSY, ActorRole, CriticRole, EngineRole
 from megarl.workers.specs import EngineRoleSpec
 
 logger = logging.getLogger(__name__)
+
+
+def merge_round_metrics(before: dict[str, float], rows_before: int, new: dict[str, float],
+                        rows: int) -> dict[str, float]:
+    """Scoring metrics of several rounds of one step (DAPO's generation batches) as one: counts,
+    bytes and seconds summed, extremes taken, means weighted by the rows each round scored."""
+    merged = {}
+    for key, value in new.items():
+        if key not in before:
+            merged[key] = value
+        elif key.startswith(("reward/num_", "reward/worker_")) or key == "reward/time_s":
+            merged[key] = before[key] + value
+        elif key.endswith("/max"):
+            merged[key] = max(before[key], value)
+        elif key.endswith("/min"):
+            merged[key] = min(before[key], value)
+        else:
+            merged[key] = (before[key] * rows_before + value * rows) / (rows_before + rows)
+    return merged
+
+
+def run_devices(resources: Any) -> int:
+    """Devices of every pool in `resources` (the actor's, and each other pool that is set)."""
+    pools = [resources.actor_pool] + [getattr(resources, name) for name in OTHER_POOLS]
+    return int(sum(pool.nnodes * pool.devices_per_node for pool in pools if pool is not None))
+
+
+OTHER_POOLS = ("critic_pool", "ref_pool", "reward_model_pool", "rollout_pool")
+
+
+def longest_timeout(*timeouts: float | None) -> float | None:
+    """The longest of several groups' call timeouts (None, no timeout, is the longest)."""
+    return None if any(t is None for t in timeouts) else max(t for t in timeouts if t is not None)
 
 
 MEMORY_TRACE_FILE = "memory_phases.jsonl"  # one line of memory transitions per step
@@ -503,8 +536,11 @@ class RLTrainer:
         with self.phase("sync_weights"), self.onloaded(self.workers.actor, self.spec.actor, params_only=True):
             if self.workers.separate_rollout:
                 sending = self.workers.actor.call_all_async(ActorRole.send_weights)
-                per_rank = rollout.call_all(RolloutRole.receive_weights, self.weights_version)
-                senders = sending.result(self.workers.actor.group.call_timeout_s)
+                receiving = rollout.call_all_async(RolloutRole.receive_weights, self.weights_version)
+                # Waited on together: a rank that dies on either side fails the sync at once, named
+                # by its own group, not as the other side's broken connection.
+                senders, per_rank = gather(sending, receiving, timeout_s=longest_timeout(
+                    self.workers.actor.group.call_timeout_s, rollout.group.call_timeout_s))
             else:
                 # Both sent at once (a worker runs them in turn): one round trip instead of two.
                 waking = self.rollout_wake_up(("weights",))
@@ -732,6 +768,7 @@ class RLTrainer:
         state = DynamicSamplingState(num_prompts_needed=needed, max_num_gen_batches=fg.max_num_gen_batches)
         kept: list[Batch] = []
         metrics: dict[str, Any] = {}
+        scored_rows = 0  # rows scored in the rounds so far
         attempt = 0
         while True:
             gen = self.rollout_batch(step, attempt)
@@ -740,7 +777,8 @@ class RLTrainer:
                 return gen, metrics
             with self.phase("reward"):
                 gen, reward_metrics = self.score(gen)
-            metrics.update(reward_metrics)
+            metrics.update(merge_round_metrics(metrics, scored_rows, reward_metrics, len(gen)))
+            scored_rows += len(gen)
             if not fg.enable:
                 return gen, metrics
             group_index = gen.group_indices("uid")
@@ -881,5 +919,6 @@ class RLTrainer:
 
     @property
     def n_devices(self) -> int:
-        res = self.cfg.resources
-        return int(res.actor_pool.nnodes * res.actor_pool.devices_per_node)
+        """Devices of every pool the run holds (`perf/throughput` is per device, as verl's over all
+        its GPUs): the actor's and those of a critic, reference, reward-model or rollout pool."""
+        return run_devices(self.cfg.resources)

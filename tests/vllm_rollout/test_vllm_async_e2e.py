@@ -56,9 +56,11 @@ def test_one_step_off_with_vllm_tp2_in_its_own_pool(tmp_path: Path, task_dir: Pa
     assert sorted(metrics) == list(range(1, STEPS + 1))
     expected = rollout_tp2_bytes(run_dir / "initial_model" / "model.safetensors")
     for step, m in metrics.items():
-        assert m["sync/bytes_minimum"] == expected, (step, m["sync/bytes_minimum"], expected)
-        assert m["sync/bytes_received"] == expected and m["sync/bytes_excess_max"] == 0, step
         assert m["async/staleness_max"] == (0 if step == 1 else 1), step
+        assert ("sync/bytes_minimum" in m) == bool(m["sync/synced"]), step  # a step without a sync logs none
+        if m["sync/synced"]:
+            assert m["sync/bytes_minimum"] == expected, (step, m["sync/bytes_minimum"], expected)
+            assert m["sync/bytes_received"] == expected and m["sync/bytes_excess_max"] == 0, step
     # Step 1 trains on rows generated with the weights it trains: the engine has exactly them.
     assert 0.0 <= metrics[1]["training/rollout_logprob_abs_diff_max"] < LOGPROB_GAP_MAX
     # Later rows are one update old: the gap shows that update (the first Adam step moves ~1e-2).

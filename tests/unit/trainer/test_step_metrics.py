@@ -1,0 +1,44 @@
+"""Step metrics the driver assembles: an update's over data-parallel ranks (each rank reports its own
+shard; their mean is logged, before rank 0's alone), scoring over DAPO rounds, throughput per device."""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl.trainer.loop import mean_over_ranks
+
+pytestmark = pytest.mark.unit
+
+
+def test_each_metric_is_the_mean_of_the_ranks_reporting_it() -> None:
+    ranks = [{"actor/pg_clipfrac": 0.25, "actor/grad_norm": 2.0, "actor/entropy": 1.0},
+             {"actor/pg_clipfrac": 0.75, "actor/grad_norm": 2.0, "actor/entropy": 2.0, "actor/kl_loss": 0.5}]
+    assert mean_over_ranks(ranks) == {"actor/pg_clipfrac": 0.5, "actor/grad_norm": 2.0, "actor/entropy": 1.5,
+                                      "actor/kl_loss": 0.5}
+    assert mean_over_ranks([{"critic/vf_loss": 3.0}]) == {"critic/vf_loss": 3.0}
+
+
+def test_scoring_metrics_of_dapo_rounds_add_up_over_the_step() -> None:
+    """Two generation rounds of 8 and 24 rows: counts and seconds add, means weigh by rows (before,
+    the last round's values replaced the first's)."""
+    from megarl.trainer.loop import merge_round_metrics
+
+    first = {"reward/num_failed": 1.0, "reward/time_s": 0.5, "reward/overlong_ratio": 0.5,
+             "reward/worker_restarts": 0.0, "reward_model/score/max": 2.0, "reward_model/score/min": -1.0}
+    second = {"reward/num_failed": 2.0, "reward/time_s": 0.25, "reward/overlong_ratio": 0.25,
+              "reward/worker_restarts": 1.0, "reward_model/score/max": 1.0, "reward_model/score/min": -3.0}
+    assert merge_round_metrics({}, 0, first, 8) == first
+    assert merge_round_metrics(first, 8, second, 24) == {
+        "reward/num_failed": 3.0, "reward/time_s": 0.75, "reward/overlong_ratio": (0.5 * 8 + 0.25 * 24) / 32,
+        "reward/worker_restarts": 1.0, "reward_model/score/max": 2.0, "reward_model/score/min": -3.0}
+
+
+def test_throughput_counts_the_devices_of_every_pool() -> None:
+    """`perf/throughput` is tokens per second per device of the run: a critic, reference or rollout
+    pool's devices count too (before, the actor pool's alone)."""
+    from megarl.config.schema import PoolConfig, ResourcesConfig
+    from megarl.trainer.loop import run_devices
+
+    assert run_devices(ResourcesConfig(actor_pool=PoolConfig(2, 4))) == 8
+    assert run_devices(ResourcesConfig(actor_pool=PoolConfig(1, 4), critic_pool=PoolConfig(1, 2),
+                                       rollout_pool=PoolConfig(2, 1))) == 8
