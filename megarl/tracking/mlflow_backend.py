@@ -14,6 +14,7 @@ file holds the values of the attempt that continued (see ``megarl.tracking.jsonl
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -51,11 +52,12 @@ def default_tracking_uri(run_dir: str | Path) -> str:
 def sanitize_name(name: str) -> str:
     """A metric/param name mlflow accepts, as close to ``name`` as possible.
 
-    Characters other than letters, digits, ``_ - . / space`` become ``_``; empty or dot-only path
+    ``@`` becomes ``_at_`` (``mean@4`` -> ``mean_at_4``); other characters than letters, digits,
+    ``_ - . / space`` become ``_``; empty or dot-only path
     segments (``a//b``, ``./x``, a leading or trailing ``/``) are removed or replaced, because
     mlflow refuses names that change under path normalisation. Cut to 250 characters.
     """
-    cleaned = _INVALID_NAME_CHARS.sub("_", name)
+    cleaned = _INVALID_NAME_CHARS.sub("_", name.replace("@", "_at_"))
     segments = [s if s.strip(".") else "_" for s in cleaned.split("/") if s != ""]
     return ("/".join(segments) or "_")[:MAX_KEY_LENGTH]
 
@@ -168,6 +170,10 @@ class MlflowBackend:
         clean = self._names.get(name)
         if clean is None:
             clean = sanitize_name(name)
+            taken = {c: n for n, c in self._names.items()}
+            if clean in taken:  # two names that clean (or cut) to one would share a series
+                digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+                clean = f"{clean[:MAX_KEY_LENGTH - 9]}_{digest}"
             if clean != name:
                 logger.warning("mlflow: metric name %r logged as %r", name, clean)
             self._names[name] = clean

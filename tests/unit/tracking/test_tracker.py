@@ -53,7 +53,7 @@ def test_mlflow_store_jsonl_and_resume_continue_one_run(tmp_path: Path) -> None:
     assert len(params["note"]) == 6000 and params["note"].endswith("...[truncated]")
     steps, values = _history(client, run_id, "critic/score/mean")
     assert steps == [1, 2, 3, 4] and values == pytest.approx([0.1, 0.2, 0.3, 0.4])
-    assert _history(client, run_id, "val-core/x/reward/mean_4")[0] == [1, 2, 3, 4]  # '@' sanitised
+    assert _history(client, run_id, "val-core/x/reward/mean_at_4")[0] == [1, 2, 3, 4]  # "@" sanitised
     assert lines[:2] == ["step 1/5 | score 0.1 | pg_loss -1", "step 1/5 | val 2"]
 
     resumed = Tracker(run_dir, project="proj", experiment="exp1", config=config, resume_step=2, console_write=lines.append)
@@ -198,7 +198,7 @@ def test_bad_backend_and_step(tmp_path: Path) -> None:
 
 
 def test_names_and_params_helpers() -> None:
-    assert sanitize_name("val-core/gsm8k/reward/mean@4") == "val-core/gsm8k/reward/mean_4"
+    assert sanitize_name("val-core/gsm8k/reward/mean@4") == "val-core/gsm8k/reward/mean_at_4"
     assert sanitize_name("/a//b/../c/") == "a/b/_/c"
     assert sanitize_name("timing_s/update actor") == "timing_s/update actor"
     assert truncate_param_value("short") == "short"
@@ -254,3 +254,18 @@ def test_per_step_files_keep_each_step_once_after_a_resume(tmp_path: Path) -> No
     assert path.read_text() == ""
     keep_steps_up_to(tmp_path / "missing.jsonl", 3)
     assert not (tmp_path / "missing.jsonl").exists()
+
+
+def test_names_that_clean_to_one_mlflow_key_keep_series_of_their_own(tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    run_dir = tmp_path / "run"
+    tracker = Tracker(run_dir, backends=["mlflow"], experiment="exp")
+    long_a, long_b = "m/" + "a" * 300 + "/x", "m/" + "a" * 300 + "/y"  # the same once cut to 250
+    tracker.log({"acc/mean@4": 1.0, "acc/mean_at_4": 2.0, long_a: 3.0, long_b: 4.0}, 1)
+    run_id = tracker.mlflow_run_id
+    tracker.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
+    values = {key: value for key, value in client.get_run(run_id).data.metrics.items()}
+    assert len(values) == 4 and sorted(values.values()) == [1.0, 2.0, 3.0, 4.0]
+    assert values["acc/mean_at_4"] == 1.0 and all(len(key) <= 250 for key in values)
