@@ -105,6 +105,14 @@ class Progress:
             self._phases.pop()
             self._refresh()
 
+    def set_total_steps(self, total_steps: int) -> None:
+        """A new estimate of the run's last step (a run that ends with its data, whose steps take a
+        varying number of batches: DAPO's dynamic sampling)."""
+        self.total_steps = max(int(total_steps), self.step, 1)
+        if self._bar is not None:
+            self._bar.total = self.total_steps
+            self._bar.refresh()
+
     def mean_step_time(self) -> Optional[float]:
         """Average of the last ``window`` step times in seconds (None before the first step)."""
         return sum(self._durations) / len(self._durations) if self._durations else None

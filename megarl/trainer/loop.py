@@ -112,6 +112,14 @@ def run_devices(resources: Any) -> int:
 OTHER_POOLS = ("critic_pool", "ref_pool", "reward_model_pool", "rollout_pool")
 
 
+def estimated_last_step(step: int, batches_used: int, batches_total: int) -> int:
+    """The last step of a run that ends with its data, from the loader batches its `step` steps have
+    taken so far (DAPO's dynamic sampling takes one or more a step): the remaining batches at the
+    mean rate so far."""
+    per_step = batches_used / max(step, 1)
+    return step + math.ceil(max(batches_total - batches_used, 0) / max(per_step, 1e-9))
+
+
 def longest_timeout(*timeouts: float | None) -> float | None:
     """The longest of several groups' call timeouts (None, no timeout, is the longest)."""
     return None if any(t is None for t in timeouts) else max(t for t in timeouts if t is not None)
@@ -268,6 +276,10 @@ class RLTrainer:
                     self.tracker.flush()
                     self.checkpointer.save(step, self.state_dict())
             metrics.update(self.outside_step_metrics())
+            if self.data_bounded_sampling:  # its steps take a varying number of loader batches
+                self.progress.set_total_steps(estimated_last_step(
+                    step, self.run.train_loader.batches_handed_out - (self.prefetch is not None),
+                    self.cfg.trainer.total_epochs * len(self.run.train_loader)))
             self.tracker.log(metrics, step=step)
             if "timing_s/save_checkpoint" in metrics:  # a kill now would otherwise lose this step's metrics
                 self.tracker.flush()
@@ -285,6 +297,12 @@ class RLTrainer:
         metrics.update({key: value for key, value in self.memory_metrics.items() if key.startswith("memory/val/")})
         self.memory_metrics = {}
         return metrics
+
+    @property
+    def data_bounded_sampling(self) -> bool:
+        """A run that ends when its data is used (no trainer.total_training_steps) and whose steps take
+        several loader batches each (algorithm.filter_groups): its last step is estimated as it goes."""
+        return bool(self.cfg.algorithm.filter_groups.enable and not self.cfg.trainer.total_training_steps)
 
     def finished(self) -> bool:
         """`trainer.total_training_steps` done, or (when it is null) the data of `total_epochs` used."""

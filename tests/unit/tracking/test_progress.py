@@ -86,3 +86,18 @@ def test_format_duration() -> None:
     assert format_duration(59.6) == "1:00"
     assert format_duration(3723) == "1:02:03"
     assert format_duration(-5) == "0:00"
+
+
+def test_a_new_estimate_of_the_last_step_moves_the_eta() -> None:
+    from megarl.tracking.progress import Progress
+
+    times = iter([0.0, 2.0, 4.0])
+    progress = Progress(100, enabled=False, clock=lambda: next(times), line_write=lambda line: None)
+    progress.start()
+    progress.step_done(1)
+    progress.step_done(2)
+    assert progress.eta_seconds() == 2.0 * 98
+    progress.set_total_steps(12)
+    assert progress.eta_seconds() == 2.0 * 10 and progress.status_line().startswith("step 2/12")
+    progress.set_total_steps(1)  # never below the steps done
+    assert progress.total_steps == 2

@@ -42,3 +42,13 @@ def test_throughput_counts_the_devices_of_every_pool() -> None:
     assert run_devices(ResourcesConfig(actor_pool=PoolConfig(2, 4))) == 8
     assert run_devices(ResourcesConfig(actor_pool=PoolConfig(1, 4), critic_pool=PoolConfig(1, 2),
                                        rollout_pool=PoolConfig(2, 1))) == 8
+
+
+def test_the_last_step_of_a_data_bounded_dapo_run_is_estimated_from_the_batches_a_step_takes() -> None:
+    """100 batches; 10 steps took 30 (3 a step): 70 left, about 24 more steps. The total shown had
+    been epochs x batches (100), about three times too many."""
+    from megarl.trainer.loop import estimated_last_step
+
+    assert estimated_last_step(10, 30, 100) == 10 + 24
+    assert estimated_last_step(10, 10, 100) == 100  # one batch a step: the plain count
+    assert estimated_last_step(5, 100, 100) == 5  # the data is used up
