@@ -24,7 +24,8 @@ sequence axis over the TP ranks outside the TP regions, so the axis is padded to
 them, and per-position outputs are cut back to the real positions: padding never changes results.
 
 Micro-batches: `micro_batch_size` rows in train_step, `log_prob_micro_batch_size` rows (0: the
-same) in the forward-only calls; with `use_dynamic_bsz` the token budget decides both.
+same) in the forward-only calls; with `use_dynamic_bsz` the token budget decides both, and the DP
+ranks of a MoE model run as many micro-batches each (`packing.plan_micro_batches_across`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from megarl.megatron.packing import (
     pack_rows,
     packed_seq_ids,
     plan_micro_batches,
+    plan_micro_batches_across,
     response_index,
     unpack,
 )
@@ -254,8 +256,19 @@ class MegatronEngine:
         packing = self.cfg.use_sequence_packing
         if self.cfg.use_dynamic_bsz:
             # The token budget is per rank: at cp > 1 a micro-batch holds up to cp times as many.
-            plans = plan_micro_batches(rows.total_lens, max_tokens=self.cfg.max_token_len_per_micro_batch,
-                                       packed=packing, cp=self.ranks.cp_size, pad_each=self.use_te)
+            plan = dict(max_tokens=self.cfg.max_token_len_per_micro_batch, packed=packing,
+                        cp=self.ranks.cp_size, pad_each=self.use_te)
+            if self.ranks.dp_size > 1 and self.spec.num_experts:
+                # Every DP rank of a MoE model runs the same number of micro-batches: the expert
+                # (and expert-tensor) parallel groups can span DP ranks (EP > 1 at TP = 1), and
+                # their token dispatch is a collective in every micro-batch, which a rank with
+                # fewer micro-batches would leave the others waiting in. A dense model has no
+                # collective across DP ranks inside the schedule (DDP reduces once per step): each
+                # rank keeps its own, fewest, micro-batches.
+                who = f"{self.role} engine, data-parallel rank {self.ranks.dp_rank} of {self.ranks.dp_size}"
+                plans = plan_micro_batches_across(rows.total_lens, self.dp_group, self.device, who, **plan)
+            else:
+                plans = plan_micro_batches(rows.total_lens, **plan)
         else:
             size = self.cfg.forward_micro_batch_size if forward_only else self.cfg.micro_batch_size
             plans = plan_micro_batches(rows.total_lens, micro_batch_size=size)
@@ -569,10 +582,12 @@ class MegatronEngine:
             outputs = self._head_outputs(mb, output, temperature, with_entropy)
             outputs.pop("per_position", None)
             loss, metrics = loss_fn(outputs, mb["data"], normalisers)
+            # Rows per sequence the model ran (1: every row alone; > 1: rows shared their prompt).
+            # Only a shared-prompt micro-batch has a sequence of several rows: a packed one's single
+            # (1, S) row still computes every row on its own.
+            shared = len(mb["index"]) / mb["tokens"].shape[0] if "shared" in mb else 1.0
             # Megatron divides each micro-batch loss by the number of micro-batches: undo it.
-            report = {"loss_share": loss.detach().float(),
-                      # rows per sequence the model ran (1: every row alone; > 1: rows shared their prompt)
-                      "rows_per_sequence": torch.tensor(len(mb["index"]) / mb["tokens"].shape[0])}
+            report = {"loss_share": loss.detach().float(), "rows_per_sequence": torch.tensor(shared)}
             report.update({k: torch.as_tensor(v).detach().float() for k, v in metrics.items()})
             return loss * num_micro, report
 

@@ -35,11 +35,13 @@ class OffloadState:
         return {group for _, _, group in self.entries}
 
 
-def _release(tensor: torch.Tensor, group: str, state: OffloadState, seen: set[int]) -> None:
+def _release(tensor: torch.Tensor, group: str, state: OffloadState, seen: set[int],
+             keep: frozenset[int] = frozenset()) -> None:
     """Copy a tensor that owns (the start of) its storage to CPU and free the storage. A storage
-    released before (size 0, by an earlier offload of another group) is left as it is."""
+    released before (size 0, by an earlier offload of another group) is left as it is, and so is
+    one whose address is in `keep` (it belongs to another group)."""
     storage = tensor.untyped_storage()
-    if storage.size() == 0 or storage.data_ptr() in seen:
+    if storage.size() == 0 or storage.data_ptr() in seen or storage.data_ptr() in keep:
         return
     if tensor.storage_offset() != 0 or tensor.numel() * tensor.element_size() != storage.size():
         # A view into a larger storage: the owner of that storage is released instead.
@@ -56,6 +58,14 @@ def _release(tensor: torch.Tensor, group: str, state: OffloadState, seen: set[in
 
 def _ddp_buffers(ddp: Any) -> list[Any]:
     return list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", []))
+
+
+def _param_storages(ddp: Any) -> frozenset[int]:
+    """Addresses of the storages that hold model parameters (the DDP param buffers, or the
+    parameters themselves without the distributed optimizer) and are not released yet."""
+    tensors = [buf.param_data for buf in _ddp_buffers(ddp) if getattr(buf, "param_data", None) is not None]
+    tensors += [p.data for p in ddp.parameters()]
+    return frozenset(t.untyped_storage().data_ptr() for t in tensors if t.untyped_storage().size() > 0)
 
 
 def _optimizer_tensors(optimizer: Any) -> Iterable[torch.Tensor]:
@@ -87,8 +97,12 @@ def offload(ddp: Any, optimizer: Any, params: bool = True, grads: bool = True,
             for p in ddp.parameters():
                 _release(p.data, "params", state, seen)
         if optimizer_state:
+            # In fp32 without the distributed optimizer the optimizer steps the model parameters
+            # themselves (no separate main copy): they are "params" only, so an optimizer-only
+            # offload leaves them in place for the forward passes that onload the params alone.
+            keep = _param_storages(ddp)
             for t in _optimizer_tensors(optimizer):
-                _release(t.data if isinstance(t, torch.nn.Parameter) else t, "optimizer", state, seen)
+                _release(t.data if isinstance(t, torch.nn.Parameter) else t, "optimizer", state, seen, keep)
     return state
 
 

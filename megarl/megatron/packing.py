@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megarl.errors import ConfigError, DataError
 from megarl.megatron.context_parallel import padded_length
@@ -84,6 +86,7 @@ def plan_micro_batches(
     packed: bool = False,
     cp: int = 1,
     pad_each: bool = False,
+    min_micro_batches: int = 1,
 ) -> list[torch.Tensor]:
     """Row indices of each micro-batch.
 
@@ -99,6 +102,12 @@ def plan_micro_batches(
     A micro-batch's sequence axis is padded to a multiple of 2*cp (each sequence on its own when
     `pad_each`, TransformerEngine's THD packing) and split `cp` ways, so a micro-batch holds up to
     about `cp` times the budget in total and each rank computes at most `max_tokens` positions.
+
+    `min_micro_batches` (dynamic only; at most the number of rows): the count that another rank
+    needs (`plan_micro_batches_across`). Where the budget needs fewer, the sorted split is made at
+    the smallest budget that still gives no more than that many, and the costliest micro-batch is
+    split in two until there are as many; packed rows first try a balanced split into that many.
+    Every micro-batch stays within `max_tokens`.
     """
     n = int(lengths.numel())
     if max_tokens is None:
@@ -113,7 +122,11 @@ def plan_micro_batches(
             tokens = count * padded_length(longest, cp)
         return tokens // cp  # exact: padded to a multiple of 2*cp when cp > 1
 
-    longest = int(lengths.max()) if n else 0
+    if n == 0:
+        return []
+    if min_micro_batches > n:
+        raise DataError(f"cannot split {n} rows into {min_micro_batches} non-empty micro-batches")
+    longest = int(lengths.max())
     longest_cost = per_rank(1, longest, longest, padded_length(longest, cp))
     if longest_cost > max_tokens:
         share = f", {longest_cost} per rank at context parallel size {cp}" if cp > 1 else ""
@@ -122,40 +135,122 @@ def plan_micro_batches(
             f"({longest} tokens{share}); raise it to at least {longest_cost}"
         )
     order = torch.sort(lengths, descending=True, stable=True).indices.tolist()
-    plans: list[list[int]] = []
-    current: list[int] = []
-    current_max = current_sum = current_padded = 0
-    for idx in order:
-        length = int(lengths[idx])
-        new_max = max(current_max, length)
-        cost = per_rank(len(current) + 1, new_max, current_sum + length, current_padded + padded_length(length, cp))
-        if current and cost > max_tokens:
+
+    def greedy(budget: int) -> list[list[int]]:
+        """Rows by length, longest first, a micro-batch closed when the next row would exceed
+        `budget`: the fewest micro-batches of consecutive rows in that order."""
+        plans: list[list[int]] = []
+        current: list[int] = []
+        current_max = current_sum = current_padded = 0
+        for idx in order:
+            length = int(lengths[idx])
+            new_max = max(current_max, length)
+            cost = per_rank(len(current) + 1, new_max, current_sum + length,
+                            current_padded + padded_length(length, cp))
+            if current and cost > budget:
+                plans.append(current)
+                current, new_max, current_sum, current_padded = [], length, 0, 0
+            current.append(idx)
+            current_max = new_max
+            current_sum += length
+            current_padded += padded_length(length, cp)
+        if current:
             plans.append(current)
-            current, new_max, current_sum, current_padded = [], length, 0, 0
-        current.append(idx)
-        current_max = new_max
-        current_sum += length
-        current_padded += padded_length(length, cp)
-    if current:
-        plans.append(current)
+        return plans
+
+    plans = greedy(max_tokens)
+    if len(plans) < min_micro_batches:
+        # More micro-batches than the budget needs: the smallest budget at which the greedy split
+        # still needs no more than asked (bisected; fewer micro-batches at a larger budget) gives
+        # the most even split of the sorted rows; the costliest parts are then split up to the count.
+        low, high = longest_cost, max_tokens
+        while low < high:
+            mid = (low + high) // 2
+            if len(greedy(mid)) <= min_micro_batches:
+                high = mid
+            else:
+                low = mid + 1
+        plans = greedy(low)
+
+    def cost(part: list[int]) -> int:
+        return per_rank(len(part), max(int(lengths[i]) for i in part), sum(int(lengths[i]) for i in part),
+                        sum(padded_length(int(lengths[i]), cp) for i in part))
+
     if packed:
-        plans = _balanced_plans(lengths, plans, max_tokens, lambda part: per_rank(
-            len(part), max(int(lengths[i]) for i in part), sum(int(lengths[i]) for i in part),
-            sum(padded_length(int(lengths[i]), cp) for i in part)))
+        plans = _balanced_plans(lengths, plans, max_tokens, cost, min_micro_batches)
+    if len(plans) < min_micro_batches:
+        plans = _split_costliest(lengths, plans, min_micro_batches, cost)
     return [torch.tensor(sorted(p), dtype=torch.long) for p in plans]
 
 
 def _balanced_plans(lengths: torch.Tensor, greedy: list[list[int]], max_tokens: int,
-                    cost: Callable[[list[int]], int]) -> list[list[int]]:
-    """The fewest parts of about equal tokens whose every part costs at most `max_tokens`, from
-    ceil(total / budget) parts up to as many as the greedy split has; the greedy split if none fits."""
+                    cost: Callable[[list[int]], int], at_least: int = 1) -> list[list[int]]:
+    """The fewest (and at least `at_least`) parts of about equal tokens whose every part costs at
+    most `max_tokens`, from the fewest the budget allows up to as many as the greedy split has; the
+    greedy split if none fits. The fewest: all rows cost no more as one part than split (padding is
+    rounded up per part), so k parts need k * max_tokens >= cost(all rows); at cp > 1 that counts
+    the positions of one CP rank, as the budget does."""
     values = [int(v) for v in lengths.tolist()]
-    fewest = max(1, -(-sum(values) // max_tokens))
-    for k in range(min(fewest, len(greedy)), len(greedy) + 1):
+    fewest = max(1, -(-cost(list(range(len(values)))) // max_tokens))
+    for k in range(max(min(fewest, len(greedy)), at_least), max(len(greedy), at_least) + 1):
         parts = [p for p in balanced_partition(values, k) if p]
-        if all(cost(p) <= max_tokens for p in parts):
+        if len(parts) >= at_least and all(cost(p) <= max_tokens for p in parts):
             return parts
     return greedy
+
+
+def _split_costliest(lengths: torch.Tensor, plans: list[list[int]], count: int,
+                     cost: Callable[[list[int]], int]) -> list[list[int]]:
+    """`plans` split until there are `count` parts (count <= rows): each time the costliest part of
+    two or more rows, sorted by length (longest first, so the padded halves stay of similar
+    length), is cut where its larger half costs least."""
+    plans = [list(p) for p in plans]
+    while len(plans) < count:
+        splittable = [i for i, p in enumerate(plans) if len(p) > 1]
+        if not splittable:
+            raise DataError(f"cannot split {sum(map(len, plans))} rows into {count} non-empty micro-batches")
+        rows = sorted(plans.pop(max(splittable, key=lambda i: cost(plans[i]))),
+                      key=lambda i: (-int(lengths[i]), i))
+        # cost(rows[:j]) grows with j and cost(rows[j:]) shrinks: bisect for where they cross.
+        lo, hi = 1, len(rows) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if cost(rows[:mid]) >= cost(rows[mid:]):
+                hi = mid
+            else:
+                lo = mid + 1
+        cut = min((j for j in (lo - 1, lo) if j >= 1), key=lambda j: max(cost(rows[:j]), cost(rows[j:])))
+        plans += [rows[:cut], rows[cut:]]
+    return plans
+
+
+def plan_micro_batches_across(lengths: torch.Tensor, group: Any, device: torch.device, who: str,
+                              **plan: Any) -> list[torch.Tensor]:
+    """`plan_micro_batches` with a token budget (`plan`: its keyword arguments), giving every rank
+    of `group` the same number of micro-batches: the most any of them needs under the budget.
+
+    Each rank plans from its own rows, so the counts can differ; a collective that runs once per
+    micro-batch among ranks of the group (the token dispatch of expert parallelism, whose groups
+    span data-parallel ranks) would then wait for a micro-batch that never comes. verl forces the
+    same count the same way. A rank that needs fewer splits its micro-batches further
+    (`min_micro_batches`), which keeps them within the budget but needs as many rows as the count:
+    if a rank has fewer, every rank raises the same error (no rank is left waiting). `who` names
+    the caller (role and rank) in that error."""
+    plans = plan_micro_batches(lengths, **plan)
+    # One all-reduce for both: the most micro-batches any rank needs, the fewest rows any rank has.
+    counts = torch.tensor([len(plans), -int(lengths.numel())], dtype=torch.int64, device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
+    most, fewest_rows = int(counts[0]), -int(counts[1])
+    if most > fewest_rows:
+        raise DataError(
+            f"{who}: with use_dynamic_bsz every data-parallel rank runs the same number of micro-batches, "
+            f"and one rank needs {most} under max_token_len_per_micro_batch={plan.get('max_tokens')}, but "
+            f"another has only {fewest_rows} rows (this rank has {int(lengths.numel())}); give every "
+            f"data-parallel rank the same number of rows (the trainer's dispatcher does) or raise "
+            f"max_token_len_per_micro_batch")
+    if most > len(plans):
+        plans = plan_micro_batches(lengths, **plan, min_micro_batches=most)
+    return plans
 
 
 @dataclass

@@ -82,3 +82,39 @@ def test_packed_token_budget_counts_real_tokens() -> None:
     lengths = torch.tensor([5, 1, 3, 2])
     plans = plan_micro_batches(lengths, max_tokens=6, packed=True)
     assert all(int(lengths[p].sum()) <= 6 for p in plans) and len(plans) == 2
+
+
+def test_packed_budget_per_cp_rank_gets_the_balanced_split() -> None:
+    # 40 tokens, 20 per CP rank at cp 2: two micro-batches of 20 (10 per rank) fit a budget of 10.
+    # Greedy by length closes at 10+6 and 6+4+4+4 (each padded to 16 and 20): three micro-batches;
+    # the balanced search must start from ceil(20 per rank / 10) = 2, not ceil(40 / 10) = 4.
+    lengths = torch.tensor([10, 6, 6, 4, 4, 4, 4, 2])
+    plans = plan_micro_batches(lengths, max_tokens=10, packed=True, cp=2)
+    assert len(plans) == 2, [p.tolist() for p in plans]
+    assert sorted(i for p in plans for i in p.tolist()) == list(range(8))
+    assert all(-(-int(lengths[p].sum()) // 4) * 4 // 2 <= 10 for p in plans)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("count", [1, 2, 3, 5, 8])
+def test_min_micro_batches_splits_within_the_budget(packed: bool, count: int) -> None:
+    lengths = torch.tensor([5, 1, 3, 2, 5, 4, 1, 2])
+    plans = plan_micro_batches(lengths, max_tokens=24, packed=packed, min_micro_batches=count)
+    alone = plan_micro_batches(lengths, max_tokens=24, packed=packed)
+    assert len(plans) == max(count, len(alone)), [p.tolist() for p in plans]
+    assert sorted(i for p in plans for i in p.tolist()) == list(range(8))
+    for p in plans:
+        assert len(p) > 0
+        assert (int(lengths[p].sum()) if packed else len(p) * int(lengths[p].max())) <= 24
+
+
+def test_min_micro_batches_keeps_padded_rows_of_similar_length_together() -> None:
+    # One micro-batch of everything (8 x 5 = 40 <= 40); three: the longest rows stay together.
+    lengths = torch.tensor([5, 1, 3, 2, 5, 4, 1, 2])
+    plans = plan_micro_batches(lengths, max_tokens=40, min_micro_batches=3)
+    assert sorted(sorted(int(lengths[i]) for i in p) for p in plans) == [[1, 1, 2, 2], [3, 4], [5, 5]]
+
+
+def test_more_micro_batches_than_rows_is_an_error() -> None:
+    with pytest.raises(DataError, match="3 rows into 4 non-empty micro-batches"):
+        plan_micro_batches(torch.tensor([3, 1, 2]), max_tokens=10, min_micro_batches=4)
