@@ -16,6 +16,7 @@ estimator with the gradient of ``k2``, whose gradient is the unbiased gradient o
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from megarl.algorithms.registry import Registry
 from megarl.algorithms.utils import masked_mean
 from megarl.errors import ConfigError
 
+logger = logging.getLogger(__name__)
 KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator", "kl_type")
@@ -89,8 +91,24 @@ def apply_kl_penalty(
     return rewards, current_kl
 
 
+def _saved_kind(state: dict[str, Any]) -> str:
+    """The controller type a `state_dict` came from (written before "type" was: by its keys)."""
+    return str(state.get("type", "adaptive" if "target" in state else "fixed"))
+
+
+def _warn_setting_changed(key: str, now: Any, saved: Any) -> None:
+    if saved is not None and saved != now:
+        logger.warning("resume: %s is %r in this run's config, %r in the checkpoint: using %r", key, now, saved, now)
+
+
 class FixedKLController:
-    """A constant KL coefficient."""
+    """A constant KL coefficient.
+
+    A resume changes nothing: the coefficient is the config's (algorithm.kl_ctrl.kl_coef), not
+    state; a checkpoint's other value is logged.
+    """
+
+    STATE_KEYS: tuple[str, ...] = ()  # what a resume takes from the checkpoint (see `kl_state_keys`)
 
     def __init__(self, kl_coef: float) -> None:
         self.value = float(kl_coef)
@@ -99,17 +117,26 @@ class FixedKLController:
         """No-op (the interface of AdaptiveKLController)."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"value": self.value}
+        return {"type": "fixed", "value": self.value}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.value = float(state["value"])
+        if _saved_kind(state) == "fixed":
+            _warn_setting_changed("algorithm.kl_ctrl.kl_coef", self.value, float(state["value"]))
+        else:
+            logger.warning("resume: algorithm.kl_ctrl.type is 'fixed' in this run's config, %r in the checkpoint: "
+                           "the KL coefficient is algorithm.kl_ctrl.kl_coef, %r (the checkpoint's controller had "
+                           "reached %r)", _saved_kind(state), self.value, float(state["value"]))
 
 
 class AdaptiveKLController:
     """Adaptive KL coefficient (Ziegler et al. 2019, https://arxiv.org/abs/1909.08593).
 
     ``update``: ``value *= 1 + clip(current_kl / target_kl - 1, -0.2, 0.2) * n_steps / horizon``.
+    A resume restores the coefficient (state); target and horizon stay the config's (settings), each
+    one that differs from the checkpoint's is logged.
     """
+
+    STATE_KEYS: tuple[str, ...] = ("value",)
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int) -> None:
         if target_kl <= 0:
@@ -125,15 +152,28 @@ class AdaptiveKLController:
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
 
     def state_dict(self) -> dict[str, Any]:
-        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+        return {"type": "adaptive", "value": self.value, "target": self.target, "horizon": self.horizon}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        _warn_setting_changed("algorithm.kl_ctrl.type", "adaptive", _saved_kind(state))
         self.value = float(state["value"])
-        self.target = float(state["target"])
-        self.horizon = int(state["horizon"])
+        _warn_setting_changed("algorithm.kl_ctrl.target_kl", self.target,
+                              float(state["target"]) if "target" in state else None)
+        _warn_setting_changed("algorithm.kl_ctrl.horizon", self.horizon,
+                              int(state["horizon"]) if "horizon" in state else None)
 
 
 KLController = FixedKLController | AdaptiveKLController
+
+
+def kl_state_keys(state: dict[str, Any]) -> tuple[str, ...]:
+    """The keys of a controller's `state_dict` (``state``, taken from the controller) that a resume
+    restores from the checkpoint; the others are the config's settings."""
+    kinds = {"fixed": FixedKLController, "adaptive": AdaptiveKLController}
+    kind = _saved_kind(state)
+    if kind not in kinds:
+        raise ConfigError(f"KL controller state of type {kind!r}: unknown; valid: {sorted(kinds)}")
+    return kinds[kind].STATE_KEYS
 
 
 def make_kl_controller(kind: str, kl_coef: float, target_kl: float = 0.1, horizon: int = 10000) -> KLController:

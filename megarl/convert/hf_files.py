@@ -174,10 +174,25 @@ def expected_hf_shapes(hf_config: Mapping[str, Any], architecture: str | None = 
     model_cls = getattr(transformers, arch, None) if arch else None
     if model_cls is None:
         raise ConfigError(f"transformers has no model class {arch!r} (config 'architectures')")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     model_type = cfg.pop("model_type", None)
     if model_type is None:
         raise ConfigError("HF config has no 'model_type'")
-    config = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "transformers_version"})
+    fields = {k: v for k, v in cfg.items() if k != "transformers_version"}
+    if model_type in CONFIG_MAPPING:
+        config = transformers.AutoConfig.for_model(model_type, **fields)
+    else:
+        # A model_type transformers does not list (a renamed variant of a known model, converted with
+        # --spec FAMILY): the architecture's own config class reads the same fields.
+        config_cls = getattr(model_cls, "config_class", None)
+        if not isinstance(config_cls, type):
+            raise ConfigError(
+                f"config.json: model_type {model_type!r} is not one transformers {transformers.__version__} knows, and "
+                f"its model class {arch} names no config class to read the config with; set model_type to the one of "
+                "the model it derives from, or name a transformers class of it in 'architectures'"
+            )
+        config = config_cls(**fields)
     with torch.device("meta"):
         model = model_cls(config)
     from megarl.models.weight_map import split_fused_experts

@@ -129,6 +129,18 @@ def _output_config(config: dict[str, Any], role: str) -> dict[str, Any]:
     return out
 
 
+def _with_dtype(config: dict[str, Any], dtypes: set[torch.dtype]) -> dict[str, Any]:
+    """`config` naming the dtype of the written floating-point tensors (when they share one): an
+    export cast by --dtype, or of a checkpoint converted with one, must not keep the source's, or
+    from_pretrained(dtype="auto") loads it in the wrong dtype. transformers 5 writes "dtype", older
+    ones "torch_dtype": each key present is set, "dtype" when neither is."""
+    if len(dtypes) != 1:
+        return config
+    name = str(next(iter(dtypes))).removeprefix("torch.")
+    keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
+    return {**config, **{k: name for k in keys}}
+
+
 def _check_shapes(reader: CheckpointReader, plan: list[CheckpointTensor], vocab_size: int) -> None:
     for t in plan:
         got = tuple(reader.tensor_meta(t.key).size)
@@ -180,6 +192,7 @@ def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: st
     total = sum(t.numel * reader.tensor_meta(t.key).properties.dtype.itemsize for t in plan)
     bar = Progress("mcore-to-hf", total, sum(len(t.hf_names) for t in plan), enabled=progress, unit="parameters")
     written: set[str] = set()
+    written_dtypes: set[torch.dtype] = set()
     try:
         with staged_output_dir(out_dir, overwrite) as stage:
             writer = ShardedSafetensorsWriter(stage, max_shard_bytes)
@@ -194,16 +207,20 @@ def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: st
                     if t.entry.vocab_padded:
                         part = part[: spec.vocab_size]
                     for name, tensor in zip(names, unfuse(t.entry, part, role_spec)):
-                        writer.add(name, tensor if out_dtype is None else tensor.to(out_dtype))
+                        tensor = tensor if out_dtype is None else tensor.to(out_dtype)
+                        writer.add(name, tensor)
                         written.add(name)
+                        if tensor.is_floating_point():
+                            written_dtypes.add(tensor.dtype)
                     bar.update(part.numel() * part.element_size())
             missing = sorted(set(expected) - written)
             if missing:
                 raise CheckpointError(f"{ckpt}: nothing in the checkpoint gives HF tensors {missing[:5]}")
             writer.close()
+            out_config = _with_dtype(out_config, written_dtypes)
             if source is not None:
                 copy_non_weight_files(source, stage)
-            if source is None or out_config != config:  # a policy keeps its original config.json
+            if source is None or out_config != config:  # a policy of the same dtype keeps its original config.json
                 (stage / "config.json").write_text(json.dumps(out_config, indent=2) + "\n")
     finally:
         bar.close()

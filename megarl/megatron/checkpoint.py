@@ -22,6 +22,11 @@ same fingerprint is taken from what was loaded and must match (up to summation o
 Adam step and the schedule must continue from the saved step. Any difference is a
 `CheckpointError` naming the quantity. (Zero moments alone are not an error: a run whose
 gradients were all zero so far, e.g. all rewards equal, has them.)
+
+A checkpoint holds state, the config holds settings: a load restores the schedule's step, Adam's
+step and moments, but the LR schedule (lr, min_lr, warmup, decay steps and style, weight decay) and
+Adam's betas and eps stay this run's, and each one that differs from the checkpoint's is logged.
+So a finished run is extended by raising total_training_steps, or resumed with another lr.
 """
 
 from __future__ import annotations
@@ -53,6 +58,20 @@ _OPT_METADATA = {
     # Avoids a CUDA-only gather path of the fully-reshardable format.
     "distrib_optim_fully_reshardable_mem_efficient": True,
 }
+
+
+# Settings of the LR schedule in Megatron's scheduler state, and the optim key each comes from.
+_SCHEDULE_SETTINGS = (
+    ("max_lr", "optim.lr"),
+    ("min_lr", "optim.min_lr"),
+    ("lr_warmup_steps", "optim.lr_warmup_steps"),
+    ("lr_decay_steps", "optim.total_training_steps"),
+    ("lr_decay_style", "optim.lr_scheduler"),
+    ("start_wd", "optim.weight_decay"),
+)
+# Adam's settings in the optimizer's parameter groups (the rest of a group is structure, or set by
+# the scheduler at every step: lr, weight_decay).
+_ADAM_SETTINGS = (("betas", "optim.betas"), ("eps", "optim.eps"))
 
 
 def _dist_optimizers(optimizer: Any) -> list[Any]:
@@ -135,6 +154,47 @@ def _optimizer_fingerprint(sharded: dict[str, Any], vocab_size: int) -> dict[str
     sums = sums.to(device)
     dist.all_reduce(sums)
     return {name: float(v) for name, v in zip(FINGERPRINT_FIELDS, sums.cpu().tolist())}
+
+
+def _param_group_settings(optimizer: Any) -> list[dict[str, Any]]:
+    """Everything but the parameters of every parameter group, in order."""
+    return [{k: v for k, v in group.items() if k != "params"}
+            for inner in _inner_optimizers(optimizer) for group in inner.param_groups]
+
+
+def _restore_param_group_settings(optimizer: Any, settings: list[dict[str, Any]]) -> None:
+    """Put back this run's group settings after a load replaced them with the checkpoint's: Megatron's
+    LR schedule reads max_lr/min_lr from the groups before its own values, Adam its betas and eps."""
+    groups = [group for inner in _inner_optimizers(optimizer) for group in inner.param_groups]
+    if len(groups) != len(settings):
+        raise CheckpointError(f"the optimizer has {len(groups)} parameter groups after the load, "
+                              f"{len(settings)} before")
+    for group, before in zip(groups, settings):
+        group.update(before)
+
+
+def _plain(value: Any) -> Any:
+    return tuple(float(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def changed_settings(config_schedule: dict[str, Any], saved_schedule: dict[str, Any],
+                     config_groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]]) -> list[str]:
+    """``"optim.KEY now (checkpoint: then)"`` for each optimizer setting of this run that differs
+    from the checkpoint's: the scheduler states (Megatron's `state_dict`) and the parameter groups'
+    Adam settings. Warmup and total steps are counted in optimizer steps here."""
+    differ = []
+    constant = config_schedule.get("lr_decay_style") == saved_schedule.get("lr_decay_style") == "constant"
+    for key, name in _SCHEDULE_SETTINGS:
+        if key == "min_lr" and constant:
+            continue  # a constant schedule's min_lr is its lr (optim.build_scheduler), not optim.min_lr
+        if key in saved_schedule and key in config_schedule and saved_schedule[key] != config_schedule[key]:
+            differ.append(f"{name} {config_schedule[key]!r} (checkpoint: {saved_schedule[key]!r})")
+    for key, name in _ADAM_SETTINGS:
+        now = next((g[key] for g in config_groups if key in g), None)
+        then = next((g[key] for g in saved_groups if key in g), None)
+        if now is not None and then is not None and _plain(now) != _plain(then):
+            differ.append(f"{name} {_plain(now)!r} (checkpoint: {_plain(then)!r})")
+    return differ
 
 
 def check_restored(path: Path, saved: dict[str, Any], engine: Any, loaded: dict[str, float]) -> None:
@@ -226,6 +286,9 @@ def load(engine: Any, path: str | os.PathLike[str]) -> None:
         found = info.get("format_version") if info else None
         raise CheckpointError(f"{path}: not a megarl engine checkpoint of format {FORMAT_VERSION} "
                               f"(found format {found})")
+    # This run's settings, which the load must leave in place (see the module docstring).
+    config_schedule = engine.scheduler.state_dict()
+    config_groups = _param_group_settings(engine.optimizer)
     _init_adam_state(engine.optimizer)
     sharded = _sharded_state(engine, is_loading=True)
     loaded = dist_checkpointing.load(sharded, str(path))
@@ -246,8 +309,16 @@ def load(engine: Any, path: str | os.PathLike[str]) -> None:
         for state in dist_opt.optimizer.state.values():
             state.pop("step", None)
         dist_opt.load_parameter_state_from_fully_reshardable(param_state)
+    saved_groups = _param_group_settings(engine.optimizer)
+    _restore_param_group_settings(engine.optimizer, config_groups)
     _set_adam_step(engine.optimizer, int(info["adam_step"]))
+    # Only the step is taken: the scheduler keeps this config's settings (optim.build_scheduler).
     engine.scheduler.load_state_dict(info["scheduler"])
+    differ = changed_settings(config_schedule, info["scheduler"], config_groups, saved_groups)
+    if differ and dist.get_rank() == 0:
+        logger.warning("%s: resuming the %s engine with this run's optimizer settings, not the checkpoint's: %s; "
+                       "the LR schedule continues from step %d under them (warmup and total in optimizer steps)",
+                       path, engine.role, "; ".join(differ), engine.scheduler.num_steps)
     check_restored(path, info, engine, _optimizer_fingerprint(_sharded_state(engine, is_loading=False),
                                                              engine.spec.vocab_size))
     # Model params were overwritten by the checkpoint; the fp32 main params came from it too

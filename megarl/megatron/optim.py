@@ -185,7 +185,13 @@ def fuse_host_adam(optimizer: Any) -> None:
 
 def build_scheduler(cfg: EngineConfig, optimizer: Any) -> Any:
     """Linear warmup from 0 to `lr` over `lr_warmup_steps`, then constant, or cosine or linear decay
-    to `min_lr` at step `total_training_steps` (`min_lr` after it)."""
+    to `min_lr` at step `total_training_steps` (`min_lr` after it).
+
+    On a resume only the step count comes from the checkpoint: the schedule is this config's
+    (`override_opt_param_scheduler`; Megatron's default takes max/min LR, warmup, decay steps and
+    style from the checkpoint, so a run extended by raising total_training_steps would go on at the
+    old schedule's end, min_lr, and a changed lr would be ignored). `checkpoint.load` warns about
+    each setting that differs from the checkpoint's."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     warmup = cfg.lr_warmup_steps
@@ -202,4 +208,6 @@ def build_scheduler(cfg: EngineConfig, optimizer: Any) -> Any:
         end_wd=cfg.weight_decay,
         wd_incr_steps=decay_steps,
         wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
     )

@@ -5,7 +5,7 @@ Layout under ``root`` (verl's names, so verl users and tools find their way)::
     root/
       global_step_20/               a complete checkpoint: holds the marker file COMPLETE
       global_step_30/
-      latest_checkpointed_iteration.txt   "30": the step of the newest complete checkpoint
+      latest_checkpointed_iteration.txt   "30": the step of the checkpoint committed last
       .tmp-step_40-<pid>/           being written (or left by a killed run: removed on start)
 
 A save is ``tmp = dirs.begin(step)``; every writer (all ranks) writes into ``tmp``; then the driver
@@ -13,6 +13,10 @@ calls ``dirs.commit(tmp, step)``: it fsyncs the files, writes ``COMPLETE`` (step
 ``tmp`` to ``global_step_<step>`` in one atomic ``os.rename``, rewrites the latest-iteration file
 atomically and prunes old checkpoints. A kill before the rename leaves only a ``.tmp-*`` dir; only
 dirs with the marker are ever resumed from. One writer (the driver) per ``root``.
+
+"Newest" means committed last, not the highest step: a run resumed from an older checkpoint by path
+saves lower steps than the ``global_step_*`` dirs its abandoned continuation left. The latest file
+names the last commit, and each marker holds a commit sequence number (``seq``) that pruning ranks by.
 
 Also here: ``capture_rng_state`` / ``restore_rng_state`` for the RNG part of a checkpoint.
 """
@@ -56,7 +60,8 @@ def _fsync_path(path: Path) -> None:
 
 
 def read_marker(checkpoint: Union[str, Path]) -> dict[str, Any]:
-    """The ``COMPLETE`` marker of a checkpoint dir: ``{"step": int, "time": str, "unix_time": float}``.
+    """The ``COMPLETE`` marker of a checkpoint dir: ``{"step": int, "time": str, "unix_time": float,
+    "seq": int, "files": {...}}`` (``seq``, the commit order, is absent in markers of older versions).
 
     Raises ``CheckpointError`` naming what is missing when the dir or marker is absent or unreadable.
     """
@@ -79,8 +84,14 @@ def read_marker(checkpoint: Union[str, Path]) -> dict[str, Any]:
     return record
 
 
+def _commit_order(marker: dict[str, Any]) -> tuple[int, float, int]:
+    """Sort key: commit order. Markers written before ``seq`` existed rank before every newer commit,
+    among themselves by write time."""
+    return int(marker.get("seq", 0)), float(marker.get("unix_time", 0.0)), int(marker["step"])
+
+
 class CheckpointDirs:
-    """Manages the checkpoint directories under ``root`` and keeps the newest ``max_to_keep``.
+    """Manages the checkpoint directories under ``root`` and keeps the ``max_to_keep`` committed last.
 
     ``max_to_keep`` <= 0 or None keeps every checkpoint. Creating the object removes ``.tmp-*``
     dirs left by an earlier process (interrupted saves).
@@ -135,8 +146,10 @@ class CheckpointDirs:
                 if fsync_files:
                     _fsync_path(path)
                 files[str(path.relative_to(tmp))] = {"size": path.stat().st_size, "crc32": crc32_of_file(path)}
+        # The commit order, for pruning: step numbers are not it once a run resumed an older checkpoint.
+        seq = 1 + max((int(m.get("seq", 0)) for _, _, m in self._scan_markers()[0]), default=0)
         marker = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "unix_time": time.time(),
-                  "files": files}
+                  "seq": seq, "files": files}
         with open(tmp / COMPLETE_MARKER, "w", encoding="utf-8") as f:
             json.dump(marker, f)
             f.flush()
@@ -149,10 +162,12 @@ class CheckpointDirs:
             os.rename(final, replaced)
         os.rename(tmp, final)
         _fsync_path(self.root)
+        # The latest file first: a kill while removing the replaced copy (slow) must not leave it
+        # naming an older commit; the leftover ``.tmp-replaced-*`` dir is removed on the next start.
+        self._write_latest(step)
         if replaced is not None:
             _remove(replaced)
-        self._write_latest(step)
-        self.prune()
+        self.prune(current=step)
         return final
 
     def _write_latest(self, step: int) -> None:
@@ -165,23 +180,42 @@ class CheckpointDirs:
         os.replace(tmp, latest)
         _fsync_path(self.root)
 
-    def _scan(self) -> tuple[list[tuple[int, Path]], list[Path]]:
-        complete: list[tuple[int, Path]] = []
+    def _scan_markers(self) -> tuple[list[tuple[int, Path, dict[str, Any]]], list[Path]]:
+        """``(step, path, marker)`` of the complete checkpoints (by step) and the incomplete dirs."""
+        complete: list[tuple[int, Path, dict[str, Any]]] = []
         incomplete: list[Path] = []
         for path in self.root.iterdir():
             match = _STEP_DIR.match(path.name)
             if not match or not path.is_dir():
                 continue
             try:
-                marker_step = read_marker(path)["step"]
+                marker = read_marker(path)
             except CheckpointError:
                 incomplete.append(path)
                 continue
-            if marker_step != int(match.group(1)):
+            if marker["step"] != int(match.group(1)):
                 incomplete.append(path)
                 continue
-            complete.append((marker_step, path))
-        return sorted(complete), sorted(incomplete)
+            complete.append((marker["step"], path, marker))
+        return sorted(complete, key=lambda item: item[0]), sorted(incomplete)
+
+    def _scan(self) -> tuple[list[tuple[int, Path]], list[Path]]:
+        complete, incomplete = self._scan_markers()
+        return [(step, path) for step, path, _ in complete], incomplete
+
+    def tracked_step(self) -> Optional[int]:
+        """The step the latest file names (the last commit), or None without that file.
+
+        Raises ``CheckpointError`` naming the file when it does not hold a step number.
+        """
+        latest = self.root / LATEST_FILE
+        if not latest.is_file():
+            return None
+        text = latest.read_text(encoding="utf-8").strip()
+        if not text.isdigit():
+            raise CheckpointError(f"{latest}: {text!r} is not a step number (it names the step of the last saved "
+                                  "checkpoint); fix or remove it, or resume a checkpoint by path")
+        return int(text)
 
     def complete_checkpoints(self) -> list[tuple[int, Path]]:
         """``(step, path)`` of every complete checkpoint, oldest first."""
@@ -192,20 +226,51 @@ class CheckpointDirs:
         return self._scan()[1]
 
     def latest(self) -> Optional[tuple[int, Path]]:
-        """The newest complete checkpoint ``(step, path)``, or None. Incomplete dirs are logged and skipped."""
-        complete, incomplete = self._scan()
+        """The complete checkpoint committed last ``(step, path)``, or None. Incomplete dirs are logged and skipped.
+
+        That is the one the latest file names when it is complete; otherwise (no or unreadable file,
+        or it names a dir that is not a complete checkpoint) the complete one with the newest marker.
+        Not the highest step: after a resume from an older checkpoint, higher steps of the abandoned
+        continuation may remain.
+        """
+        complete, incomplete = self._scan_markers()
         for path in incomplete:
             if path not in self._reported:
                 self._reported.add(path)
                 logger.warning("checkpoint: ignoring %s: no valid %s marker (incomplete save)", path, COMPLETE_MARKER)
-        return complete[-1] if complete else None
+        if not complete:
+            return None
+        try:
+            tracked = self.tracked_step()
+        except CheckpointError as err:
+            logger.warning("checkpoint: %s; taking the complete checkpoint committed last instead", err)
+            tracked = None
+        named = [(step, path) for step, path, _ in complete if step == tracked]
+        if named:
+            return named[0]
+        step, path, _ = max(complete, key=lambda item: _commit_order(item[2]))
+        return step, path
 
-    def prune(self) -> list[Path]:
-        """Delete the oldest complete checkpoints beyond ``max_to_keep``; returns the removed paths."""
+    def prune(self, current: Optional[int] = None) -> list[Path]:
+        """Delete complete checkpoints beyond ``max_to_keep``; returns the removed paths.
+
+        ``current``: the step just committed (default: the one the latest file names); it is never
+        removed. Checkpoints with a higher step are left from a continuation the run abandoned (it
+        resumed an older checkpoint): they go first, then the others oldest commit first.
+        """
         if self.max_to_keep is None:
             return []
-        complete = self.complete_checkpoints()
-        removed = [path for _, path in complete[: max(len(complete) - self.max_to_keep, 0)]]
+        if current is None:
+            try:
+                current = self.tracked_step()
+            except CheckpointError as err:
+                logger.warning("checkpoint: %s; pruning by commit order only", err)
+        complete = self._scan_markers()[0]
+        candidates = [(step, path, marker) for step, path, marker in complete if step != current]
+        keep_others = self.max_to_keep - (len(complete) - len(candidates))
+        # Abandoned (step > current) rank before the current lineage; within each, commit order.
+        candidates.sort(key=lambda item: (current is None or item[0] <= current, _commit_order(item[2])))
+        removed = [path for _, path, _ in candidates[: max(len(candidates) - keep_others, 0)]]
         for path in removed:
             # Rename first: a kill during the (slow) delete must not leave a marked but partial checkpoint.
             doomed = self.root / f"{TMP_PREFIX}prune-{path.name}-{os.getpid()}"
@@ -213,11 +278,30 @@ class CheckpointDirs:
             _remove(doomed)
         return removed
 
+    def auto_candidate(self, warn: bool = True) -> Optional[tuple[int, Path]]:
+        """What ``trainer.resume_mode=auto`` resumes from, not yet checked: the step the latest file
+        names (its dir may be missing or damaged: the caller verifies it), or, without that file,
+        the complete checkpoint committed last; None when there is neither.
+
+        Raises ``CheckpointError`` when the latest file does not hold a step number. ``warn``: log the
+        higher-step dirs that are passed over (a resume wants to say so; a save does not, every time).
+        """
+        step = self.tracked_step()
+        if step is None:
+            return self.latest()
+        newer = [path.name for s, path in self.complete_checkpoints() if s > step] if warn else []
+        if newer:
+            logger.warning("checkpoint: %s names step %d; the higher-step checkpoint dirs %s (left by a continuation "
+                           "that was abandoned for an older checkpoint) are not resumed from",
+                           self.root / LATEST_FILE, step, newer)
+        return step, self.step_dir(step)
+
     def resolve_resume(self, mode: str, path: Optional[Union[str, Path]] = None) -> Optional[tuple[int, Path]]:
         """Which checkpoint to resume from: ``(step, path)``, or None to start fresh.
 
-        ``mode`` (``trainer.resume_mode``): ``auto`` = the newest complete checkpoint under ``root``
-        (None if there is none); ``disable`` = None; ``resume_path`` = ``path``
+        ``mode`` (``trainer.resume_mode``): ``auto`` = the checkpoint the latest file names (the last
+        commit; without that file the complete checkpoint committed last; None if there is none),
+        which must be complete; ``disable`` = None; ``resume_path`` = ``path``
         (``trainer.resume_from_path``), which must be a complete checkpoint.
         """
         if mode not in RESUME_MODES:
@@ -225,7 +309,14 @@ class CheckpointDirs:
         if mode == "disable":
             return None
         if mode == "auto":
-            return self.latest()
+            found = self.auto_candidate()
+            if found is not None and found[1] not in {path for _, path in self.complete_checkpoints()}:
+                raise CheckpointError(
+                    f"trainer.resume_mode=auto: {self.root / LATEST_FILE} names step {found[0]}, but {found[1]} is "
+                    f"not a complete checkpoint{self._available_hint()}; resume one of them with "
+                    "trainer.resume_mode=resume_path trainer.resume_from_path=<its dir>"
+                )
+            return found
         if path is None or str(path) == "":
             raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N dir)")
         ckpt = Path(path)

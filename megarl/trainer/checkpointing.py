@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from megarl.algorithms.kl import kl_state_keys
 from megarl.cluster.worker_group import RoleView
 from megarl.errors import CheckpointError
 from megarl.trainer.checkpoint_dirs import STATE_FILE, CheckpointDirs
@@ -25,12 +26,22 @@ logger = logging.getLogger(__name__)
 DRIVER_STATE_CHECKED = ("global_step", "weights_version", "dataloader", "kl_ctrl")
 
 
+def _restored_part(key: str, state: dict[str, Any], restored: dict[str, Any]) -> Any:
+    """What of `state[key]` a load restores: all of it, but of the KL controller only its state
+    (the adaptive coefficient), not its settings, which are this run's config's (`kl_state_keys`)."""
+    value = state.get(key)
+    if key == "kl_ctrl" and isinstance(value, dict) and isinstance(restored.get(key), dict):
+        return {k: value.get(k) for k in kl_state_keys(restored[key])}
+    return value
+
+
 def check_driver_state_restored(saved: dict[str, Any], restored: dict[str, Any], checkpoint: Optional[Path]) -> None:
     """Raise `CheckpointError` naming each part of the driver state (step counters, data-loader
     position, KL controller) that `restored` (the trainer's state right after loading) does not
     hold as `saved` had it. The RNG state is left out: restoring it is exact by construction."""
     differ = [f"{key}: saved {saved.get(key)!r}, after the load {restored.get(key)!r}"
-              for key in DRIVER_STATE_CHECKED if saved.get(key) != restored.get(key)]
+              for key in DRIVER_STATE_CHECKED
+              if _restored_part(key, saved, restored) != _restored_part(key, restored, restored)]
     if differ:
         where = checkpoint / STATE_FILE if checkpoint is not None else STATE_FILE
         raise CheckpointError(f"{where}: the resume did not restore the driver state: "
@@ -59,8 +70,9 @@ _ENOSPC_TEXT = os.strerror(errno.ENOSPC)  # "No space left on device"
 
 
 def disk_full_message(target: Path, previous: Optional[tuple[int, Path]], error: BaseException) -> str:
-    """First line: the save that failed and the state of the previous checkpoint (checked again,
-    sizes and CRC-32 of its files, before saying it is intact); then the original error."""
+    """First line: the save that failed and the state of the previous checkpoint, the one a resume
+    continues from (checked again, sizes and CRC-32 of its files, before saying it is intact); then
+    the original error."""
     head = f"{_ENOSPC_TEXT} while saving checkpoint {target}; the partial save was removed"
     if previous is None:
         head += "; there is no earlier checkpoint to resume from"
@@ -89,7 +101,7 @@ class TrainerCheckpointer:
         """Write the checkpoint of `step`; on any failure the partial save is removed. A full disk
         (on the driver or any worker) raises `CheckpointError` saying so and whether the previous
         checkpoint is intact."""
-        previous = self.dirs.latest()
+        previous = self._previous()
         tmp: Optional[Path] = None
         try:
             tmp = self.dirs.begin(step)
@@ -106,6 +118,15 @@ class TrainerCheckpointer:
             raise
         logger.info("checkpoint: step %d -> %s", step, path)
         return path
+
+    def _previous(self) -> Optional[tuple[int, Path]]:
+        """The checkpoint a resume after a failed save continues from (the one the latest file names,
+        not the highest step: see `CheckpointDirs.auto_candidate`), for the disk-full message."""
+        try:
+            return self.dirs.auto_candidate(warn=False)
+        except CheckpointError as err:  # an unreadable latest file must not stop the save; commit rewrites it
+            logger.warning("checkpoint: %s", err)
+            return self.dirs.latest()
 
     def resume(self, mode: str, path: Optional[str]) -> Optional[dict[str, Any]]:
         """Load the engines of the checkpoint `mode`/`path` name (see `CheckpointDirs.resolve_resume`)

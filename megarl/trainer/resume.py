@@ -1,10 +1,10 @@
 """Which checkpoint a run resumes from, decided and verified before anything of the run is written
 and before Ray and the workers start.
 
-- `trainer.resume_mode=auto`: the checkpoint `latest_checkpointed_iteration.txt` names (the newest
-  complete one when that file is absent); `resume_path`: `trainer.resume_from_path`; `disable`:
-  none, and a directory that already holds a run (metrics or checkpoints) is refused rather than
-  overwritten.
+- `trainer.resume_mode=auto`: the checkpoint `latest_checkpointed_iteration.txt` names (the one
+  committed last when that file is absent; not the highest step, see `CheckpointDirs`);
+  `resume_path`: `trainer.resume_from_path`; `disable`: none, and a directory that already holds
+  a run (metrics or checkpoints) is refused rather than overwritten.
 - The chosen checkpoint is verified (`checkpoint_verify.verify_trainer_checkpoint`). When it is not
   usable the error names the file and what is wrong, and the newest earlier checkpoint that passes;
   the run resumes from that one only when `trainer.resume_fallback` is true (and never for a
@@ -20,8 +20,8 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from megarl.errors import CheckpointError, ConfigError
-from megarl.trainer.checkpoint_dirs import LATEST_FILE, CheckpointDirs
-from megarl.trainer.checkpoint_verify import tracked_step, verified_steps, verify_trainer_checkpoint
+from megarl.trainer.checkpoint_dirs import CheckpointDirs
+from megarl.trainer.checkpoint_verify import verified_steps, verify_trainer_checkpoint
 
 logger = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
@@ -70,18 +70,6 @@ def refuse_reused_run_dir(run_dir: Path, dirs: CheckpointDirs) -> None:
         )
 
 
-def _auto_candidate(dirs: CheckpointDirs) -> Optional[tuple[int, Path]]:
-    complete = dirs.complete_checkpoints()
-    step = tracked_step(dirs.root)
-    if step is None:
-        return complete[-1] if complete else None
-    newer = [p.name for s, p in complete if s > step]
-    if newer:
-        logger.warning("checkpoint: %s names step %d; newer checkpoint dirs %s are not resumed from",
-                       dirs.root / LATEST_FILE, step, newer)
-    return step, dirs.step_dir(step)
-
-
 def select_resume(dirs: CheckpointDirs, run_dir: Path, mode: str, path: Optional[str], fallback: bool,
                   checksums: bool = True, model: Optional[dict[str, Any]] = None) -> Optional[tuple[int, Path]]:
     """The verified checkpoint `(step, path)` to resume from, or None for a fresh start.
@@ -94,7 +82,7 @@ def select_resume(dirs: CheckpointDirs, run_dir: Path, mode: str, path: Optional
         dirs.resolve_resume(mode, path)  # checks the mode's value
         refuse_reused_run_dir(run_dir, dirs)
         return None
-    chosen = dirs.resolve_resume(mode, path) if mode != "auto" else _auto_candidate(dirs)
+    chosen = dirs.resolve_resume(mode, path) if mode != "auto" else dirs.auto_candidate()
     if chosen is None:
         return None
     step, ckpt = chosen

@@ -101,9 +101,9 @@ def test_fixed_controller() -> None:
     ctrl = make_kl_controller("fixed", kl_coef=0.05)
     ctrl.update(current_kl=100.0, n_steps=1000)
     assert isinstance(ctrl, FixedKLController) and ctrl.value == 0.05
-    fresh = FixedKLController(0.0)
+    fresh = FixedKLController(0.05)
     fresh.load_state_dict(ctrl.state_dict())
-    assert fresh.value == 0.05
+    assert fresh.value == 0.05 and fresh.state_dict() == ctrl.state_dict()
 
 
 def test_adaptive_controller_hand_computed() -> None:
@@ -116,11 +116,46 @@ def test_adaptive_controller_hand_computed() -> None:
     ctrl.update(current_kl=0.0, n_steps=500)  # error -1 -> -0.2
     expected = 0.1 * (1 + 0.2 * 256 / 10000) * (1 - 0.1 * 100 / 10000) * (1 - 0.2 * 500 / 10000)
     assert ctrl.value == pytest.approx(expected)
-    resumed = AdaptiveKLController(1.0, 1.0, 1)
+    resumed = AdaptiveKLController(1.0, 6.0, 10000)  # the same config: only the coefficient is state
     resumed.load_state_dict(ctrl.state_dict())
     resumed.update(7.0, 10)
     ctrl.update(7.0, 10)
     assert resumed.value == ctrl.value and resumed.state_dict() == ctrl.state_dict()
+
+
+def test_resume_keeps_the_configs_kl_settings(caplog: pytest.LogCaptureFixture) -> None:
+    """The coefficient an adaptive controller reached is state and is restored; target_kl and
+    horizon, and a fixed controller's coefficient, are settings: a changed config wins, with a warning."""
+    saved = make_kl_controller("adaptive", kl_coef=0.1, target_kl=6.0, horizon=10000)
+    saved.update(current_kl=9.0, n_steps=256)
+    resumed = make_kl_controller("adaptive", kl_coef=0.1, target_kl=3.0, horizon=500)
+    with caplog.at_level("WARNING", logger="megarl.algorithms.kl"):
+        resumed.load_state_dict(saved.state_dict())
+    assert resumed.value == saved.value and (resumed.target, resumed.horizon) == (3.0, 500)
+    assert "algorithm.kl_ctrl.target_kl is 3.0 in this run's config, 6.0 in the checkpoint" in caplog.text
+    assert "algorithm.kl_ctrl.horizon is 500 in this run's config, 10000 in the checkpoint" in caplog.text
+    resumed.update(current_kl=3.0, n_steps=100)  # on target under the new setting: no change
+    assert resumed.value == saved.value
+
+    caplog.clear()
+    same = make_kl_controller("adaptive", kl_coef=0.1, target_kl=6.0, horizon=10000)
+    with caplog.at_level("WARNING", logger="megarl.algorithms.kl"):
+        same.load_state_dict(saved.state_dict())
+        same.load_state_dict({"value": 0.5, "target": 6.0, "horizon": 10000})  # written before "type"
+    assert same.value == 0.5 and caplog.text == ""
+
+    fixed = make_kl_controller("fixed", kl_coef=0.02)
+    with caplog.at_level("WARNING", logger="megarl.algorithms.kl"):
+        fixed.load_state_dict(make_kl_controller("fixed", kl_coef=0.05).state_dict())
+    assert fixed.value == 0.02 and "algorithm.kl_ctrl.kl_coef is 0.02 in this run's config, 0.05" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="megarl.algorithms.kl"):
+        fixed.load_state_dict({"value": 0.5, "target": 6.0, "horizon": 10000})  # an adaptive run's, before "type"
+    assert fixed.value == 0.02 and "type is 'fixed' in this run's config, 'adaptive' in the checkpoint" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="megarl.algorithms.kl"):
+        same.load_state_dict({"type": "fixed", "value": 0.03})  # switched to adaptive: starts at the old coefficient
+    assert same.value == 0.03 and "type is 'adaptive' in this run's config, 'fixed' in the checkpoint" in caplog.text
 
 
 def test_controller_config_errors() -> None:
