@@ -47,9 +47,13 @@ class Terminated(Exception):
 
 def _raise_terminated(signum: int, frame: Optional[FrameType]) -> None:
     # One teardown is enough: a second signal must not interrupt it half-way.
+    ignore_signals()
+    raise Terminated(signum)
+
+
+def ignore_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise Terminated(signum)
 
 
 def install_signal_handlers() -> None:
@@ -121,6 +125,7 @@ def wait_for_nodes(plan: NodePlan, head: subprocess.Popen, settings: LaunchSetti
     deadline = time.monotonic() + timeout_s
     ray.init(address=plan.head_address, logging_level="WARNING", log_to_driver=False)
     install_signal_handlers()  # ray.init and ray.shutdown replace the SIGTERM handler
+    terminated = False
     try:
         while True:
             alive = [n for n in ray.nodes() if n.get("Alive")]
@@ -136,9 +141,18 @@ def wait_for_nodes(plan: NodePlan, head: subprocess.Popen, settings: LaunchSetti
                     "errors, that they can reach the head's port, and the MEGARL_WAIT_TIMEOUT setting."
                 )
             time.sleep(POLL_S)
+    except Terminated:
+        terminated = True
+        raise
     finally:
         ray.shutdown()
-        install_signal_handlers()
+        if terminated:
+            # The signal's handler switched to ignoring further signals for the teardown that
+            # follows: raising again there could cut it short. Keep them ignored, whatever
+            # ray.shutdown set.
+            ignore_signals()
+        else:
+            install_signal_handlers()
 
 
 def run_head(plan: NodePlan, settings: LaunchSettings) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import ActorDiedError, RayActorError, RayError, RayTaskError
 
 from megarl.errors import WorkerError
 
@@ -31,20 +31,46 @@ class RankCall:
 
     role: str
     rank: int
-    node: str  # "ip (node id prefix)" for messages
+    node: str  # for messages, after "node": "ip (host, node id prefix, pid)", or the pool's node before that is known
     method: str
     ref: ray.ObjectRef
 
 
+def _where(call: RankCall) -> str:
+    return f"{call.role} rank {call.rank} on node {call.node}"
+
+
 def describe_failure(call: RankCall, error: BaseException) -> str:
     """The message of the WorkerError for `call` failing with `error` (a Ray error or other)."""
-    where = f"{call.role} rank {call.rank} on node {call.node}"
+    where = _where(call)
     if isinstance(error, RayTaskError):
         # str() holds the remote traceback and the original exception's message.
         return f"{where} raised in {call.method}():\n{error}"
+    if failed_in_constructor(error):
+        # Every call to such an actor fails with this error, the first (node_info) included: the
+        # cause is the constructor's, not the call's.
+        return f"{where} failed in its constructor:\n{constructor_error(error)}"
     if isinstance(error, RayActorError):
         return f"{where} died during {call.method}(): {death_reason(error)}"
     return f"{where} failed in {call.method}(): {type(error).__name__}: {error}"
+
+
+def failed_in_constructor(error: BaseException) -> bool:
+    """True for Ray's error of a call to an actor whose constructor raised (its creation task failed)."""
+    return isinstance(error, ActorDiedError) and error.actor_init_failed
+
+
+_CREATION_TASK_PREFIX = "The actor died because of an error raised in its creation task, "
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+# Lines of a constructor's traceback kept in the message: the raising frames and the exception.
+CONSTRUCTOR_TRACEBACK_LINES = 20
+
+
+def constructor_error(error: ActorDiedError) -> str:
+    """The end of the constructor's traceback and its exception, from Ray's actor-death text."""
+    text = _ANSI_ESCAPE.sub("", str(error)).removeprefix(_CREATION_TASK_PREFIX)
+    lines = [line.rstrip() for line in text.strip().splitlines()]
+    return "\n".join(lines[-CONSTRUCTOR_TRACEBACK_LINES:])
 
 
 _EXIT_TYPE = re.compile(r"Worker exit type: (\S+)")
@@ -75,9 +101,12 @@ def death_reason(error: RayActorError) -> str:
 def _summary(call: RankCall, error: BaseException) -> str:
     """One line: who failed and the last line of its error."""
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else type(error).__name__
+    if failed_in_constructor(error):
+        return f"{_where(call)} failed in its constructor: {_ANSI_ESCAPE.sub('', last)}"
     if isinstance(error, RayActorError):
-        return f"{call.role} rank {call.rank} ({call.node}) died: {death_reason(error)}"
-    return f"{call.role} rank {call.rank} ({call.node}) raised: {lines[-1] if lines else type(error).__name__}"
+        return f"{_where(call)} died: {death_reason(error)}"
+    return f"{_where(call)} raised: {last}"
 
 
 def _root_cause_order(failure: tuple[RankCall, BaseException]) -> tuple[bool, int]:
@@ -138,7 +167,7 @@ def wait_for_calls(
                 on_failure(positions)
             raise WorkerTimeoutError(
                 f"{calls[positions[0]].method}() did not finish within {timeout_s} s on "
-                + ", ".join(f"{calls[p].role} rank {calls[p].rank} ({calls[p].node})" for p in positions)
+                + ", ".join(_where(calls[p]) for p in positions)
             )
         failed = _fetch(calls, [position_of[ref] for ref in ready], results)
         if failed:
@@ -199,8 +228,8 @@ def gather(*handles: CallHandle, timeout_s: float | None = None) -> list[Any]:
     owner = [handle for handle in handles for _ in handle.calls]
 
     def fail(positions: Sequence[int]) -> None:
-        actions = {id(owner[p]): owner[p].on_failure for p in positions}
-        for action in actions.values():
+        # Once per group: handles of one group (e.g. one per rank) carry equal bound methods.
+        for action in dict.fromkeys(owner[p].on_failure for p in positions):
             if action is not None:
                 action()
 

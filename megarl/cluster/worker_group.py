@@ -35,7 +35,12 @@ import ray
 from ray.actor import ActorClass, ActorHandle
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from megarl.cluster.dispatch import merge_data_parallel_results, plan_dispatch, split_for_data_parallel
+from megarl.cluster.dispatch import (
+    DispatchError,
+    merge_data_parallel_results,
+    plan_dispatch,
+    split_for_data_parallel,
+)
 from megarl.cluster.ray_cluster import register_for_cleanup, unregister_for_cleanup
 from megarl.cluster.remote_call import CallHandle, RankCall
 from megarl.cluster.rendezvous import node_address_and_free_port
@@ -118,7 +123,13 @@ class _Calls:
         layout (rollout TP groups instead of Megatron's TP x PP x CP).
         """
         group, role = self._target()
-        plan = plan_dispatch(dispatch_coords if dispatch_coords is not None else group.rank_coords)
+        coords = group.rank_coords if dispatch_coords is None else dispatch_coords
+        if len(coords) != group.world_size:
+            # Checked before anything is sent: too few coordinates would fail on a missing rank
+            # here, too many only once the work had run, on a collect rank the group lacks.
+            raise DispatchError(f"{group.role}: dispatch_coords has {len(coords)} rank coordinate(s) but the "
+                                f"group has world size {group.world_size}: one per rank is needed")
+        plan = plan_dispatch(coords)
         shards, pad = split_for_data_parallel(batch, plan.dp_size)
         # A shard that several ranks take (the TP/PP/CP ranks of one DP group) goes to the object
         # store once; one that a single rank takes travels in its call (Ray inlines a small argument
@@ -247,8 +258,9 @@ class WorkerGroup(_Calls):
                 max_task_retries=0,
             ).remote(context, **init_kwargs)
             self._actors.append(actor)
-        # Until a worker reports its node, messages name the pool's node group.
-        self._node_labels = [f"node group {self.pool.placement(rank).node_index}" for rank in range(self.world_size)]
+        # Until a worker reports its node, messages ("... on node <label>") name the pool's node.
+        self._node_labels = [f"{self.pool.placement(rank).node_index} of pool {self.pool.name!r}"
+                             for rank in range(self.world_size)]
         self.node_infos: list[NodeInfo] = self._submit(
             range(self.world_size), None, worker_cls.node_info, [((), {})] * self.world_size, list
         ).result(timeout_s)

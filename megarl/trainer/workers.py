@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig
 
 from megarl.cluster.host_worker import HostWorker
+from megarl.cluster.remote_call import gather
 from megarl.cluster.resource_pool import ResourcePool
 from megarl.cluster.worker_group import RoleView, WorkerGroup
 from megarl.layout import ParallelLayout, RankCoord
@@ -74,9 +75,9 @@ def connect_rollout_bridge(workers: Workers, spec: RunSpec) -> None:
     sending = workers.actor.call_all_async(ActorRole.connect_bridge, host, port, size)
     receiving = [workers.rollout.call_rank_async(rank, RolloutRole.connect_bridge, host, port, size, layout)
                  for rank, layout in enumerate(layouts)]
-    sending.result()
-    for handle in receiving:
-        handle.result()
+    # Both sides together: a rank of either pool that fails leaves the other pool's ranks waiting
+    # in the bridge's store (10 min), so waiting on one side first would report it then, blaming them.
+    gather(sending, *receiving)
     logger.info("rollout bridge: %d training ranks -> %d rollout ranks over gloo at %s:%d", len(layouts),
                 len(layouts), host, port)
 

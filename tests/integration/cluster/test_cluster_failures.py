@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
 import ray
 from cluster_workers import GridWorker
 
-from megarl.cluster.remote_call import WorkerTimeoutError
+from megarl.cluster.remote_call import WorkerTimeoutError, gather
 from megarl.cluster.resource_pool import PoolUnavailableError, ResourcePool
 from megarl.cluster.worker_group import WorkerGroup
 from megarl.errors import ConfigError, WorkerError
+from megarl.trainer.workers import connect_rollout_bridge
+from megarl.workers.roles import ActorRole, RolloutRole
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -93,10 +97,94 @@ def test_call_timeout_names_the_ranks_still_running(local_cluster, cleanup):
 
 def test_constructor_failure_names_the_rank(local_cluster, cleanup):
     pool = cleanup(ResourcePool("broken", nnodes=1, devices_per_node=2).wait(timeout_s=60))
-    with pytest.raises(WorkerError, match=r"(?s)broken rank 1 .*constructor refused on rank 1"):
+    with pytest.raises(WorkerError, match=r"(?s)broken rank 1 .*constructor refused on rank 1") as caught:
         WorkerGroup(pool, GridWorker, "broken", init_kwargs={"fail_on_rank": 1}, start_timeout_s=120)
+    message = str(caught.value)
+    # The constructor is blamed, not the first call (node_info) that found the actor dead; the
+    # worker has not reported its address yet, so the pool's node stands for it.
+    assert message.startswith("broken rank 1 on node 0 of pool 'broken' failed in its constructor:\n"), message
+    assert "node_info" not in message and "node node" not in message
+    # The constructor's traceback, not only its last line, and without Ray's terminal colours.
+    assert 'cluster_workers.py", line' in message and "in __init__" in message
+    assert 'raise RuntimeError(f"constructor refused on rank {context.rank}")' in message
+    assert message.rstrip().endswith("RuntimeError: constructor refused on rank 1")
+    assert "\x1b[" not in message
     # The failed group gave its share of the pool back.
     cleanup(WorkerGroup(pool, GridWorker, "fixed"))
+
+
+def test_gather_fails_as_soon_as_one_group_fails_while_another_still_runs(local_cluster, cleanup):
+    waiting = start_pair(cleanup, "actor")
+    failing = start_pair(cleanup, "rollout")
+    waiting_pids = waiting.call_all(GridWorker.pid)
+    failing_pids = failing.call_all(GridWorker.pid)
+    started = time.monotonic()
+    with pytest.raises(WorkerError) as caught:
+        gather(waiting.call_all_async(GridWorker.sleep_interval, 3600.0),
+               failing.call_all_async(GridWorker.raise_value_error, "refused", only_rank=1), timeout_s=600)
+    assert time.monotonic() - started < FAST_S
+    message = str(caught.value)
+    assert message.startswith(f"rollout rank 1 on node {failing.node_infos[1].ip}"), message
+    assert "refused (from rank 1)" in message and "actor rank" not in message
+    # The failed group is stopped; the other one is left to its owner (its call is still running).
+    assert_processes_gone(failing_pids)
+    assert all(psutil.pid_exists(pid) for pid in waiting_pids)
+
+
+class BridgeSide:
+    """A role view of one pool for `connect_rollout_bridge`: the planning calls answer at once and
+    connect_bridge runs `connect(group, rank)` (rank None: every rank) on the real worker group."""
+
+    def __init__(self, group: WorkerGroup, connect) -> None:
+        self.group = group
+        self.connect = connect
+
+    def call_all(self, method, *args, **kwargs):
+        assert method is ActorRole.plan_bridge
+        return [None] * self.group.world_size  # one layout per training rank
+
+    def call_rank(self, rank, method, *args, **kwargs):
+        assert method is ActorRole.bridge_address
+        return "127.0.0.1", 1
+
+    def call_all_async(self, method, *args, **kwargs):
+        assert method is ActorRole.connect_bridge
+        return self.connect(self.group, None)
+
+    def call_rank_async(self, rank, method, *args, **kwargs):
+        assert method is RolloutRole.connect_bridge
+        return self.connect(self.group, rank)
+
+
+def test_a_rollout_rank_failing_to_join_the_bridge_fails_at_once_naming_it(local_cluster, cleanup):
+    actor = start_pair(cleanup, "hybrid_actor")
+    rollout = start_pair(cleanup, "rollout")
+    # The training ranks wait for the rollout ranks in the bridge's store, as they would for real.
+    workers = SimpleNamespace(
+        actor=BridgeSide(actor, lambda group, _: group.call_all_async(GridWorker.sleep_interval, 3600.0)),
+        rollout=BridgeSide(rollout, lambda group, rank: group.call_rank_async(
+            rank, GridWorker.raise_value_error, "bridge refused", only_rank=1)))
+    spec = SimpleNamespace(rollout=SimpleNamespace(tensor_parallel_size=1, sync_bucket_bytes=1 << 20,
+                                                   sync_verify_freq=0))
+    outcome: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            connect_rollout_bridge(workers, spec)
+        except BaseException as error:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(error)
+
+    started = time.monotonic()
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(FAST_S)
+    assert not thread.is_alive(), "connect_rollout_bridge still waits on the training ranks"
+    assert time.monotonic() - started < FAST_S
+    [error] = outcome
+    assert isinstance(error, WorkerError)
+    message = str(error)
+    assert message.startswith(f"rollout rank 1 on node {rollout.node_infos[1].ip}"), message
+    assert "bridge refused (from rank 1)" in message and "hybrid_actor" not in message
 
 
 def test_pool_larger_than_the_cluster_fails_at_once_saying_what_was_asked(local_cluster):

@@ -10,10 +10,12 @@ import pytest
 import torch
 from cluster_workers import VOCAB, GridWorker, TinyPolicy, TinySampler
 
+from megarl.cluster.dispatch import DispatchError
 from megarl.cluster.host_worker import HostWorker
 from megarl.cluster.remote_call import gather
 from megarl.cluster.resource_pool import ResourcePool
 from megarl.cluster.worker_group import HUGE_PAGES_ENV, WorkerGroup
+from megarl.layout import RankCoord
 from megarl.protocol import Batch
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -107,6 +109,22 @@ def test_dp_by_tp_layout_sends_one_shard_per_dp_group_and_collects_tp_rank_0(gri
     received = grid4.call_all(GridWorker.rows_received)
     assert received == [[0, 1, 2], [0, 1, 2], [3, 4, 0], [3, 4, 0]]
     grid4.init_distributed(tp=1)
+
+
+@pytest.mark.parametrize("coords", [2, 8])
+def test_dispatch_coords_of_another_world_size_are_refused_before_anything_is_sent(grid4, coords):
+    grid4.init_distributed(tp=1)
+    sent = grid4.calls_sent
+    # 2 would fail on rank 2's missing coordinates; 8 would run and then collect from ranks 4-7.
+    dispatch = [RankCoord.data_parallel_only(rank, coords) for rank in range(coords)]
+    expected = rf"grid: dispatch_coords has {coords} rank coordinate\(s\) but the group has world size 4"
+    with pytest.raises(DispatchError, match=expected):
+        grid4.call_dp(GridWorker.affine_rows, numbered_batch(8), 1.0, 0.0, dispatch_coords=dispatch)
+    assert grid4.calls_sent == sent
+    # The group is untouched and still dispatches with coordinates of its size.
+    own = [RankCoord.data_parallel_only(rank, 4) for rank in range(4)]
+    result = grid4.call_dp(GridWorker.affine_rows, numbered_batch(8), 1.0, 0.0, dispatch_coords=own)
+    assert result["row"].tolist() == list(range(8))
 
 
 def test_two_roles_in_separate_pools_run_concurrently(local_cluster, cleanup):
