@@ -213,6 +213,8 @@ def _plan(args: argparse.Namespace) -> int:
     engine = args.engine or ("hf" if args.rollout_tp == 1 else "vllm")
     if engine == "hf" and args.rollout_tp != 1:
         raise ConfigError("--engine hf holds whole tensors: it needs --rollout-tp 1 (use --engine vllm)")
+    if not args.bucket_mib > 0:
+        raise ConfigError(f"--bucket-mib {args.bucket_mib:g}: must be > 0 (the largest bucket, in MiB)")
     spec = ModelSpec.from_hf_config(args.model, family=args.spec)
     rollout = ParallelLayout.rollout(args.rollout_tp, world)
     dtype, bucket_bytes = torch_dtype(args.dtype), int(args.bucket_mib * 2**20)

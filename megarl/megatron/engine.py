@@ -633,7 +633,9 @@ class MegatronEngine:
                 self.offloaded = None
 
     def save_checkpoint(self, path: str) -> None:
-        """Model, optimizer, scheduler and RNG state with Megatron distributed checkpointing."""
+        """Model, optimizer and scheduler state with Megatron distributed checkpointing. No RNG state:
+        the workers seed from `trainer.seed` at start, and nothing random in a step depends on the
+        worker RNG (the mini-batch shuffle is seeded by the step, rollouts by their call seed, no dropout)."""
         ckpt.save(self, path)
 
     def load_checkpoint(self, path: str) -> None:

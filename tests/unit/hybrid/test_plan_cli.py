@@ -75,6 +75,7 @@ def test_text_output(capsys: pytest.CaptureFixture, config: Path) -> None:
     (["--train", "tp=2", "--rollout-tp", "2", "--engine", "hf"], "--engine hf holds whole tensors"),
     (["--train", "tp=2,ep=2", "--rollout-tp", "1"], "ep=2 must divide dp*cp=1"),
     (["--train", "dp=2,ep=2", "--rollout-tp", "1"], "ep=2 needs a mixture-of-experts model"),
+    (["--train", "tp=2", "--rollout-tp", "1", "--bucket-mib", "0"], "--bucket-mib 0: must be > 0"),
 ])
 def test_bad_layouts_are_named(capsys: pytest.CaptureFixture, config: Path, args: list[str], message: str) -> None:
     assert main(["sync", "plan", str(config), *args]) == 1
