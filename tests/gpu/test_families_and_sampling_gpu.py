@@ -2,7 +2,7 @@
 
 - Log-probs and entropy of each family the CPU suite checks (Llama with GQA, tied and untied, with
   Llama 3.x RoPE scaling; Qwen2's QKV bias; Qwen3's QK-norm; Mistral), padded and packed, equal
-  HF's float64 on the CPU row by row (fp32, TF32 off; the bound test_engine_gpu.py uses).
+  HF's float64 on the CPU row by row (fp32; the bound test_engine_gpu.py uses).
 - The HF engine on CUDA samples each response row from its own stream: a seeded call reproduces,
   two rows of one prompt differ, and the batch's halves sampled apart (each knowing its place in
   the batch) give the whole batch's rows.
@@ -22,51 +22,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "rollout"))
 
 from _launch import run_distributed  # noqa: E402
-from engine_helpers import hf_logprobs, make_batch, make_hf_model, save_hf_model  # noqa: E402
+from engine_helpers import make_batch, make_hf_model, save_hf_model  # noqa: E402
 from rollout_helpers import PAD, prompt_batch, tiny_model  # noqa: E402
+from test_engine_hf_parity import KINDS, _log_probs_per_family, check_every_family  # noqa: E402
 
 from megarl.rollout.base import EngineOptions, SamplingParams  # noqa: E402
 from megarl.rollout.hf_engine import HFRolloutEngine  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-KINDS = ["llama", "llama_tied", "llama_rope", "qwen2", "qwen3", "mistral"]
-
-
-def _log_probs_per_family(rank: int, world: int, port: int, dirs: dict, batch: dict) -> dict:
-    from megarl.layout import ParallelLayout
-    from megarl.megatron.engine import MegatronEngine
-    from megarl.megatron.optim import EngineConfig
-    from megarl.megatron.parallel import init_distributed
-    from megarl.models.spec import ModelSpec
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    init_distributed(rank, world, "127.0.0.1", port, ParallelLayout())
-    out = {}
-    for kind, hf_dir in dirs.items():
-        for packed in (False, True):
-            engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), ParallelLayout(),
-                                    EngineConfig(micro_batch_size=2, use_sequence_packing=packed))
-            engine.load_hf_weights(hf_dir)
-            assert next(engine.model.parameters()).device.type == "cuda"
-            out[(kind, packed)] = engine.compute_log_prob(batch, temperature=1.3, calculate_entropy=True)
-    return out
-
 
 def test_every_family_padded_and_packed_equals_hf_on_gpu() -> None:
+    """The CPU suite's family check (tests/distributed/test_engine_hf_parity.py) with the ranks on
+    CUDA (the launcher spawns them there), at the bound test_engine_gpu.py uses."""
     models = {kind: make_hf_model(kind, seed=i) for i, kind in enumerate(KINDS)}
     dirs = {kind: save_hf_model(m) for kind, m in models.items()}
     batch = make_batch(seed=3, batch=5)
-    mask = batch["response_mask"].bool()
     got = run_distributed(_log_probs_per_family, 1, dirs, batch, timeout=300)[0]
-    for kind, model in models.items():
-        ref_lp, ref_ent = hf_logprobs(model, batch, temperature=1.3)
-        for packed in (False, True):
-            res = got[(kind, packed)]
-            lp_err = (res["log_probs"].double() - ref_lp)[mask].abs().max().item()
-            ent_err = (res["entropys"].double() - ref_ent)[mask].abs().max().item()
-            assert lp_err < 1e-4 and ent_err < 1e-4, f"{kind} packed={packed}: errors {lp_err}, {ent_err}"
+    check_every_family(got, models, batch, tolerance=1e-4)
 
 
 BATCH = [[5, 17, 42, 8], [33, 2], [5, 17, 42, 8], [71, 70, 69, 68, 67, 3]]
