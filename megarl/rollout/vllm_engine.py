@@ -215,20 +215,28 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         counter = [0]
-        checked = self._checked(named_tensors, counter)
+        items = list(named_tensors)
+        checked = self._checked(items, counter)
         # vLLM's loaders fuse q/k/v and gate/up and take this rank's tensor-parallel slice. Experts
-        # of the CPU MoE kernel are loaded into their loading-layout staging copies, then packed.
+        # of the CPU MoE kernel are loaded into their loading-layout staging copies, then packed:
+        # only those of the expert layers this update names (a layer it does not name keeps its
+        # packed weights; its staging copy may be empty or older).
+        # A layer is named by what comes before ".experts": HF's "model.layers.3.mlp" of
+        # "model.layers.3.mlp.experts.0.up_proj.weight", vLLM's of "...mlp.experts.routed_experts.w13_weight".
+        touched = {name.split(".experts")[0] for name, _ in items if ".experts." in name}
         swapped = []
         for name, (param, shape) in self._cpu_expert_params().items():
-            swapped.append((param, param.data))
+            if name.split(".experts")[0] not in touched:
+                continue
+            swapped.append((name, param, param.data))
             param.data = self.fused_expert_target(name, shape)
         try:
             self.engine_model().load_weights(checked)
         finally:
-            for param, packed in swapped:
+            for _, param, packed in swapped:
                 param.data = packed
         if swapped:
-            self.finish_fused_experts()
+            self.finish_fused_experts({name for name, _, _ in swapped})
         # Cached prefix blocks were computed with the old weights (a stale block gives wrong tokens).
         self.llm.reset_prefix_cache()
         return counter[0]
@@ -275,12 +283,15 @@ class VLLMRolloutEngine(RolloutEngine):
             f"vllm engine: {name!r} uses the {kind} MoE backend (parameter shape {tuple(param.shape)}); in-place "
             f"expert updates support the TRITON and CPU backends; use rollout tensor_model_parallel_size=1")
 
-    def finish_fused_experts(self) -> None:
-        """Pack the staged expert weights into the CPU kernel's parameters, as vLLM does after loading."""
+    def finish_fused_experts(self, names: set[str] | None = None) -> None:
+        """Pack the staged expert weights (of `names`, default all) into the CPU kernel's parameters,
+        as vLLM does after loading."""
         import vllm._custom_ops as vllm_ops
 
         model = self.engine_model()
         for name, staged in self._expert_staging.items():
+            if names is not None and name not in names:
+                continue
             module_name, leaf = name.rsplit(".", 1)
             module = model.get_submodule(module_name)
             experts = module.quant_method.moe_kernel.fused_experts
