@@ -89,14 +89,19 @@ def truncate_after_step(path: Union[str, Path], step: int) -> int:
     """Rewrite ``path`` keeping only records with ``step <= step`` (atomically). Returns lines dropped."""
     path = Path(path)
     records = _parse_lines(path)
-    kept = [r["line"] if r["line"].endswith("\n") else r["line"] + "\n" for r in records if r["step"] <= step]
+    kept = [r["line"] for r in records if r["step"] <= step]
+    _replace_lines(path, kept)
+    return len(records) - len(kept)
+
+
+def _replace_lines(path: Path, lines: list[str]) -> None:
+    """Write `lines` (each ended by a newline) in place of `path`'s content, atomically."""
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(kept)
+        f.writelines(line if line.endswith("\n") else line + "\n" for line in lines)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return len(records) - len(kept)
 
 
 def keep_steps_up_to(path: Union[str, Path], step: int) -> None:
@@ -112,13 +117,10 @@ def keep_steps_up_to(path: Union[str, Path], step: int) -> None:
     for line in lines:
         try:
             if int(json.loads(line)["step"]) <= step:
-                kept.append(line if line.endswith("\n") else line + "\n")
+                kept.append(line)
         except (ValueError, KeyError, TypeError):
             continue  # a line cut short by a crash
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    _replace_lines(path, kept)
 
 
 def read_metrics(path: Union[str, Path]) -> list[dict[str, Any]]:

@@ -132,9 +132,11 @@ def mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """An update's metrics over its data-parallel ranks: each key's mean over the ranks that report
     it (each rank's value describes its own shard of the batch; the loss, grad norm and LR are the
     same on every rank), as verl reduces its workers' metrics."""
-    keys = dict.fromkeys(key for metrics in per_rank for key in metrics)
-    return {key: math.fsum(values) / len(values)
-            for key in keys for values in [[float(m[key]) for m in per_rank if key in m]]}
+    values: dict[str, list[float]] = {}
+    for metrics in per_rank:
+        for key, value in metrics.items():
+            values.setdefault(key, []).append(float(value))
+    return {key: math.fsum(vs) / len(vs) for key, vs in values.items()}
 
 
 @dataclasses.dataclass
