@@ -131,8 +131,8 @@ def plan_micro_batches(
     if longest_cost > max_tokens:
         share = f", {longest_cost} per rank at context parallel size {cp}" if cp > 1 else ""
         raise ConfigError(
-            f"max_token_len_per_micro_batch={max_tokens} is smaller than the longest sequence "
-            f"({longest} tokens{share}); raise it to at least {longest_cost}"
+            f"max_token_len_per_micro_batch={max_tokens} (a run's `<role>.ppo_max_token_len_per_gpu`) is smaller "
+            f"than the longest sequence ({longest} tokens{share}); raise it to at least {longest_cost}"
         )
     order = torch.sort(lengths, descending=True, stable=True).indices.tolist()
 
@@ -247,7 +247,7 @@ def plan_micro_batches_across(lengths: torch.Tensor, group: Any, device: torch.d
             f"and one rank needs {most} under max_token_len_per_micro_batch={plan.get('max_tokens')}, but "
             f"another has only {fewest_rows} rows (this rank has {int(lengths.numel())}); give every "
             f"data-parallel rank the same number of rows (the trainer's dispatcher does) or raise "
-            f"max_token_len_per_micro_batch")
+            f"max_token_len_per_micro_batch (a run's `<role>.ppo_max_token_len_per_gpu`)")
     if most > len(plans):
         plans = plan_micro_batches(lengths, **plan, min_micro_batches=most)
     return plans

@@ -5,7 +5,7 @@ What a directory is, is read from what it holds:
 - a trainer checkpoint (`global_step_N/`: `COMPLETE` marker, `trainer_state.pt`, `config.yaml`, one
   engine directory per trained role, `actor/` and maybe `critic/`);
 - a checkpoint root (`latest_checkpointed_iteration.txt`, `global_step_*`): the checkpoint the
-  tracker file names;
+  tracker file names (without it, the complete checkpoint committed last, which a resume would take);
 - an engine checkpoint (Megatron `torch_dist`: `metadata.json`, `.metadata`, `__*.distcp`,
   `common.pt`), written by the trainer or by `megarl convert hf-to-mcore`;
 - a HF model directory (`config.json`, `model.safetensors` or shards with an index).
@@ -40,7 +40,7 @@ from megarl.convert.mcore_to_hf import checkpoint_hf_config
 from megarl.errors import CheckpointError, MegarlError
 from megarl.megatron.checkpoint_format import FORMAT_VERSION
 from megarl.models.spec import ModelSpec
-from megarl.trainer.checkpoint_dirs import COMPLETE_MARKER, LATEST_FILE, STATE_FILE, STEP_DIR_PREFIX, crc32_of_file, read_marker
+from megarl.trainer.checkpoint_dirs import COMPLETE_MARKER, CheckpointDirs, LATEST_FILE, STATE_FILE, STEP_DIR_PREFIX, crc32_of_file, read_marker
 
 logger = logging.getLogger(__name__)
 ADAM_STATES = ("param", "exp_avg", "exp_avg_sq")
@@ -378,10 +378,15 @@ def verify_checkpoint(path: Union[str, Path], checksums: bool = True,
                    if p.name[len(STEP_DIR_PREFIX):].isdigit())
     if (path / LATEST_FILE).exists() or steps:
         step = tracked_step(path)
+        which = f"the one {LATEST_FILE} names"
         if step is None:
-            step = steps[-1]
+            # Without the latest file, the complete checkpoint committed last (what a resume takes), not the
+            # highest step: an abandoned continuation's higher steps can remain after resuming an older one.
+            last = CheckpointDirs(path).latest()
+            step, which = (last[0], "the complete one committed last (no latest file)") if last is not None \
+                else (steps[-1], "the highest step (no latest file and no complete checkpoint)")
         report = verify_trainer_checkpoint(path / f"{STEP_DIR_PREFIX}{step}", checksums, hf_config)
-        report.notes.insert(0, f"{path}: checkpoint root; checked the checkpoint of step {step}")
+        report.notes.insert(0, f"{path}: checkpoint root; checked the checkpoint of step {step}, {which}")
         return report
     report = VerifyReport(path, "unknown")
     report.problems.append(

@@ -202,6 +202,18 @@ def test_resume_follows_the_tracker_file(tmp_path: Path, saved: dict[str, Path])
     assert select_resume(CheckpointDirs(root), root.parent, "auto", None, fallback=False) == (1, root / "global_step_1")
 
 
+def test_root_without_tracker_file_checks_the_checkpoint_committed_last(
+        tmp_path: Path, saved: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    # A run saved steps 1 and 3, resumed step 1 by path and saved step 2: step 3 is left from the abandoned
+    # continuation. Without the latest file the root check must take step 2 (what a resume takes), not step 3.
+    root = _run_with(tmp_path, saved, steps=(1, 3, 2))
+    (root / "latest_checkpointed_iteration.txt").unlink()
+    (root / "global_step_3" / "actor" / "__0_0.distcp").unlink()  # the abandoned step is damaged
+    rc, out = _verify_cli(root, capsys)
+    assert rc == 0 and "step 2, the complete one committed last" in out, out
+    assert select_resume(CheckpointDirs(root), root.parent, "auto", None, fallback=False) == (2, root / "global_step_2")
+
+
 def test_disable_refuses_a_directory_that_holds_a_run(tmp_path: Path, saved: dict[str, Path]) -> None:
     root = _run_with(tmp_path, saved, steps=(1,))
     metrics = root.parent / "metrics.jsonl"
