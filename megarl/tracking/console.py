@@ -35,7 +35,8 @@ def _fmt(value: float) -> str:
 def format_step_line(step: int, metrics: Mapping[str, float], total_steps: int | None = None) -> str:
     """``step 12/100 | score 0.531 | pg_loss -0.0123 | ...`` for the metrics in ``CONSOLE_METRICS``.
 
-    Validation rewards (any ``val-core/.../reward/mean...`` key) are shown as ``val``.
+    The validation's core mean (any ``val-core/.../mean@...`` key: accuracy when the scorer reports
+    it, else reward) is shown as ``val``.
     """
     head = f"step {step}" + (f"/{total_steps}" if total_steps else "")
     parts = [head]
@@ -43,7 +44,7 @@ def format_step_line(step: int, metrics: Mapping[str, float], total_steps: int |
         value = metrics.get(name)
         if value is None and label == "val":
             value = next(
-                (v for k, v in sorted(metrics.items()) if k.startswith("val-core/") and "/reward/mean" in k), None
+                (v for k, v in sorted(metrics.items()) if k.startswith("val-core/") and "/mean@" in k), None
             )
         if value is not None:
             parts.append(f"{label} {_fmt(float(value))}")

@@ -23,6 +23,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+SELF_TIME_PREFIX = "timing_self_s/"  # a phase's seconds without the phases nested in it
 VF_EXPLAINED_VAR_EPS = 1e-5  # verl's epsilon in the explained-variance denominator
 
 _SEQUENCE_SUMS = (("token_level_scores", "critic/score"), ("token_level_rewards", "critic/rewards"))
@@ -133,8 +134,13 @@ def compute_timing_metrics(
     timings: Mapping[str, float],
     num_tokens: int,
     num_response_tokens: Optional[int] = None,
+    inner: Optional[Mapping[str, float]] = None,
 ) -> dict[str, float]:
     """``timing_s/<phase>`` (seconds) and ``timing_per_token_ms/<phase>`` for each phase.
+
+    ``inner``: per phase, seconds of the phases nested in it (`Timer.inner`); a phase that had any
+    (other than ``step``, the total) also gets ``timing_self_s/<phase>``, its time without them, which
+    the report's phase table and timing plot use so that nested time is not counted twice.
 
     Per-token time divides by ``num_tokens`` (prompt + response tokens of the batch), except for
     the generation phase ``gen``, which divides by ``num_response_tokens`` when given (as verl does:
@@ -146,6 +152,9 @@ def compute_timing_metrics(
         tokens = num_response_tokens if (phase == "gen" and num_response_tokens is not None) else num_tokens
         if tokens > 0:
             metrics[f"timing_per_token_ms/{phase}"] = float(seconds) * 1000.0 / tokens
+    for phase, nested in (inner or {}).items():
+        if phase != "step" and phase in timings and nested > 0:
+            metrics[f"{SELF_TIME_PREFIX}{phase}"] = max(0.0, float(timings[phase]) - float(nested))
     return metrics
 
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from megarl.tracking.metrics import SELF_TIME_PREFIX
+
 # The policy-update KL, the KL loss term, and the KL penalised in the reward (use_kl_in_reward).
 KL_KEYS = ("actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty")
 # Phases timed after a step (validation, checkpoint), logged with it, not part of timing_s/step.
@@ -43,6 +45,15 @@ class MetricTable:
     def column(self, name: str) -> list[float]:
         return self.values.get(name, [math.nan] * len(self.steps))
 
+    def phase_seconds(self, name: str) -> list[float]:
+        """Per step, the seconds of phase `name` (a ``timing_s/`` key) counted once: its own time
+        (``timing_self_s/``) at steps where phases nested in it were timed, else its time."""
+        own = SELF_TIME_PREFIX + name[len("timing_s/"):]
+        total = self.column(name)
+        if own not in self.values:
+            return total
+        return [t if math.isnan(o) else o for o, t in zip(self.column(own), total)]
+
     def series(self, name: str) -> tuple[list[int], list[float]]:
         """(steps, values) where ``name`` was logged with a finite value."""
         pairs = [(s, v) for s, v in zip(self.steps, self.column(name)) if not math.isnan(v)]
@@ -50,9 +61,11 @@ class MetricTable:
 
 
 def validation_reward_keys(names: list[str]) -> list[str]:
-    """Validation reward metrics (``val-core/...`` or ``val/...`` naming a reward or score), mean-like first."""
-    val = [n for n in names if n.startswith(("val-core/", "val/")) and ("reward" in n or "score" in n)]
-    return sorted(val, key=lambda n: (not ("mean" in n), n))
+    """Validation reward metrics (``val-core/``, ``val-aux/`` or ``val/`` keys naming a reward or score),
+    means first, the core section's before the others."""
+    val = [n for n in names if n.startswith(("val-core/", "val-aux/", "val/")) and ("reward" in n or "score" in n)
+           and "/std@" not in n]
+    return sorted(val, key=lambda n: ("mean" not in n, not n.startswith("val-core/"), n))
 
 
 def _pyplot() -> Any:
@@ -179,11 +192,11 @@ def plot_timing(table: MetricTable, path: Path) -> bool:
               and n[len("timing_s/"):] not in OUTSIDE_STEP_PHASES]
     if not phases:
         return False
-    totals = {p: math.fsum(v for v in table.column(p) if not math.isnan(v)) for p in phases}
+    totals = {p: math.fsum(v for v in table.phase_seconds(p) if not math.isnan(v)) for p in phases}
     ordered = sorted(phases, key=lambda p: -totals[p])
     shown, rest = ordered[:MAX_PHASES], ordered[MAX_PHASES:]
     def seconds(phase: str) -> list[float]:
-        return [0.0 if math.isnan(v) else v for v in table.column(phase)]
+        return [0.0 if math.isnan(v) else v for v in table.phase_seconds(phase)]
 
     rows = [seconds(p) for p in shown]
     labels = [f"{p[len('timing_s/'):]} ({100 * totals[p] / (sum(totals.values()) or 1):.0f}%)" for p in shown]

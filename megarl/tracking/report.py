@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from megarl.tracking.jsonl import METRICS_FILE, read_metrics
+from megarl.tracking.metrics import SELF_TIME_PREFIX
 from megarl.tracking.plots import OUTSIDE_STEP_PHASES, RM_SCORE_KEY, MetricTable, validation_reward_keys, write_plots
 from megarl.tracking.progress import format_duration
 
@@ -45,9 +46,11 @@ class PhaseShare:
 
 def phase_shares(table: MetricTable) -> list[PhaseShare]:
     """Total time per phase of the step over the run, largest first (``timing_s/step`` is the total,
-    not a phase; validation and checkpoints lie outside the step: `outside_step_totals`)."""
+    not a phase; validation and checkpoints lie outside the step: `outside_step_totals`). A phase
+    with phases nested in it counts its own time only (`MetricTable.phase_seconds`), so the shares
+    add up to at most the step."""
     totals = {
-        name[len("timing_s/") :]: math.fsum(_finite(table.column(name)))
+        name[len("timing_s/") :]: math.fsum(_finite(table.phase_seconds(name)))
         for name in table.names
         if name.startswith("timing_s/") and name != STEP_TIME_KEY
         and name[len("timing_s/") :] not in OUTSIDE_STEP_PHASES
@@ -100,7 +103,12 @@ def summarize(table: MetricTable, run_name: str, k: Optional[int] = None) -> str
         top = shares[0]
         lines.append(f"- biggest phase: {top.phase}, {top.seconds:.1f} s in total ({100 * top.share:.1f}% of step time)")
         lines += ["", "| phase | total s | share of step time |", "|---|---:|---:|"]
-        lines += [f"| {p.phase} | {p.seconds:.2f} | {100 * p.share:.1f}% |" for p in shares]
+        nested = {name[len(SELF_TIME_PREFIX):] for name in table.names if name.startswith(SELF_TIME_PREFIX)}
+        lines += [f"| {p.phase}{' *' if p.phase in nested else ''} | {p.seconds:.2f} | {100 * p.share:.1f}% |"
+                  for p in shares]
+        if nested:
+            lines += ["", "\\* without the phases timed inside it (e.g. the reward scored while the workers "
+                      "compute the old log-probs), which have rows of their own"]
     return "\n".join(lines + [""])
 
 

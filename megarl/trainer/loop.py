@@ -22,8 +22,8 @@ Memory phases are lines of this file: a role whose `*_offload` keys are set is o
 before the phase that computes with it (`self.onloaded(...)`: its parameters only for a forward pass
 or a weight sync, everything for an update) and offloaded right after; the rollout
 engine sleeps once a step's generation is done (`self.rollout_sleep()`) and wakes its weights first,
-then its KV cache, around the next weight sync. Each step's transitions are written to
-`<run>/memory_phases.jsonl`, and the memory peak of every phase that ran on the workers is logged
+then its KV cache, around the next weight sync. Each step's transitions (with those of the
+validation after it, phase "val") are written to `<run>/memory_phases.jsonl`, and the memory peak of every phase that ran on the workers is logged
 as `memory/<phase>/...` (the driver-only phases, reward and adv, have none).
 """
 
@@ -259,6 +259,8 @@ class RLTrainer:
         if self.run.val_dataset is not None and (trainer.val_only or (trainer.val_before_train and self.global_step == 0)):
             last_val = self.validate()
             self.tracker.log({**last_val, **self.outside_step_metrics()}, step=self.global_step)
+            if self.memory_trace:
+                self.write_memory_trace(self.global_step, validation_only=True)
         if trainer.val_only:
             return last_val
         self.progress.start()
@@ -278,6 +280,7 @@ class RLTrainer:
                     self.tracker.flush()
                     self.checkpointer.save(step, self.state_dict())
             metrics.update(self.outside_step_metrics())
+            self.write_memory_trace(step)
             if self.data_bounded_sampling:  # its steps take a varying number of loader batches
                 self.progress.set_total_steps(estimated_last_step(
                     step, self.run.train_loader.batches_handed_out - (self.prefetch is not None),
@@ -412,7 +415,7 @@ class RLTrainer:
         total_tokens, response_tokens = count_tokens(batch)
         metrics.update(compute_data_metrics(batch, max_response_length=self.response_length,
                                             max_prompt_length=cfg.data.max_prompt_length))
-        metrics.update(compute_timing_metrics(timings, total_tokens, response_tokens))
+        metrics.update(compute_timing_metrics(timings, total_tokens, response_tokens, inner=self.timer.inner()))
         metrics.update(compute_throughput(total_tokens, timings["step"], self.n_devices))
         metrics.update(self.sync_metrics)  # of the sync this step's generation took (or the validation before)
         self.sync_metrics = {}
@@ -424,7 +427,7 @@ class RLTrainer:
         metrics["perf/worker_calls"] = float(self.worker_calls_sent() - calls_before - self.queued_calls())
         metrics.update(self.memory_metrics)
         metrics.update(memory_step_metrics(self.memory_metrics))
-        self.write_memory_trace(step)
+        self.memory_metrics = {}
         return metrics
 
     def queued_calls(self) -> int:
@@ -480,12 +483,12 @@ class RLTrainer:
             yield
             return
         role.call_all(EngineRole.onload, params_only)
-        self.memory_trace.append((self.current_phase, spec.name, "onload:params" if params_only else "onload"))
+        self.trace_memory(self.current_phase, spec.name, "onload:params" if params_only else "onload")
         try:
             yield
         finally:
             role.call_all(EngineRole.offload)
-            self.memory_trace.append((self.current_phase, spec.name, "offload"))
+            self.trace_memory(self.current_phase, spec.name, "offload")
 
     def rollout_sleep(self, after: str = "gen") -> None:
         """Put the rollout engines to sleep (`rollout.free_cache_engine`) once the generation of
@@ -497,7 +500,7 @@ class RLTrainer:
         # rollout is used again (`settle_rollout_sleep`), saving a round trip per step.
         self.settle_rollout_sleep()
         self.pending_sleep = self.workers.rollout.call_all_async(RolloutRole.sleep)
-        self.memory_trace.append((after, "rollout", "sleep"))
+        self.trace_memory(after, "rollout", "sleep")
 
     def rollout_wake_up(self, tags: tuple[str, ...] | None = None) -> CallHandle | None:
         """Send the rollout engines `RolloutRole.wake_up(tags)` without waiting; None, and no call,
@@ -511,7 +514,7 @@ class RLTrainer:
         """Wait for a wake-up sent by `rollout_wake_up`; when it woke the engines, record the
         transition in `phase`'s memory trace."""
         if waking is not None and waking.result(self.workers.rollout.group.call_timeout_s)[0]:
-            self.memory_trace.append((phase, "rollout", transition))
+            self.trace_memory(phase, "rollout", transition)
 
     def settle_rollout_sleep(self) -> None:
         """Read the answer of the sleep sent last, if any: when it discarded the rollout's weights,
@@ -522,12 +525,19 @@ class RLTrainer:
         if any(handle.result(self.workers.rollout.group.call_timeout_s)):
             self.rollout_version = -1
 
-    def write_memory_trace(self, step: int) -> None:
-        """This step's memory transitions as one line of `<run>/memory_phases.jsonl`."""
+    def trace_memory(self, phase: str, role: str, transition: str) -> None:
+        """Record a memory transition of `role` in `phase`; during a validation the phase is "val"
+        (its weight sync and generation are not the step's)."""
+        self.memory_trace.append(("val" if "val" in self.timer.open_phases else phase, role, transition))
+
+    def write_memory_trace(self, step: int, **marks: bool) -> None:
+        """The memory transitions of `step` and of the validation and checkpoint after it (phase
+        "val") as one line of `<run>/memory_phases.jsonl`; `marks` are added to the line (a
+        validation before training, or alone, is written with ``validation_only``, and only when it
+        changed anything)."""
         with open(self.run.run_dir / MEMORY_TRACE_FILE, "a") as f:
-            f.write(json.dumps({"step": step, "transitions": [list(t) for t in self.memory_trace]}) + "\n")
+            f.write(json.dumps({"step": step, **marks, "transitions": [list(t) for t in self.memory_trace]}) + "\n")
         self.memory_trace = []
-        self.memory_metrics = {}
 
     @contextlib.contextmanager
     def profiled(self, step: int) -> Iterator[None]:

@@ -1,14 +1,18 @@
 """Validation: generate for the whole validation set, score, and report per data source.
 
-Metric names follow verl: ``val-core/<data_source>/reward/mean@<n>`` (mean score of all n samples),
-``val-core/<data_source>/acc/mean@<n>`` when the scorer reports accuracy, and
-``val-core/<data_source>/pass@<n>`` (share of prompts with at least one correct sample) when n > 1;
-``val/reward_mean`` is the mean score over every validation sample.
+Metric names follow verl's: ``<section>/<data_source>/<variable>/<metric>``, where the variables are
+``reward`` (a sample's score) and every numeric ``reward_info`` key the scorer reports (``acc``, ...),
+and the metrics, over the n samples of each prompt, averaged over the prompts:
+``mean@<n>``; with n > 1 also ``std@<n>`` (the samples' spread), ``best@<n>/mean`` and
+``worst@<n>/mean`` (the best and worst of the n: for ``acc``, the share of prompts solved at least
+once, pass@n; computed exactly, where verl estimates them by bootstrap). The core variable is ``acc``
+when the scorer reports it, else ``reward``: its ``mean@<n>`` and ``best@<n>/mean`` are in section
+``val-core``, everything else in ``val-aux``. ``val/reward_mean`` is the mean score over every sample.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,21 +27,44 @@ def validation_batches(dataset: Any, batch_size: int | None) -> list[Batch]:
     return batch.split(int(batch_size or len(batch)))
 
 
-def summarise(scores: np.ndarray, acc: np.ndarray | None, sources: np.ndarray, uids: np.ndarray, n: int) -> dict[str, float]:
-    """Per-data-source means and pass@n from per-sample arrays (all (N,))."""
+def summarise(scores: np.ndarray, extras: Mapping[str, np.ndarray], sources: np.ndarray, uids: np.ndarray,
+              n: int) -> dict[str, float]:
+    """The validation metrics (see the module docstring) from per-sample arrays, all (N,): `scores`,
+    `extras` (numeric ``reward_info`` values by key), `sources` (data source), `uids` (the prompt)."""
     metrics: dict[str, float] = {"val/reward_mean": float(scores.mean()) if len(scores) else 0.0}
-    correct = acc if acc is not None else scores
+    variables = {"reward": scores, **{key: values for key, values in extras.items() if key != "reward"}}
+    core = "acc" if "acc" in variables else "reward"
     for source in sorted(set(sources.tolist())):
         sel = sources == source
-        metrics[f"val-core/{source}/reward/mean@{n}"] = float(scores[sel].mean())
-        if acc is not None:
-            metrics[f"val-core/{source}/acc/mean@{n}"] = float(acc[sel].mean())
-        if n > 1:
-            solved = {}
-            for uid, ok in zip(uids[sel].tolist(), (correct[sel] > 0).tolist()):
-                solved[uid] = solved.get(uid, False) or ok
-            metrics[f"val-core/{source}/pass@{n}"] = float(np.mean(list(solved.values())))
+        prompts: dict[str, list[int]] = {}
+        for i in np.flatnonzero(sel).tolist():
+            prompts.setdefault(str(uids[i]), []).append(i)
+        for var, values in variables.items():
+            per_prompt = [values[rows] for rows in prompts.values()]
+            found = {f"mean@{n}": float(values[sel].mean())}
+            if n > 1:
+                found[f"std@{n}"] = float(np.mean([v.std() for v in per_prompt]))
+                found[f"best@{n}/mean"] = float(np.mean([v.max() for v in per_prompt]))
+                found[f"worst@{n}/mean"] = float(np.mean([v.min() for v in per_prompt]))
+            for metric, value in found.items():
+                section = "val-core" if var == core and metric in (f"mean@{n}", f"best@{n}/mean") else "val-aux"
+                metrics[f"{section}/{source}/{var}/{metric}"] = value
     return metrics
+
+
+def numeric_reward_info(scored: Sequence[Batch]) -> dict[str, np.ndarray]:
+    """The ``reward_info/<key>`` columns every scored batch has and whose values are all numbers,
+    as float64 arrays by key (text a scorer reports, e.g. an extracted answer, is left out)."""
+    keys = set.intersection(*({k for k in gen.keys() if k.startswith("reward_info/")} for gen in scored)) \
+        if scored else set()
+    out = {}
+    for key in sorted(keys):
+        try:
+            out[key[len("reward_info/"):]] = np.concatenate(
+                [np.asarray(gen[key], dtype=np.float64).reshape(-1) for gen in scored])
+        except (TypeError, ValueError):
+            continue
+    return out
 
 
 def validate(batches: Sequence[Batch], generate: Callable[[Batch, int], Batch],
@@ -51,9 +78,7 @@ def validate(batches: Sequence[Batch], generate: Callable[[Batch, int], Batch],
     """
     firsts = np.cumsum([0] + [len(batch) for batch in batches[:-1]]).tolist()
     scored = [score(generate(batch, int(first))) for batch, first in zip(batches, firsts)]
-    has_acc = all("reward_info/acc" in gen for gen in scored)
-    scores = np.concatenate([gen["token_level_scores"].sum(-1).numpy() for gen in scored])
-    acc = np.concatenate([np.asarray(gen["reward_info/acc"], dtype=np.float64) for gen in scored]) if has_acc else None
+    scores = np.concatenate([gen["token_level_scores"].sum(-1).double().numpy() for gen in scored])
     sources = np.concatenate([np.asarray(gen["data_source"]).astype(str) for gen in scored])
     uids = np.concatenate([np.asarray(gen["uid"]).astype(str) for gen in scored])
-    return summarise(scores, acc, sources, uids, n), scored
+    return summarise(scores, numeric_reward_info(scored), sources, uids, n), scored

@@ -127,9 +127,11 @@ def test_grpo_runs_and_logs_verl_metrics(tmp_path: Path, task_dir: Path) -> None
     assert not (tmp_path / "run" / "profile" / "step_1").exists()
 
 
-def read_memory_trace(run_dir: Path) -> dict[int, list[tuple[str, str, str]]]:
+def read_memory_trace(run_dir: Path, with_val: bool = False) -> dict[int, list[tuple[str, str, str]]]:
+    """Each step's memory transitions; those of the validation after it (phase "val") only `with_val`."""
     lines = (run_dir / "memory_phases.jsonl").read_text().splitlines()
-    return {rec["step"]: [tuple(t) for t in rec["transitions"]] for rec in map(json.loads, lines)}
+    return {rec["step"]: [tuple(t) for t in rec["transitions"] if with_val or t[0] != "val"]
+            for rec in map(json.loads, lines)}
 
 
 SYNC_AND_GEN = [("sync_weights", "rollout", "wake_up:weights"), ("sync_weights", "rollout", "wake_up"),
@@ -262,6 +264,14 @@ def test_validation_and_checkpoint_time_is_logged_with_the_step_they_follow(tmp_
                        for k in metrics[step]), (step, sorted(metrics[step]))
     # the steps' phases stay within the step: the validation's generation is not in step 3's
     assert metrics[3]["timing_s/gen"] < metrics[3]["timing_s/step"]
+    # and the rollout's sleep after the validation is in step 2's line of memory_phases.jsonl, not step 3's
+    trace = read_memory_trace(tmp_path / "run", with_val=True)
+    assert {1, 2, 3, 4} <= set(trace)
+    for step in (2, 4):  # the validation's weight sync and its sleep, after the step's own transitions
+        assert trace[step][-3:] == [("val", "rollout", "wake_up:weights"), ("val", "rollout", "wake_up"),
+                                    ("val", "rollout", "sleep")], (step, trace[step])
+    for step in (1, 3):
+        assert all(t[0] != "val" for t in trace[step]), (step, trace[step])
 
 
 def test_val_only_validates_and_stops(tmp_path: Path, task_dir: Path) -> None:

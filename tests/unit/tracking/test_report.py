@@ -68,6 +68,41 @@ def test_report_writes_plots_and_summary(tmp_path: Path) -> None:
     assert "| update_actor | 30.00 | 30.0% |" in text
 
 
+def test_nested_phases_count_once_in_the_phase_table(tmp_path: Path) -> None:
+    """With reward.overlap the reward (1 s) is scored inside old_log_prob (4 s in all): the table counts
+    old_log_prob's own 3 s, so the shares add up to the step (10 s), not to 110%."""
+    from megarl.tracking.metrics import compute_timing_metrics
+    from megarl.trainer.timing import Timer
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self) -> float:
+            return self.now
+
+    clock = Clock()
+    timer = Timer(clock=clock)
+    with timer("step"):
+        with timer("gen"):
+            clock.now += 4.0
+        with timer("old_log_prob"):
+            with timer("reward"):
+                clock.now += 1.0
+            clock.now += 3.0
+        with timer("update_actor"):
+            clock.now += 2.0
+    timings = timer.pop()
+    metrics = compute_timing_metrics(timings, 100, inner=timer.inner())
+    assert metrics["timing_s/old_log_prob"] == 4.0 and metrics["timing_self_s/old_log_prob"] == 3.0
+    assert "timing_self_s/step" not in metrics and "timing_self_s/gen" not in metrics
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "metrics": metrics}) + "\n" for s in (1, 2)))
+    text = write_report(tmp_path)["summary"].read_text()
+    assert "| old_log_prob * | 6.00 | 30.0% |" in text and "| reward | 2.00 | 10.0% |" in text
+    assert "| gen | 8.00 | 40.0% |" in text and "| update_actor | 4.00 | 20.0% |" in text
+    assert "without the phases timed inside it" in text
+
+
 def test_report_plots_the_kl_penalised_in_the_reward(tmp_path: Path) -> None:
     """PPO with KL in the reward logs `actor/reward_kl_penalty` and no KL loss: the KL plot draws it."""
     (tmp_path / "metrics.jsonl").write_text("".join(

@@ -35,6 +35,29 @@ def test_nested_and_repeated_phases() -> None:
     assert list(timer.pop()) == []  # reset
 
 
+def test_time_of_nested_phases_is_reported_per_parent() -> None:
+    clock = FakeClock()
+    timer = Timer(clock=clock)
+    with timer("step"):
+        with timer("old_log_prob"):
+            with timer("reward"):  # scored on the driver while the workers compute
+                clock.now += 0.75
+            clock.now += 2.0
+        with timer("adv"):
+            with timer("gen"):  # ReMax's greedy baseline, twice
+                clock.now += 1.0
+            with timer("gen"):
+                clock.now += 0.5
+            clock.now += 0.25
+    assert timer.pop() == {"step": 4.5, "old_log_prob": 2.75, "reward": 0.75, "adv": 1.75, "gen": 1.5}
+    # Only direct children count: "step" holds its phases (4.5 s), not the reward inside old_log_prob again.
+    assert timer.inner() == {"step": 4.5, "old_log_prob": 0.75, "adv": 1.5}
+    with timer("gen"):
+        clock.now += 1.0
+    timer.pop()
+    assert timer.inner() == {}
+
+
 def test_phase_that_raises_is_still_timed() -> None:
     clock = FakeClock()
     timer = Timer(clock=clock)
