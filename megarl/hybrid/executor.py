@@ -2,10 +2,12 @@
 
 Every rank calls `execute_plan` with its own training shards and a plan that covers it (SPMD):
 its own plan (`megarl.hybrid.rank_plan.RankPlanner.plan`, as the weight sync runs it) or the
-whole-world one. Each step, a rank packs the
-pieces it owes each peer into one flat buffer (at most `plan.bucket_bytes`), posts non-blocking
+whole-world one. A rank takes its buckets (each the pieces it owes one peer, or is owed, at most
+`plan.bucket_bytes`) in rounds of at most `bucket_bytes` sent and as much received
+(`exchange_rounds`): it packs a round's sends into one staging buffer, posts non-blocking
 receives and sends (batched point-to-point, gloo or NCCL), and unpacks the received buffers
-straight into its engine parameters while the next step's transfers are in flight. Engine
+straight into its engine parameters while the next round's transfers are in flight, so its
+staging memory is at most 4 x `bucket_bytes` however many peers it has. Engine
 parameters have the rollout shard's size, so no rank holds a whole unsharded tensor unless the
 rollout TP size is 1.
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Protocol
+from typing import Any, Collection, Mapping, Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,8 +49,12 @@ class ExecStats:
     buckets_sent: int = 0
     buckets_received: int = 0
     steps: int = 0
+    rounds: int = 0  # groups of buckets posted together (`exchange_rounds`)
     seconds: float = 0.0
-    largest_buffer_numel: int = 0  # largest flat exchange buffer
+    largest_buffer_numel: int = 0  # largest flat exchange buffer (one bucket)
+    # Elements of the staging buffers this process allocated (send and receive, both parities):
+    # for one rank at most 4 x the plan's bucket (in elements), however many peers it has.
+    staging_numel: int = 0
     largest_engine_tensor_numel: int = 0  # largest tensor assembled on this rank
     # Pieces (tensor slices) whose sender and receiver fingerprints were compared, in the whole world
     # (all ranks' receives; the same on every rank); 0 without verification.
@@ -205,14 +211,56 @@ class InMemoryTransport:
         return [obj]
 
 
+Op = tuple[int, Pair]  # (step, pair): bucket `step` of the pair
+
+
+def exchange_rounds(plan: ReshardPlan, ranks: Collection[int]) -> list[list[Op]]:
+    """The buckets the ranks in `ranks` exchange, in rounds posted one after the other.
+
+    For one rank (a real sync): its buckets in the order (step, pair), which both ends of a pair
+    agree on, cut into rounds that send at most `plan.bucket_bytes` and receive at most as much,
+    and hold at most one bucket of each pair,
+    so that with two rounds in flight the rank stages at most 4 x `bucket_bytes` whatever the
+    number of its peers (a rank of a large expert-parallel layout exchanges with hundreds; a round
+    per step, every peer's bucket at once, staged two buffers per peer). Ranks cut their rounds
+    differently, which cannot deadlock: each posts in that one order and waits only on what it
+    posted, so the first unfinished bucket of the world is posted at both its ends and finishes.
+    For several ranks in one process (the in-memory transport hands a send to its receive when
+    both are posted together): one round per step."""
+    if len(ranks) != 1:
+        return [[(k, pair) for pair in sorted(step)] for k, step in enumerate(plan.steps)]
+    (rank,) = ranks
+    budget = max(1, plan.bucket_bytes)
+    rounds: list[list[Op]] = []
+    current: list[Op] = []
+    sent = received = 0
+    for k, step in enumerate(plan.steps):
+        for pair in sorted(step):
+            if rank not in pair:
+                continue
+            nbytes = sum(p.nbytes for p in step[pair])
+            out, into = (nbytes, 0) if pair[0] == rank else (0, nbytes)
+            # A pair exchanges at most one bucket per round (the transport keys a round's buffers by pair).
+            if current and (sent + out > budget or received + into > budget or any(q == pair for _, q in current)):
+                rounds.append(current)
+                current, sent, received = [], 0, 0
+            current.append((k, pair))
+            sent += out
+            received += into
+    if current:
+        rounds.append(current)
+    return rounds
+
+
 def _run(plan: ReshardPlan, shards_by_rank: Mapping[int, Mapping[str, torch.Tensor]], transport: Transport,
          device: torch.device, out: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
          verify: bool = True) -> dict[int, tuple[dict[str, torch.Tensor], ExecStats]]:
-    """The step loop for the ranks in `shards_by_rank`.
+    """The round loop for the ranks in `shards_by_rank` (rounds: `exchange_rounds`).
 
-    Double-buffered: step k+1 is packed and posted while step k is in flight, so at most two
-    buckets per peer and direction are in flight; buffers are reused across steps. Local pieces
-    are copied while the first step is in flight.
+    Double-buffered: round r+1 is packed and posted while round r is in flight, so at most two
+    rounds are in flight; each round's send and receive buffers are views of one staging buffer
+    per direction and parity, reused across rounds. Local pieces are copied while the first round
+    is in flight.
     """
     start = time.perf_counter()
     result: dict[int, tuple[dict[str, torch.Tensor], ExecStats]] = {}
@@ -223,58 +271,68 @@ def _run(plan: ReshardPlan, shards_by_rank: Mapping[int, Mapping[str, torch.Tens
         stats.largest_engine_tensor_numel = max((t.numel() for t in targets.values()), default=0)
         result[rank] = (targets, stats)
 
-    largest: dict[Pair, int] = {}
-    for step in plan.steps:
-        for pair, pieces in step.items():
-            largest[pair] = max(largest.get(pair, 0), _bucket_numel(pieces, plan.dtype))
-    pool: dict[tuple[str, Pair, int], torch.Tensor] = {}
+    rounds = exchange_rounds(plan, list(shards_by_rank))
+    numel = {(k, pair): _bucket_numel(plan.steps[k][pair], plan.dtype) for ops in rounds for k, pair in ops}
+
+    def kinds(pair: Pair) -> list[tuple[int, str]]:
+        return [(rank, kind) for rank, kind in ((pair[0], "send"), (pair[1], "recv")) if rank in shards_by_rank]
+
+    # Staging: per direction, the largest round's total (both parities alike, allocated on first use).
+    size = {"send": 0, "recv": 0}
+    for ops in rounds:
+        for kind in size:
+            size[kind] = max(size[kind], sum(numel[op] for op in ops for _, k in kinds(op[1]) if k == kind))
+    staging: dict[tuple[str, int], torch.Tensor] = {}
     # Per bucket (step, pair): its pieces' fingerprints, taken by the sender and by the receiver.
-    sent_fp: dict[tuple[int, Pair], list[torch.Tensor]] = {}
-    received_fp: dict[tuple[int, Pair], list[torch.Tensor]] = {}
+    sent_fp: dict[Op, list[torch.Tensor]] = {}
+    received_fp: dict[Op, list[torch.Tensor]] = {}
 
-    def buffer(kind: str, pair: Pair, parity: int, numel: int) -> torch.Tensor:
-        key = (kind, pair, parity)
-        if key not in pool:
-            pool[key] = torch.empty(largest[pair], dtype=plan.dtype, device=device)
-        return pool[key][:numel]
-
-    def post(k: int) -> tuple[Any, dict[Pair, torch.Tensor]]:
+    def post(r: int) -> tuple[Any, dict[Op, torch.Tensor]]:
         sends, recvs = {}, {}
-        for pair, pieces in plan.steps[k].items():
-            numel = _bucket_numel(pieces, plan.dtype)
-            for rank, kind in ((pair[0], "send"), (pair[1], "recv")):
-                if rank not in shards_by_rank:
-                    continue
-                buf = buffer(kind, pair, k % 2, numel)
+        received: dict[Op, torch.Tensor] = {}
+        offset = {"send": 0, "recv": 0}
+        for op in rounds[r]:
+            k, pair = op
+            n = numel[op]
+            for rank, kind in kinds(pair):
+                key = (kind, r % 2)
+                if key not in staging:
+                    staging[key] = torch.empty(size[kind], dtype=plan.dtype, device=device)
+                buf = staging[key][offset[kind]:offset[kind] + n]
+                offset[kind] += n
                 stats = result[rank][1]
-                stats.largest_buffer_numel = max(stats.largest_buffer_numel, numel)
+                stats.largest_buffer_numel = max(stats.largest_buffer_numel, n)
                 if kind == "send":
-                    sink = sent_fp.setdefault((k, pair), []) if verify else None
-                    sends[pair] = pack_bucket(pieces, shards_by_rank[rank], buf, sink)
-                    stats.bytes_sent += numel * buf.element_size()
+                    sink = sent_fp.setdefault(op, []) if verify else None
+                    sends[pair] = pack_bucket(plan.steps[k][pair], shards_by_rank[rank], buf, sink)
+                    stats.bytes_sent += n * buf.element_size()
                     stats.buckets_sent += 1
                 else:
-                    recvs[pair] = buf
-        return transport.start(sends, recvs), recvs
+                    recvs[pair] = received[op] = buf
+        return transport.start(sends, recvs), received
 
-    pending = post(0) if plan.steps else None
-    for rank, (targets, stats) in result.items():  # while the first bucket is on its way
+    pending = post(0) if rounds else None
+    for rank, (targets, stats) in result.items():  # while the first round is on its way
         shards = shards_by_rank[rank]
         for p in plan.local_pieces[rank]:
             _slice(targets[p.dst_name], p, p.dst_start).copy_(_slice(shards[p.src_name], p, p.src_start))
             stats.bytes_copied_locally += p.nbytes
-    for k, step in enumerate(plan.steps):
-        handle, recvs = pending
-        # Pack and post step k+1 before waiting for step k: its buffers (the other parity) were
-        # released when step k-1 was waited for and unpacked.
-        pending = post(k + 1) if k + 1 < len(plan.steps) else None
+    for r in range(len(rounds)):
+        handle, received = pending
+        # Pack and post round r+1 before waiting for round r: its buffers (the other parity) were
+        # released when round r-1 was waited for and unpacked.
+        pending = post(r + 1) if r + 1 < len(rounds) else None
         transport.wait(handle)
-        for pair, buf in recvs.items():
+        for (k, pair), buf in received.items():
             targets, stats = result[pair[1]]
             sink = received_fp.setdefault((k, pair), []) if verify else None
-            unpack_bucket(buf, step[pair], targets, sink)
+            unpack_bucket(buf, plan.steps[k][pair], targets, sink)
             stats.bytes_received += buf.numel() * buf.element_size()
             stats.buckets_received += 1
+    staged = sum(t.numel() for t in staging.values())
+    for _, stats in result.values():
+        stats.rounds = len(rounds)
+        stats.staging_numel = staged
     checked, verify_seconds = 0, 0.0
     if verify:
         t0 = time.perf_counter()

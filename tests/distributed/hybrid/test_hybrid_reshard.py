@@ -57,6 +57,13 @@ def _reshard(rank: int, world: int, port: int, cases: dict[str, tuple]) -> dict[
         plan = build_reshard_plan(spec, train, ParallelLayout.rollout(rollout_tp, world), engine, torch.float64,
                                   BUCKET, hf_shapes=shapes)
         tensors, stats = execute_plan(plan, mine)
+        # What two buffers per peer and direction, each the pair's largest bucket, would have staged.
+        largest: dict[tuple[int, int], int] = {}
+        for step in plan.steps:
+            for pair, pieces in step.items():
+                if rank in pair:
+                    largest[pair] = max(largest.get(pair, 0), sum(p.nbytes for p in pieces))
+        per_pair_staging = 2 * sum(largest.values())
         expected = hf if engine == "hf" else expected_vllm_shard(hf, rank % rollout_tp, rollout_tp, LAYERS, tied)
         wrong = sorted(k for k in expected if k not in tensors or not torch.equal(tensors[k], expected[k]))
         held = torch.cat([t.reshape(-1) for t in mine.values()])
@@ -65,7 +72,7 @@ def _reshard(rank: int, world: int, port: int, cases: dict[str, tuple]) -> dict[
         out[name] = dict(
             names_equal=sorted(tensors) == sorted(expected), wrong=wrong,
             independent_minimum=int((~torch.isin(wanted, held)).sum()) * 8,
-            stats=stats.as_dict(), buckets=stats.buckets_received,
+            stats=stats.as_dict(), buckets=stats.buckets_received, per_pair_staging=per_pair_staging,
         )
     return out
 
@@ -78,6 +85,8 @@ def _check(results: list[dict[str, Any]], cases: dict[str, tuple]) -> None:
             assert r["names_equal"] and not r["wrong"], f"{name} rank {rank}: wrong tensors {r['wrong']}"
             assert r["stats"]["bytes_received"] == r["independent_minimum"] == r["stats"]["minimum_bytes"], (name, rank)
             assert r["stats"]["largest_buffer_numel"] * 8 <= BUCKET
+            # Staging is bounded per rank, not per peer: two rounds in flight, each <= BUCKET each way.
+            assert r["stats"]["staging_numel"] * 8 <= 4 * BUCKET, (name, rank, r["stats"]["staging_numel"])
             sent += r["stats"]["bytes_sent"]
             received += r["stats"]["bytes_received"]
         assert sent == received
@@ -94,3 +103,6 @@ def test_reshard_over_two_gloo_processes() -> None:
 def test_reshard_over_four_gloo_processes() -> None:
     results = run_distributed(_reshard, 4, CASES_4, timeout=240)
     _check(results, CASES_4)
+    # Into rollout TP 1 every rank receives the whole model from its three peers: staged per peer, that
+    # would exceed the per-rank bound the rounds keep.
+    assert max(r["tp2pp2->tp1"]["per_pair_staging"] for r in results) > 4 * BUCKET

@@ -54,25 +54,29 @@ def _expert_piece_flipper(plan: Any, rank: int, group: Any) -> tuple[Any, str]:
     if not found:
         raise AssertionError(f"rank {rank} receives no expert piece")
     k0, pair0, offset0, piece = found[0]
-    target = (k0, pair0, offset0 + piece.nbytes // 2)
+    # The executor posts a pair's buckets in step order, in rounds of its own: the target is the pair's
+    # n-th bucket, n = the steps before k0 that hold the pair.
+    nth = sum(1 for step in plan.steps[:k0] if pair0 in step)
+    byte = offset0 + piece.nbytes // 2
 
     class Flipper(P2PTransport):
         def __init__(self) -> None:
             super().__init__(group)
-            self.step = 0
+            self.seen = 0  # buckets of pair0 received so far
             self.posted: dict[int, dict] = {}
 
         def start(self, sends: dict, recvs: dict) -> Any:
             handle = super().start(sends, recvs)
-            self.posted[id(handle)] = (self.step, recvs)
-            self.step += 1
+            self.posted[id(handle)] = recvs
             return handle
 
         def wait(self, handle: Any) -> None:
             super().wait(handle)
-            k, recvs = self.posted.pop(id(handle))
-            if k == target[0] and target[1] in recvs:
-                recvs[target[1]].view(torch.uint8)[target[2]] ^= 0x10
+            recvs = self.posted.pop(id(handle))
+            if pair0 in recvs:
+                if self.seen == nth:
+                    recvs[pair0].view(torch.uint8)[byte] ^= 0x10
+                self.seen += 1
 
     return Flipper(), piece.src_name
 
