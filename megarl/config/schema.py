@@ -316,6 +316,8 @@ class RolloutConfig:
     # processed: log_softmax(logits / temperature) after top-k/top-p (verl's default); raw: log_softmax(logits)
     logprobs_mode: str = "processed"
     val_kwargs: ValidationSamplingConfig = field(default_factory=ValidationSamplingConfig)
+    # Largest weight-sync bucket (one sender to one receiver). A rank posts its buckets in rounds of at
+    # most this much sent and as much received, two rounds in flight: at most 4x this of staging memory.
     update_weights_bucket_mb: int = 512
     # Check every k-th weight sync (the first included) against the senders' fingerprints of each
     # bucket; a changed bucket stops the run naming tensor, slice and ranks. 0: never. Only buckets
