@@ -81,7 +81,30 @@ def engine_targets(rollout_engine: Any, tensors: Iterable[Any]) -> dict[str, tor
             raise ConfigError(f"reshard: vLLM parameter {t.name!r} has shape {tuple(p.shape)}, the plan expects "
                               f"{tuple(t.shape)}; is the engine's tensor_parallel_size the rollout TP size?")
         targets[t.name] = p.data
+    _check_covers_engine(params, targets)
     return targets
+
+
+def _check_covers_engine(params: Mapping[str, torch.Tensor], names: Iterable[str]) -> None:
+    """Refuse targets that leave a parameter of this rank's vLLM model unwritten, before anything is
+    written: the sync then marks every weight updated, so a parameter the plan misses would keep its
+    old values (after a discarding sleep, undefined ones) unnoticed. A fused expert parameter is
+    covered when every one of its experts is."""
+    covered: set[str] = set()
+    experts: dict[str, set[int]] = {}
+    for name in names:
+        view = vllm_expert_view(name)
+        if view is None:
+            covered.add(name)
+        else:
+            experts.setdefault(view[0], set()).add(view[1])
+    covered.update(base for base, seen in experts.items() if len(seen) == params[base].shape[0])
+    missing = sorted(set(params) - covered)
+    if missing:
+        raise ConfigError(
+            f"reshard: the plan writes no values into {len(missing)} parameter(s) of this rank's vLLM model, "
+            f"e.g. {missing[:4]}; a sync must fill every parameter (is the model's architecture one the weight "
+            f"map covers, with the same parameters as the checkpoint the engine loaded?)")
 
 
 def sync_shards(plan: ReshardPlan, shards: Mapping[str, torch.Tensor], rollout_engine: Any,

@@ -224,6 +224,7 @@ class VLLMRolloutEngine(RolloutEngine):
         # A layer is named by what comes before ".experts": HF's "model.layers.3.mlp" of
         # "model.layers.3.mlp.experts.0.up_proj.weight", vLLM's of "...mlp.experts.routed_experts.w13_weight".
         touched = {name.split(".experts")[0] for name, _ in items if ".experts." in name}
+        self._refuse_unloadable_experts(touched)
         swapped = []
         for name, (param, shape) in self._cpu_expert_params().items():
             if name.split(".experts")[0] not in touched:
@@ -240,6 +241,23 @@ class VLLMRolloutEngine(RolloutEngine):
         # Cached prefix blocks were computed with the old weights (a stale block gives wrong tokens).
         self.llm.reset_prefix_cache()
         return counter[0]
+
+    def _refuse_unloadable_experts(self, layers: set[str]) -> None:
+        """Refuse, before anything is written, an update of expert layers whose MoE backend reorders
+        its weights after loading in ways not reproduced here: vLLM's loader writes the loading layout,
+        which such a backend would read as garbage. The TRITON backend keeps that layout and the CPU
+        backend is packed again by `finish_fused_experts`; others (e.g. FlashInfer's or AITER's on GPUs)
+        are refused by name."""
+        for module_name, module in self.engine_model().named_modules():
+            if not hasattr(module, "w13_weight") or module_name.split(".experts")[0] not in layers:
+                continue
+            backend = getattr(getattr(module, "quant_method", None), "unquantized_backend", None)
+            kind = getattr(backend, "name", None)
+            if kind not in ("TRITON", "CPU"):
+                raise WeightUpdateError(
+                    f"vllm engine: {module_name!r} uses the {kind or type(module.quant_method).__name__} MoE backend, "
+                    f"which reorders expert weights after loading; weight updates support the TRITON and CPU "
+                    f"backends (on GPUs, select vLLM's Triton MoE backend)")
 
     def _cpu_expert_params(self) -> dict[str, tuple[torch.nn.Parameter, tuple[int, ...]]]:
         """Routed-expert parameters the CPU MoE kernel keeps prepacked: name -> (parameter, shape in

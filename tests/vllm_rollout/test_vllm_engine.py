@@ -228,6 +228,24 @@ def test_in_place_copy_into_engine_parameters_reaches_the_compute(
         engine.mark_weights_updated()
 
 
+def test_in_place_targets_must_cover_every_engine_parameter(engine: VLLMRolloutEngine) -> None:
+    # A vLLM-layout plan for this engine (rollout TP 1) names every parameter of its model; one that misses
+    # a parameter is refused before anything is written (the sync would mark every weight updated).
+    from megarl.hybrid.plan import build_reshard_plan
+    from megarl.hybrid.sync import engine_targets
+    from megarl.layout import ParallelLayout
+    from megarl.models.spec import ModelSpec
+
+    spec = ModelSpec.from_hf_config(engine.model_path)
+    plan = build_reshard_plan(spec, ParallelLayout(dp=1), ParallelLayout.rollout(1, 1), "vllm")
+    tensors = plan.engine_tensors[0]
+    params = dict(engine.engine_model().named_parameters())
+    assert set(engine_targets(engine, tensors)) == set(params)
+    left_out = next(t for t in tensors if t.name.endswith("down_proj.weight"))
+    with pytest.raises(ConfigError, match=rf"writes no values into 1 parameter.*{left_out.name}"):
+        engine_targets(engine, [t for t in tensors if t is not left_out])
+
+
 def test_state_machine(engine: VLLMRolloutEngine) -> None:
     before = engine.generate(prompt_batch(PROMPTS), SamplingParams.make_greedy(R))
     engine.sleep()

@@ -159,6 +159,22 @@ def _tp1_worker(rank: int, world: int, port: int, dirs: dict[str, str]) -> dict[
             out[target] = dict(count=count, names=sorted(hf), input_ids=res["input_ids"],
                                attention_mask=res["attention_mask"], responses=res["responses"],
                                log_probs=res["rollout_log_probs"])
+        # A MoE backend that reorders its weights after loading (FlashInfer's, AITER's: GPU only, so one
+        # layer's backend is relabelled here) is refused before anything is written.
+        fused_name, fused = next((name, m) for name, m in engine.engine_model().named_modules()
+                                 if name.startswith("model.layers.1.") and hasattr(m, "w13_weight"))
+        out["fused_name"] = fused_name
+        backend = fused.quant_method.unquantized_backend
+        fused.quant_method.unquantized_backend = type("Backend", (), {"name": "FLASHINFER_CUTLASS"})()
+        try:
+            engine.update_weights(read_hf_tensors(dirs["start"], list(hf_parameter_shapes(dirs["start"]))).items())
+            out["refused"] = None
+        except Exception as error:  # noqa: BLE001 - the test checks which
+            out["refused"] = f"{type(error).__name__}: {error}"
+        finally:
+            fused.quant_method.unquantized_backend = backend
+        res = engine.generate(_prompts(), SamplingParams.make_greedy(max_new_tokens=R, ignore_eos=True))
+        out["after_refusal"] = res["rollout_log_probs"]
     finally:
         engine.release()
     return out
@@ -181,6 +197,9 @@ def test_vllm_tp1_takes_hf_expert_tensors(tmp_path: Path, family: str) -> None:
         err = (r["log_probs"].double() - want).abs().max().item()
         assert err < 1e-4, f"{family} {target}: vLLM after the update differs from the target model by {err}"
         assert torch.equal(r["responses"], greedy)
+    assert results["refused"] is not None and results["refused"].startswith("WeightUpdateError")
+    assert f"'{results['fused_name']}' uses the FLASHINFER_CUTLASS MoE backend" in results["refused"]
+    assert torch.equal(results["after_refusal"], results["target_b"]["log_probs"]), "the refused update wrote weights"
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
