@@ -111,6 +111,8 @@ def _vllm_worker(rank: int, world: int, port: int, dirs: dict[str, str]) -> dict
             res = engine.generate(_prompts(), SamplingParams.make_greedy(max_new_tokens=R, ignore_eos=True))
             out[name] = dict(stats=stats.as_dict(), input_ids=res["input_ids"], attention_mask=res["attention_mask"],
                              responses=res["responses"], log_probs=res["rollout_log_probs"])
+            if name == "ep2":
+                out["damaged"] = _corrupted_sync_damages_the_engine(rank, group, plan, shards, engine)
     finally:
         from vllm.distributed.parallel_state import destroy_model_parallel
 
@@ -121,6 +123,50 @@ def _vllm_worker(rank: int, world: int, port: int, dirs: dict[str, str]) -> dict
         for seg in set(shm.glob(f"*cpushm_{rank}")) - segments_before:
             seg.unlink(missing_ok=True)
     return out
+
+
+def _corrupted_sync_damages_the_engine(rank: int, group: Any, plan: Any, shards: dict, engine: Any) -> dict[str, Any]:
+    """The same sync again with one byte flipped in the first bucket rank 1 receives: the check fails on
+    both ranks after the pieces were written into vLLM's parameters, so the engine refuses to generate
+    until a whole sync; a clean one restores it."""
+    from megarl.hybrid.executor import P2PTransport
+    from megarl.hybrid.sync import sync_shards
+    from megarl.hybrid.verify import WeightSyncError
+    from megarl.rollout.base import RolloutStateError, SamplingParams
+
+    class FlipFirstBucket(P2PTransport):
+        def __init__(self) -> None:
+            super().__init__(group)
+            self.posted: dict[int, list] = {}
+            self.flipped = False
+
+        def start(self, sends: dict, recvs: dict) -> Any:
+            handle = super().start(sends, recvs)
+            self.posted[id(handle)] = list(recvs.values())
+            return handle
+
+        def wait(self, handle: Any) -> None:
+            super().wait(handle)
+            for buf in self.posted.pop(id(handle), []):
+                if not self.flipped:
+                    buf.view(torch.uint8)[buf.numel() * buf.element_size() // 2] ^= 0x10
+                    self.flipped = True
+
+    result: dict[str, Any] = {}
+    try:
+        sync_shards(plan, shards, engine, group, transport=FlipFirstBucket() if rank == 1 else None)
+        result["sync"] = "passed"
+    except WeightSyncError as error:
+        result["sync"] = f"WeightSyncError: {error}"
+    greedy = SamplingParams.make_greedy(max_new_tokens=R, ignore_eos=True)
+    try:
+        engine.generate(_prompts(), greedy)
+        result["generate"] = "generated"
+    except RolloutStateError as error:
+        result["generate"] = f"RolloutStateError: {error}"
+    sync_shards(plan, shards, engine, group)
+    result["log_probs_after_clean_sync"] = engine.generate(_prompts(), greedy)["rollout_log_probs"]
+    return result
 
 
 def _want_log_probs(model: torch.nn.Module, r: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,6 +263,11 @@ def test_vllm_tp2_computes_the_synced_moe_model(tmp_path: Path, family: str) -> 
         err = (r["log_probs"].double() - want).abs().max().item()
         assert err < 1e-4, f"{family} {name}: vLLM after sync differs from the target model by {err}"
         assert torch.equal(r["responses"], greedy), f"{family} {name}: greedy tokens differ"
+    for rank, r in enumerate(results):  # the corrupted re-sync of the ep2 layout
+        d = r["damaged"]
+        assert d["sync"].startswith("WeightSyncError"), (rank, d["sync"])
+        assert d["generate"].startswith("RolloutStateError"), (rank, d["generate"])
+        assert torch.equal(d["log_probs_after_clean_sync"], r["ep2"]["log_probs"]), rank
         for rank_result in results:
             s = rank_result[name]["stats"]
             assert s["bytes_received"] == s["minimum_bytes"]
