@@ -165,3 +165,26 @@ def test_families_with_mapped_or_no_attention_bias_are_unchanged() -> None:
         spec = ModelSpec.from_hf_config(getattr(transformers, f"{name}Config")(**SMALL).to_dict())
         assert not spec.features["qkv_bias"] and not spec.transformer_config().add_bias_linear
         assert not any(e.megatron.endswith(".bias") for e in spec.weight_map)
+
+
+@pytest.mark.parametrize("name", ["Llama", "Mistral", "Qwen2", "Qwen3", "Qwen2Moe", "Qwen3Moe"])
+def test_partial_rotary_factor_is_ignored_as_transformers_ignores_it(name: str) -> None:
+    """`partial_rotary_factor` is not mapped: transformers' models of these families rotate every
+    dimension of a head whatever it says (their RoPE never reads it), and so does megarl's. Should
+    transformers start honouring it, this fails and the spec must map it (Megatron's rotary_percent)."""
+    module = __import__(f"transformers.models.{name.lower().replace('moe', '_moe')}."
+                        f"modeling_{name.lower().replace('moe', '_moe')}", fromlist=["x"])
+    config_cls, rotary_cls = getattr(transformers, f"{name}Config"), getattr(module, f"{name}RotaryEmbedding")
+    full = rotary_cls(config_cls(**SMALL, head_dim=16)).inv_freq
+    partial = rotary_cls(config_cls(**SMALL, head_dim=16, partial_rotary_factor=0.5)).inv_freq
+    assert full.numel() == 8 and torch.equal(partial, full)
+    ModelSpec.from_hf_config(config_cls(**SMALL, head_dim=16, partial_rotary_factor=0.5).to_dict())  # accepted
+
+
+def test_mistral_never_maps_attention_biases() -> None:
+    """transformers' Mistral builds no q/k/v bias whatever `attention_bias` says; the spec follows it."""
+    config = transformers.MistralConfig(**SMALL, attention_bias=True).to_dict()
+    hf_model = transformers.MistralForCausalLM(transformers.MistralConfig(**config))
+    assert not any(name.endswith(".bias") for name, _ in hf_model.named_parameters())
+    spec = ModelSpec.from_hf_config(config)
+    assert not spec.features["qkv_bias"]
