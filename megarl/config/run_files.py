@@ -93,6 +93,15 @@ def model_problems(cfg: DictConfig) -> list[str]:
     problems: list[str] = []
     if model.path and not model.init_from_scratch:
         problems += model_dir_problems(Path(model.path), "model.path", need_weights=True, family=model.spec)
+        if not problems and model.override_config:  # the workers see the checkpoint's config through it
+            try:
+                hf = model_hf_config(cfg) or {}
+            except ConfigError as err:
+                return [str(err)]
+            arch = architecture_problem(
+                hf, f"model.override_config over model.path: {Path(model.path) / 'config.json'}", model.spec)
+            if arch:
+                problems.append(arch)
     else:
         if model.path:  # random init over the directory's config.json
             _, problems = read_hf_config(Path(model.path), "model.path")

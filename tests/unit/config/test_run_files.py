@@ -127,6 +127,20 @@ def test_unsupported_model_type_found_before_a_model_is_built(tmp_path: Path, ta
     assert run_file_problems(load_config(experiment(tmp_path, task), ["model.spec=qwen2"])) == []
 
 
+def test_override_config_is_checked_over_the_checkpoint_before_workers_start(tmp_path: Path,
+                                                                            task: dict[str, str]) -> None:
+    """The workers build the model from the checkpoint's config.json seen through model.override_config:
+    a setting the spec refuses there (a RoPE type it does not compute) is found before they start."""
+    config_file = Path(task["model"]) / "config.json"
+    yarn = '+model.override_config.rope_parameters={rope_type: yarn, factor: 4.0, rope_theta: 10000.0}'
+    problems = run_file_problems(load_config(experiment(tmp_path, task), [yarn]))
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"model.override_config over model.path: {config_file}: ")
+    assert "rope_parameters.rope_type = 'yarn' is not supported; valid: ['default', 'llama3']" in problems[0]
+    # A setting the spec maps passes.
+    assert run_file_problems(load_config(experiment(tmp_path, task), ["+model.override_config.rope_theta=20000.0"])) == []
+
+
 def test_missing_and_unreadable_weights(tmp_path: Path, task: dict[str, str]) -> None:
     model = Path(task["model"])
     (model / "model.safetensors").rename(tmp_path / "moved.safetensors")
