@@ -117,7 +117,7 @@ def run_component(name: str, quick: bool, out_dir: Path, timeout_s: float) -> di
         return {**entry, "status": "failed", "error": (done.stdout[-1000:] + done.stderr[-2000:]).strip()}
     entry["status"] = "ok"
     entry["result"] = json.loads(out.read_text())
-    entry["printed"] = done.stdout[-3000:]
+    entry["printed"] = done.stdout[-3000:].replace(str(out_dir) + "/", "")  # results name no folder of this machine
     return entry
 
 
