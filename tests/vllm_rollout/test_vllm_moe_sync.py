@@ -129,32 +129,14 @@ def _corrupted_sync_damages_the_engine(rank: int, group: Any, plan: Any, shards:
     """The same sync again with one byte flipped in the first bucket rank 1 receives: the check fails on
     both ranks after the pieces were written into vLLM's parameters, so the engine refuses to generate
     until a whole sync; a clean one restores it."""
-    from megarl.hybrid.executor import P2PTransport
+    from _corrupt import corrupting_transport
     from megarl.hybrid.sync import sync_shards
     from megarl.hybrid.verify import WeightSyncError
     from megarl.rollout.base import RolloutStateError, SamplingParams
 
-    class FlipFirstBucket(P2PTransport):
-        def __init__(self) -> None:
-            super().__init__(group)
-            self.posted: dict[int, list] = {}
-            self.flipped = False
-
-        def start(self, sends: dict, recvs: dict) -> Any:
-            handle = super().start(sends, recvs)
-            self.posted[id(handle)] = list(recvs.values())
-            return handle
-
-        def wait(self, handle: Any) -> None:
-            super().wait(handle)
-            for buf in self.posted.pop(id(handle), []):
-                if not self.flipped:
-                    buf.view(torch.uint8)[buf.numel() * buf.element_size() // 2] ^= 0x10
-                    self.flipped = True
-
     result: dict[str, Any] = {}
     try:
-        sync_shards(plan, shards, engine, group, transport=FlipFirstBucket() if rank == 1 else None)
+        sync_shards(plan, shards, engine, group, transport=corrupting_transport(group, nth=0) if rank == 1 else None)
         result["sync"] = "passed"
     except WeightSyncError as error:
         result["sync"] = f"WeightSyncError: {error}"

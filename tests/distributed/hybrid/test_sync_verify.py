@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "unit" / "hybrid"))
 
+from _corrupt import corrupting_transport  # noqa: E402
 from _launch import run_distributed  # noqa: E402
 from hybrid_reference import hf_shapes, id_state_dict, tiny_config  # noqa: E402
 
@@ -22,32 +23,6 @@ pytestmark = pytest.mark.distributed
 
 LAYERS = 2
 BUCKET = 4096
-
-
-def _corrupting_transport(group: Any, step: int, byte: int) -> Any:
-    """Point-to-point transport that flips one bit of the `step`-th bucket this rank receives."""
-    from megarl.hybrid.executor import P2PTransport
-
-    class CorruptingTransport(P2PTransport):
-        def __init__(self) -> None:
-            super().__init__(group)
-            self.received = 0
-            self.posted: dict[int, list[torch.Tensor]] = {}
-
-        def start(self, sends: dict, recvs: dict) -> Any:
-            handle = super().start(sends, recvs)
-            self.posted[id(handle)] = list(recvs.values())
-            return handle
-
-        def wait(self, handle: Any) -> None:
-            super().wait(handle)
-            for buf in self.posted.pop(id(handle), []):
-                if self.received == step:
-                    raw = buf.view(torch.uint8)
-                    raw[byte % raw.numel()] ^= 0x04
-                self.received += 1
-
-    return CorruptingTransport()
 
 
 def _sync(rank: int, world: int, port: int, corrupt_rank: int | None, verify: bool) -> dict[str, Any]:
@@ -69,7 +44,7 @@ def _sync(rank: int, world: int, port: int, corrupt_rank: int | None, verify: bo
     mine = hf_to_megatron_state_dict(hf, spec, c.tp_rank, train.tp, c.pp_rank, train.pp)
     plan = build_reshard_plan(spec, train, ParallelLayout.rollout(1, world), "hf", torch.float64, BUCKET,
                               hf_shapes=shapes)
-    transport = _corrupting_transport(None, step=2, byte=1001) if rank == corrupt_rank else None
+    transport = corrupting_transport(None, nth=2, byte=1001) if rank == corrupt_rank else None
     try:
         tensors, stats = execute_plan(plan, mine, verify=verify, transport=transport)
     except WeightSyncError as err:
