@@ -113,7 +113,8 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp
     """
     start = time.perf_counter()
     config = read_config(hf_dir)
-    spec = ModelSpec.from_hf_config(config, family=family)  # an unknown architecture fails here
+    # From the file, so that its errors name it; an unknown architecture fails here.
+    spec = ModelSpec.from_hf_config(Path(hf_dir) / "config.json", family=family)
     if ep != 1 and not spec.num_experts:
         raise ConfigError(f"--ep {ep}: the {spec.family} family has no experts (expert parallelism needs an MoE family)")
     spec.check_layout(tp, pp, ep)

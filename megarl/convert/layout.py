@@ -11,12 +11,13 @@ conversion; Megatron accepts another padding when it loads (`allow_shape_mismatc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
 
 import torch
 
-from megarl.errors import CheckpointError
-from megarl.models.spec import ModelSpec
+from megarl.errors import CheckpointError, ConfigError
+from megarl.models.spec import ModelSpec, family_of_model_type, load_family_specs
 from megarl.models.weight_map import WeightEntry, expand, fuse
 
 ROLES = ("policy", "value")
@@ -88,16 +89,23 @@ def plan_checkpoint(spec: ModelSpec, role: str, hf_shapes: Mapping[str, tuple[in
     """Every checkpoint tensor of `spec` in `role`, with shapes derived from the HF shapes.
 
     Entries whose HF tensors are all in `optional_hf` and absent from `hf_shapes` are left out
-    (a value model started from a policy has no scalar head yet).
+    (a value model started from a policy has no scalar head yet). Raises ConfigError when the
+    model of `hf_shapes` lacks a tensor the family's weight map needs (a config of another family).
     """
     if role not in ROLES:
         raise CheckpointError(f"role={role!r}, valid: {ROLES}")
     role_spec = spec.for_role(role)
-    plan = []
+    wanted = []  # (entry, one row of HF names per layer [x expert])
     for entry in role_spec.active_weight_entries():
         rows = [tuple(hf) for _, hf in expand(entry, 0, 1, role_spec.num_layers, num_experts=role_spec.num_experts)]
-        if all(n in optional_hf and n not in hf_shapes for row in rows for n in row):
-            continue
+        if not all(n in optional_hf and n not in hf_shapes for row in rows for n in row):
+            wanted.append((entry, rows))
+    needed = [n for _, rows in wanted for row in rows for n in row]
+    missing = [n for n in needed if n not in hf_shapes]
+    if missing:
+        raise ConfigError(_other_family_message(role_spec, missing, len(needed)))
+    plan = []
+    for entry, rows in wanted:
         parts = [torch.empty(hf_shapes[n], device="meta") for n in rows[0]]
         shape = list(fuse(entry, parts, role_spec).shape)
         if entry.vocab_padded:
@@ -105,3 +113,20 @@ def plan_checkpoint(spec: ModelSpec, role: str, hf_shapes: Mapping[str, tuple[in
         experts = role_spec.num_experts if entry.per_expert else 0
         plan.append(CheckpointTensor(checkpoint_key(entry), entry, tuple(rows), tuple(shape), entry.per_layer, experts))
     return plan
+
+
+def _other_family_message(spec: ModelSpec, missing: list[str], needed: int) -> str:
+    """Why a family's weight map does not fit a HF config, and which family would."""
+    model_type = spec.hf_config.get("model_type")
+    config = spec.config_file or "the HF config"
+    owner = family_of_model_type(model_type)
+    if owner == spec.family:
+        hint = f"model_type {model_type!r} is this family's own, yet the model lacks these tensors"
+    elif owner is not None:
+        hint = (f"a config of another family: its model_type {model_type!r} is listed by family {owner!r} "
+                f"({Path(load_family_specs()[owner]['_path']).name})")
+    else:
+        hint = f"no family lists its model_type {model_type!r}"
+    return (f"model spec {Path(spec.source).name} (family {spec.family!r}) does not fit {config}: the model it "
+            f"describes has no HF tensors {missing[:4]}{' ...' if len(missing) > 4 else ''} ({len(missing)} of the "
+            f"{needed} the family's weight map reads); {hint}")

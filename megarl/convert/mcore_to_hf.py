@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megarl.convert.dcp_io import CheckpointReader
 from megarl.convert.hf_files import copy_non_weight_files, expected_hf_shapes, read_config
@@ -77,15 +78,28 @@ _SHAPE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "intermediate
                  "num_key_value_heads", "head_dim", "vocab_size", "num_experts", "num_local_experts")
 
 
-def _same_model(directory: Path, stored: dict[str, Any] | None) -> bool:
-    """Whether `directory`'s config.json describes the model of a checkpoint whose stored HF config
-    is `stored` (True when nothing is stored to compare with)."""
+def _model_differences(config: dict[str, Any], stored: dict[str, Any], role: str) -> list[str]:
+    """How `config` differs from a checkpoint's stored HF config in what fixes the tensors the
+    checkpoint holds, as "field=value, stored stored_value". A field absent from either is not
+    compared. tie_word_embeddings decides whether a policy has an lm_head of its own; a value model
+    has none either way."""
+    fields = [key for key in _SHAPE_FIELDS if key in config and key in stored and config[key] != stored[key]]
+    diffs = [f"{key}={config[key]!r}, stored {stored[key]!r}" for key in fields]
+    tied, stored_tied = (bool(c.get("tie_word_embeddings", False)) for c in (config, stored))
+    if role == "policy" and tied != stored_tied:
+        diffs.append(f"tie_word_embeddings={tied}, stored {stored_tied}")
+    return diffs
+
+
+def _same_model(directory: Path, info: dict[str, Any]) -> bool:
+    """Whether `directory`'s config.json describes the model of a checkpoint whose common state is
+    `info` (True when it stores no HF config to compare with)."""
     if not (directory / "config.json").is_file():
         return False
+    stored = info.get("hf_config")
     if stored is None:
         return True
-    config = read_config(directory)
-    return all(config[key] == stored[key] for key in _SHAPE_FIELDS if key in config and key in stored)
+    return not _model_differences(read_config(directory), stored, info.get("role", "policy"))
 
 
 def find_hf_source(ckpt_dir: Path, hf_config: str | Path | None, info: dict[str, Any] | None = None) -> Path | None:
@@ -101,21 +115,31 @@ def find_hf_source(ckpt_dir: Path, hf_config: str | Path | None, info: dict[str,
     if (ckpt_dir / HF_FILES_DIR / "config.json").is_file():
         return ckpt_dir / HF_FILES_DIR
     info = info or {}
-    stored = info.get("hf_config")
     candidates = [Path(info["hf_dir"])] if info.get("hf_dir") else []
     candidates += [parent / "initial_model" for parent in list(ckpt_dir.absolute().parents)[:4]]
-    return next((path for path in candidates if _same_model(path, stored)), None)
+    return next((path for path in candidates if _same_model(path, info)), None)
 
 
 def checkpoint_hf_config(ckpt_dir: Path, info: dict[str, Any],
                          hf_config: str | Path | None) -> tuple[Path | None, dict[str, Any] | None]:
     """The HF directory (`find_hf_source`, None when there is none) and the HF config of a Megatron
     checkpoint: that directory's, else the copy the engine stored in its common state
-    (`info["hf_config"]`); None when neither exists."""
+    (`info["hf_config"]`); None when neither exists. An explicit `hf_config` must describe the
+    stored model (ConfigError naming the fields that differ)."""
     source = find_hf_source(ckpt_dir, hf_config, info)
-    if source is not None:
-        return source, read_config(source)
-    return None, (dict(info["hf_config"]) if "hf_config" in info else None)
+    if source is None:
+        return None, (dict(info["hf_config"]) if "hf_config" in info else None)
+    config = read_config(source)
+    stored = info.get("hf_config")
+    if hf_config is not None and stored is not None:
+        diffs = _model_differences(config, stored, info.get("role", "policy"))
+        if diffs:
+            raise ConfigError(
+                f"--hf-config {source / 'config.json'} describes another model than the one saved in {ckpt_dir} "
+                f"(whose HF config is stored in its common.pt): {'; '.join(diffs)}; pass the HF directory of the "
+                "saved model, or leave --hf-config out to use the stored config"
+            )
+    return source, config
 
 
 def _output_config(config: dict[str, Any], role: str) -> dict[str, Any]:
@@ -157,6 +181,21 @@ def _check_shapes(reader: CheckpointReader, plan: list[CheckpointTensor], vocab_
             )
 
 
+def _check_all_read(reader: CheckpointReader, plan: list[CheckpointTensor], config: str) -> None:
+    """Refuse an export that would drop model tensors of the checkpoint (an lm_head under a config
+    that says tied embeddings): the optimizer state of a trainer checkpoint is not exported."""
+    model_keys = {key for key, md in reader.metadata.state_dict_metadata.items()
+                  if isinstance(md, TensorStorageMetadata) and not key.startswith("optimizer.")
+                  and "_extra_state" not in key}
+    unread = sorted(model_keys - {t.key for t in plan})
+    if unread:
+        raise CheckpointError(
+            f"{reader.dir}: checkpoint tensors {unread[:5]}{' ...' if len(unread) > 5 else ''} have no place in the "
+            f"HF model of {config}, so the export would drop them; that config describes another model than the "
+            "one saved: pass --hf-config with the HF directory of the saved model"
+        )
+
+
 def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,
                         dtype: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                         overwrite: bool = False, progress: bool = True) -> ConversionResult:
@@ -178,7 +217,8 @@ def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: st
             f"{ckpt}: cannot find the HF config: pass --hf-config DIR (tried {ckpt / HF_FILES_DIR} and "
             f"initial_model/ in the run directories above it)"
         )
-    spec = ModelSpec.from_hf_config(config, family=info.get("family"))  # the family the checkpoint was saved for
+    # The family the checkpoint was saved for; the config from its file, so that errors name it.
+    spec = ModelSpec.from_hf_config(config if source is None else source / "config.json", family=info.get("family"))
     role = info.get("role", "policy")
     if role not in ("policy", "value"):
         raise CheckpointError(f"{ckpt}: role {role!r} cannot be exported (policy or value)")
@@ -186,6 +226,7 @@ def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: st
     expected = expected_hf_shapes(out_config)
     plan = plan_checkpoint(spec, role, expected, tp=1)
     _check_shapes(reader, plan, spec.vocab_size)
+    _check_all_read(reader, plan, spec.config_file or f"the HF config stored in {ckpt / 'common.pt'}")
     out_dtype = parse_dtype(dtype)
     role_spec = spec.for_role(role)
 

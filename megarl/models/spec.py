@@ -37,7 +37,13 @@ def supported_model_types() -> list[str]:
     return sorted(t for s in load_family_specs().values() for t in s["model_types"])
 
 
-def _read_hf_config(hf_config: Any) -> dict[str, Any]:
+def family_of_model_type(model_type: Any) -> str | None:
+    """The family whose `model_types` list `model_type`, None when none does."""
+    return next((name for name, fam in sorted(load_family_specs().items()) if model_type in fam["model_types"]), None)
+
+
+def _read_hf_config(hf_config: Any) -> tuple[dict[str, Any], Path | None]:
+    """The config as a dict, and the config.json it was read from (None when given as an object)."""
     if isinstance(hf_config, (str, Path)):
         path = Path(hf_config)
         if path.is_dir():
@@ -51,11 +57,11 @@ def _read_hf_config(hf_config: Any) -> dict[str, Any]:
             raise ConfigError(f"{path}: not a JSON HF config ({err})") from None
         if not isinstance(config, dict):
             raise ConfigError(f"{path}: a HF config is a JSON object, got a {type(config).__name__}")
-        return config
+        return config, path
     if isinstance(hf_config, Mapping):
-        return dict(hf_config)
+        return dict(hf_config), None
     if hasattr(hf_config, "to_dict"):
-        return hf_config.to_dict()
+        return hf_config.to_dict(), None
     raise ConfigError(f"expected a HF config (path, dict or PretrainedConfig), got {type(hf_config)}")
 
 
@@ -78,35 +84,37 @@ class ModelSpec:
     # Llama 3.x RoPE scaling (HF rope_type 'llama3'): factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings; None: plain RoPE. Applied by `scaled_inv_freq`.
     rope_scaling: dict[str, float] | None = None
-    source: str = ""
+    source: str = ""  # the family YAML
     extra: dict[str, Any] = field(default_factory=dict)
+    config_file: str = ""  # the config.json the HF config was read from; "" when given as a dict
 
     # ---------------------------------------------------------------- construction
     @classmethod
     def from_hf_config(cls, hf_config: Any, family: str | None = None) -> "ModelSpec":
         """Map the config with the family named `family` (`model.spec`), or else the family whose
         `model_types` / `architectures` list the config's."""
-        cfg = _read_hf_config(hf_config)
+        cfg, path = _read_hf_config(hf_config)
         families = load_family_specs()
         if family is not None:
             if family not in families:
                 raise ConfigError(f"model spec {family!r}: no such family in {spec_dir()}; valid: {sorted(families)}")
-            return cls._from_family(families[family], cfg)
+            return cls._from_family(families[family], cfg, path)
         model_type = cfg.get("model_type")
         archs = cfg.get("architectures") or []
         for fam in families.values():
             if model_type in fam["model_types"] or any(a in fam.get("architectures", []) for a in archs):
-                return cls._from_family(fam, cfg)
+                return cls._from_family(fam, cfg, path)
         supported = ", ".join(
             f"{name} ({'/'.join(f['model_types'])})" for name, f in sorted(families.items())
         )
         raise ConfigError(
-            f"unsupported architecture model_type={model_type!r} architectures={archs}; "
+            (f"{path}: " if path is not None else "")
+            + f"unsupported architecture model_type={model_type!r} architectures={archs}; "
             f"supported families: {supported}"
         )
 
     @classmethod
-    def _from_family(cls, fam: dict[str, Any], cfg: dict[str, Any]) -> "ModelSpec":
+    def _from_family(cls, fam: dict[str, Any], cfg: dict[str, Any], path: Path | None = None) -> "ModelSpec":
         where = f"model spec {Path(fam['_path']).name}"
         act = fam.get("activation", "silu")
         if cfg.get("hidden_act", act) != act:
@@ -145,6 +153,7 @@ class ModelSpec:
             tie_embeddings=tie,
             attention_window=int(window) if window else None,
             source=fam["_path"],
+            config_file="" if path is None else str(path),
         )
 
     # ---------------------------------------------------------------- derived quantities

@@ -139,8 +139,15 @@ def test_failure_while_writing_leaves_nothing(tmp_path: Path, monkeypatch: pytes
 def test_mcore_side_errors(tmp_path: Path) -> None:
     hf = save_model(make_model("llama", seed=0), tmp_path / "hf")
     convert_hf_to_mcore(hf, tmp_path / "mcore", progress=False)
-    # A config of another size does not fit the checkpoint: the key and both shapes are named.
+    # A config of another size is not the stored one: the field and both values are named.
     other = save_model(make_model("llama", seed=0, layers=3), tmp_path / "other")
+    with pytest.raises(ConfigError, match=r"other/config\.json describes another model .*num_hidden_layers=3, stored 2"):
+        convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back", hf_config=other, progress=False)
+    _no_output(tmp_path / "back")
+    # Without a stored config to compare with, the shapes do not fit: the key and both shapes are named.
+    common = torch.load(tmp_path / "mcore" / "common.pt", weights_only=False)
+    del common["megarl"]["hf_config"]
+    torch.save(common, tmp_path / "mcore" / "common.pt")
     with pytest.raises(CheckpointError, match=r"tensor decoder\.layers\.\S+ has shape \[2, 64\], the model config needs \[3, 64\]"):
         convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back", hf_config=other, progress=False)
     _no_output(tmp_path / "back")
