@@ -44,17 +44,31 @@ def sequence_metric(
 
     ``seq_final_reward``: sum of ``token_level_rewards`` (after KL shaping); ``seq_reward``: sum of
     ``token_level_scores``; any other name: that key of the reward function's extra info
-    (e.g. ``acc``, ``score``).
+    (e.g. ``acc``, ``score``). A name none of these has is a ConfigError listing the available ones;
+    a key some responses have no number for (None) is a DataError naming those responses.
     """
     if name == "seq_final_reward" and token_level_rewards is not None:
         return token_level_rewards.sum(dim=-1, dtype=torch.float64)
     if name == "seq_reward" and token_level_scores is not None:
         return token_level_scores.sum(dim=-1, dtype=torch.float64)
-    if reward_extra_info is not None and name in reward_extra_info:
-        return torch.as_tensor(np.asarray(reward_extra_info[name], dtype=np.float64))
     available = [n for n, t in zip(TENSOR_METRICS, (token_level_rewards, token_level_scores)) if t is not None]
     available += sorted(reward_extra_info or {})
-    raise ConfigError(f"algorithm.filter_groups.metric = {name!r}: not available; available here: {available}")
+    where = f"algorithm.filter_groups.metric = {name!r}"
+    if reward_extra_info is None or name not in reward_extra_info:
+        if name in TENSOR_METRICS:
+            raise ConfigError(f"{where}: not available; available here: {available}")
+        raise ConfigError(
+            f"{where}: not available; available here: {available}. No response of this batch has "
+            f"{name!r} in its reward info: the reward function returned it for none of them (a call that "
+            f"returns a bare number, or fails, gives only 'score'). Return {name!r} in the dict of every call, "
+            "or filter by one of the available keys")
+    values = np.asarray(reward_extra_info[name], dtype=object).reshape(-1)
+    missing = [i for i, v in enumerate(values.tolist()) if v is None or isinstance(v, (str, bytes))]
+    if missing:
+        raise DataError(
+            f"{where}: no number for responses {missing[:10]} of {len(values)} "
+            f"(values there: {[values[i] for i in missing[:3]]}); available here: {available}")
+    return torch.as_tensor(values.astype(np.float64))
 
 
 def filter_groups(

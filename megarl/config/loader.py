@@ -79,10 +79,12 @@ def suggest_key(bad_key: str) -> Optional[str]:
     in_section = [k for k in same_leaf if parent and k.startswith(parent + ".")]
     if in_section:
         return min(in_section, key=len)
-    siblings = [k for k in known if k.rpartition(".")[0] == parent]
-    close = difflib.get_close_matches(bad_key, siblings, n=1, cutoff=0.6)
+    # Leaves against leaves: whole keys share their parent, which made any leaf look close to any
+    # sibling (`reward_model.overlong_buffer` -> `reward_model.enable`).
+    siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == parent}
+    close = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6)
     if close:
-        return close[0]
+        return siblings[close[0]]
     if same_leaf:
         return min(same_leaf, key=len)
     close = difflib.get_close_matches(bad_key, known, n=1, cutoff=0.6)
@@ -101,7 +103,42 @@ REMOVED_KEYS: dict[str, str] = {
     "trainer.log_freq": "every step's metrics go to every tracking backend (tracking.backends), and "
     "trainer.progress_bar shows a bar on a terminal or else a progress line (every 10 steps when the console "
     "backend already prints one per step); remove the key",
+    "data.return_raw_chat": "megarl always keeps each row's prompt messages (the batch column raw_prompt, which "
+    "multi-turn rollouts and the reward model read); remove the key",
+    "reward_model.reward_manager": "megarl has one reward manager. verl's naive is the default; its dapo is "
+    "reward.overlong_buffer.enable (with reward.overlong_buffer.len and reward.overlong_buffer.penalty_factor) "
+    "and, for dynamic sampling, algorithm.filter_groups.enable (algorithm.filter_groups.metric); remove the key",
 }
+
+# verl's prefix of the actor, rollout, reference and model keys, which megarl keeps as top-level sections.
+VERL_PREFIX = "actor_rollout_ref"
+
+# verl keys (or sections: their keys follow) that megarl spells differently: the megarl key to use.
+RENAMED_KEYS: dict[str, str] = {
+    "reward_model.overlong_buffer": "reward.overlong_buffer",
+    "custom_reward_function": "reward.custom_reward_function",
+    "trainer.logger": "tracking.backends",
+    "rollout.name": "rollout.engine",
+    # verl sizes the old-log-prob pass under rollout; megarl's actor runs it.
+    "rollout.log_prob_micro_batch_size_per_gpu": "actor.log_prob_micro_batch_size_per_gpu",
+    # verl's Ulysses splits each sequence over ranks; in megarl, Megatron's context parallelism does.
+    "actor.ulysses_sequence_parallel_size": "actor.megatron.context_parallel_size",
+    "ref.ulysses_sequence_parallel_size": "ref.megatron.context_parallel_size",
+    "critic.ulysses_sequence_parallel_size": "critic.megatron.context_parallel_size",
+}
+
+
+def megarl_spelling(key: str) -> str:
+    """``key`` as megarl spells it: verl's ``actor_rollout_ref.`` prefix dropped, then a renamed key
+    or section (`RENAMED_KEYS`, longest match) replaced. Unchanged when neither applies."""
+    if key.startswith(VERL_PREFIX + "."):
+        key = key[len(VERL_PREFIX) + 1:]
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        head = ".".join(parts[:n])
+        if head in RENAMED_KEYS:
+            return ".".join([RENAMED_KEYS[head], *parts[n:]])
+    return key
 
 
 # Megatron layout options megarl does not offer, refused under any `<role>.megatron` section.
@@ -111,15 +148,33 @@ UNSUPPORTED_MEGATRON_KEYS: dict[str, str] = {
 }
 
 
-def _unknown_key_error(key: str, source: str) -> str:
-    if key in REMOVED_KEYS:
-        return f"{source}: '{key}' is not a megarl key: {REMOVED_KEYS[key]}"
+def _unknown_key_error(key: str, source: str, typed: Optional[str] = None) -> str:
+    """The error for the unknown ``key``; ``typed``: the full key given below it, when only one was
+    (a command-line override always gives one), which the hint is about."""
+    typed = typed or key
+    for given in dict.fromkeys((typed, key, megarl_spelling(typed))):
+        if given in REMOVED_KEYS:
+            return f"{source}: '{given}' is not a megarl key: {REMOVED_KEYS[given]}"
     parent, _, leaf = key.rpartition(".")
     if parent.rpartition(".")[2] == "megatron" and leaf in UNSUPPORTED_MEGATRON_KEYS:
         return f"{source}: '{key}' is not supported: {UNSUPPORTED_MEGATRON_KEYS[leaf]}"
-    hint = suggest_key(key)
     msg = f"{source}: unknown key '{key}'"
+    if typed == VERL_PREFIX:
+        return (f"{msg}: verl's {VERL_PREFIX}.actor, .rollout, .ref and .model are megarl's top-level sections "
+                "actor, rollout, ref and model; drop the prefix")
+    spelled = megarl_spelling(typed)
+    hint = spelled if spelled in all_keys() else suggest_key(spelled)
     return msg + (f"; did you mean '{hint}'?" if hint else "; run `megarl config keys` to list the valid keys")
+
+
+def _only_leaf(value: Any, key: str) -> Optional[str]:
+    """The dotted key of the one value under ``value`` (``key`` itself for a scalar); None for several."""
+    while isinstance(value, dict):
+        if len(value) != 1:
+            return None
+        name, value = next(iter(value.items()))
+        key = f"{key}.{name}"
+    return key
 
 
 def check_keys(tree: Any, source: str, cls: type = ExperimentConfig, prefix: str = "") -> list[str]:
@@ -131,7 +186,7 @@ def check_keys(tree: Any, source: str, cls: type = ExperimentConfig, prefix: str
     for name, value in tree.items():
         key = f"{prefix}{name}"
         if name not in types:
-            errors.append(_unknown_key_error(key, source))
+            errors.append(_unknown_key_error(key, source, _only_leaf(value, key)))
             continue
         sub = _dataclass_of(types[name])
         if sub is not None:

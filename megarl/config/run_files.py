@@ -59,9 +59,61 @@ def tokenizer_problem(cfg: DictConfig) -> Optional[str]:
     return None
 
 
+# Calls that can put any name into the module's namespace without a statement that spells it.
+_DYNAMIC_BINDERS = frozenset({"globals", "exec", "setattr", "vars"})
+
+
+def module_level_names(tree: ast.Module) -> tuple[set[str], list[str], Optional[str]]:
+    """What the module's own namespace binds, outside function and class bodies: anywhere at module
+    level, inside if/try/with/for/while/match blocks too (a def, class, import, assignment target
+    including tuple and starred ones, for/with targets, `:=`). Returns (names, the functions among
+    them, why other names may be there too: a star import, a module `__getattr__`, `globals()` ...;
+    None when the names are all there is)."""
+    names: set[str] = set()
+    functions: list[str] = []
+    dynamic: Optional[str] = None
+    stack: list[ast.AST] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            if not isinstance(node, ast.ClassDef):
+                functions.append(node.name)
+            stack.extend(node.decorator_list)  # evaluated at module level; the body is its own scope
+            continue
+        if isinstance(node, ast.Lambda):
+            continue
+        if isinstance(node, ast.comprehension):  # its target is local to the comprehension
+            stack.extend([node.iter, *node.ifs])
+            continue
+        if isinstance(node, ast.AnnAssign) and node.value is None:  # `x: int` binds nothing
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+            names.add(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            names.add(node.rest)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name == "*":
+                    dynamic = dynamic or f"`from {node.module or '.'} import *` at line {node.lineno}"
+                else:
+                    names.add(alias.asname or alias.name.split(".")[0])
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in _DYNAMIC_BINDERS):
+            dynamic = dynamic or f"`{node.func.id}(...)` at line {node.lineno}"
+        stack.extend(ast.iter_child_nodes(node))
+    if "__getattr__" in names:  # PEP 562: the module answers any attribute lookup
+        dynamic = dynamic or "a module-level `__getattr__`"
+    return names, sorted(set(functions)), dynamic
+
+
 def reward_function_problem(path: Optional[str], name: str) -> Optional[str]:
     """Why `reward.custom_reward_function` cannot be loaded: the file is missing, is not Python, or
-    defines no top-level `name` (a def, an assignment or an import of that name)."""
+    binds `name` nowhere at module level (see `module_level_names`). A module that may bind names no
+    statement spells (a star import, `globals()`, a module `__getattr__`) is given the benefit of
+    the doubt: the scoring worker reports a missing name when it loads the file."""
     if not path:
         return None
     file = Path(path)
@@ -71,20 +123,11 @@ def reward_function_problem(path: Optional[str], name: str) -> Optional[str]:
         tree = ast.parse(file.read_text(), filename=str(file))
     except (SyntaxError, UnicodeDecodeError, ValueError) as err:
         return f"reward.custom_reward_function.path = {path!r}: not valid Python ({err})"
-    defined: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            defined.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            defined.update(t.id for t in targets if isinstance(t, ast.Name))
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            defined.update((a.asname or a.name).split(".")[0] for a in node.names)
-    if name not in defined:
-        functions = sorted(n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
-        return (f"reward.custom_reward_function.name = {name!r}: {path} defines no such top-level function "
-                f"(functions there: {functions})")
-    return None
+    names, functions, dynamic = module_level_names(tree)
+    if name in names or dynamic:
+        return None
+    return (f"reward.custom_reward_function.name = {name!r}: {path} defines no such top-level function "
+            f"(functions there: {functions})")
 
 
 def model_problems(cfg: DictConfig) -> list[str]:

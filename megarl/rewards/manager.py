@@ -54,8 +54,11 @@ class RewardResult:
     ``token_level_scores``: (B, R) float32, the final score on the last valid response token, 0 elsewhere.
     ``scores``: (B,) float32 final score (the scorer's score plus the overlong penalty when enabled).
     ``reward_info``: per-sample float64 arrays (B,): ``score`` (the scorer's, before shaping), every
-    numeric key the scorers returned (``acc``, ``format`` ...; 0 where a sample lacks it), ``failed``
-    (1 where the call failed), and ``overlong_penalty`` when overlong shaping is on.
+    numeric key the scorers have returned so far in this manager's life, this batch included (``acc``,
+    ``format`` ...; 0.0 where a sample lacks it: its call failed, it returned a bare number, or no
+    call of this batch returned the key), ``failed`` (1 where the call failed), and
+    ``overlong_penalty`` when overlong shaping is on. So the batches of one run carry the same
+    columns once a key has been seen, and DAPO's generation rounds concatenate.
     ``metrics``: scalars under ``reward/`` (counts of failures by kind, timing, overlong ratio).
     """
 
@@ -151,6 +154,7 @@ class RewardManager:
         self.overlong_penalty_factor = overlong_penalty_factor
         self.max_response_length = max_response_length
         self.max_logged_failures = max_logged_failures
+        self._reward_info_keys: set[str] = set()  # every key the scorers have returned so far
 
         path = os.path.abspath(custom_fn_path) if custom_fn_path is not None else None
         target = ScoringTarget(path=path, name=custom_fn_name, kwargs=kwargs)
@@ -182,6 +186,12 @@ class RewardManager:
             overlong_penalty_factor=overlong.penalty_factor,
             max_response_length=max_response_length,
         )
+
+    @property
+    def reward_info_keys(self) -> tuple[str, ...]:
+        """The scorer's keys every batch scored from now on carries in ``reward_info`` (``score`` and
+        each key returned so far; ``failed``, ``overlong_penalty`` and ``tool_reward`` come on top)."""
+        return tuple(sorted(self._reward_info_keys | {"score"}))
 
     def check_data_sources(self, data_sources: Sequence[str]) -> None:
         """Raise (listing the known sources) if built-in scoring cannot judge one of ``data_sources``."""
@@ -236,7 +246,12 @@ class RewardManager:
         statuses = Counter(o.status for o in outcomes)
         self._log_failures(outcomes, data_sources)
         self._check_failure_share(outcomes, statuses, data_sources)
-        keys = sorted({k for o in outcomes if o.result for k in o.result} | {"score"})
+        # Columns by the keys of every batch so far, not this batch's alone: a function that returns
+        # {score, acc} on some calls and a bare number on others must not give rounds of different
+        # columns. 0.0 fills the gaps (verl keeps no fill value: its per-key lists just come out short);
+        # NaN would stop DAPO's filter and every mean over the column.
+        self._reward_info_keys |= {k for o in outcomes if o.result for k in o.result}
+        keys = sorted(self._reward_info_keys | {"score"})
         reward_info = {
             k: np.array([(o.result or {}).get(k, 0.0) for o in outcomes], dtype=np.float64) for k in keys
         }

@@ -86,6 +86,31 @@ def build_scorer(target: ScoringTarget) -> Callable[[Call], Any]:
     )
 
 
+class NotScalarError(ValueError):
+    """A returned value is an array or tensor of more than one element."""
+
+
+def _unwrap_scalar(value: Any) -> Any:
+    """A numpy scalar (``np.bool_`` too), a 0-d numpy array or a 0-d torch tensor as the Python
+    number it holds (by ``.item()``, without importing either library); anything else unchanged.
+    NotScalarError (naming the type and shape) for an array or tensor of another shape."""
+    if isinstance(value, (numbers.Number, str, bytes)):  # numpy's float64 and int64 are numbers too
+        return value
+    item, shape = getattr(value, "item", None), getattr(value, "shape", None)
+    if not callable(item) or shape is None:
+        return value
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        return value
+    if dims:
+        raise NotScalarError(f"{type(value).__name__} of shape {dims}")
+    try:
+        return item()
+    except Exception:  # an object that only looks like an array: reported as the type it is
+        return value
+
+
 def _as_finite_float(value: Any) -> float | None:
     if isinstance(value, (str, bytes)) or not isinstance(value, (numbers.Real, bool)):
         return None
@@ -93,27 +118,46 @@ def _as_finite_float(value: Any) -> float | None:
     return result if math.isfinite(result) else None
 
 
+def _extra_float(value: Any) -> float | None:
+    """An extra key's value as a finite float, or None (the key is dropped): not numeric, not finite,
+    or an array of several elements."""
+    try:
+        return _as_finite_float(_unwrap_scalar(value))
+    except NotScalarError:
+        return None
+
+
 def normalize_result(value: Any) -> tuple[str, Any]:
     """``("ok", {"score": float, ...numeric extras})`` or ``("bad_return", reason)``.
 
-    Accepted: a finite real number (bool, int, float, numpy scalar), or a dict with a finite real
-    ``score``; other numeric entries of the dict are kept (as float), non-numeric ones dropped.
+    Accepted: a finite real number (bool, int, float, a numpy scalar or ``np.bool_``, a 0-d numpy
+    array or torch tensor), or a dict with such a ``score``; the dict's other entries of those kinds
+    are kept (as float), the rest dropped (strings, None, lists, arrays of several elements).
     """
-    score = _as_finite_float(value)
+    expected = "expected a number (or 0-d array/tensor) or a dict with 'score'"
+    try:
+        scalar = _unwrap_scalar(value)
+    except NotScalarError as exc:
+        return "bad_return", f"returned {exc}, not a single number; {expected}"
+    score = _as_finite_float(scalar)
     if score is not None:
         return "ok", {"score": score}
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return "bad_return", f"returned {value!r}, not a finite number"
+    if isinstance(scalar, numbers.Real) and not isinstance(scalar, bool):
+        return "bad_return", f"returned {scalar!r}, not a finite number"
     if isinstance(value, Mapping):
         if "score" not in value:
             return "bad_return", f"returned a dict without 'score' (keys: {sorted(map(str, value))[:10]})"
-        if _as_finite_float(value["score"]) is None:
+        try:
+            score = _as_finite_float(_unwrap_scalar(value["score"]))
+        except NotScalarError as exc:
+            return "bad_return", f"returned score as {exc}, not a single number"
+        if score is None:
             return "bad_return", f"returned score {value['score']!r:.80}, not a finite number"
-        kept = {str(k): f for k, v in value.items() if (f := _as_finite_float(v)) is not None}
-        return "ok", kept
+        kept = {str(k): f for k, v in value.items() if (f := _extra_float(v)) is not None}
+        return "ok", {**kept, "score": score}
     return (
         "bad_return",
-        f"returned {type(value).__name__} {value!r:.80}, expected a number or a dict with 'score'",
+        f"returned {type(value).__name__} {value!r:.80}, {expected}",
     )
 
 

@@ -75,8 +75,9 @@ OPTION_CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
 
 def check_scorer_options(options: Mapping[str, Mapping[str, Any]]) -> None:
     """Validate per-scorer options ``{scorer name: {option: value}}`` against the scorers' signatures:
-    known names, values of the defaults' types (a number for a float, true/false for a flag), and
-    one of `OPTION_CHOICES` where the scorer takes a name."""
+    known names, values of the defaults' types (a number for a float, an integer for an int, true/false
+    for a flag; a quoted YAML value is a string and refused), and one of `OPTION_CHOICES` where the
+    scorer takes a name."""
     for name, kwargs in options.items():
         if name not in SCORERS:
             raise ConfigError(f"reward_kwargs: {name!r} is not a built-in scorer; known: {sorted(SCORERS)}")
@@ -94,6 +95,10 @@ def check_scorer_options(options: Mapping[str, Mapping[str, Any]]) -> None:
                 raise ConfigError(f"reward_kwargs.{name}.{option} = {value!r}; valid: true or false")
             if isinstance(default, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise ConfigError(f"reward_kwargs.{name}.{option} = {value!r}; valid: a number")
+            if (isinstance(default, int) and not isinstance(default, bool)
+                    and (isinstance(value, bool) or not isinstance(value, int))):
+                raise ConfigError(f"reward_kwargs.{name}.{option} = {value!r}; valid: an integer "
+                                  f"(default {default})")
 
 
 def score_builtin(

@@ -61,6 +61,23 @@ def test_sequence_metric_sources() -> None:
         sequence_metric("f1", token_level_scores=scores, reward_extra_info={"acc": [1, 0], "score": [0, 0]})
 
 
+def test_sequence_metric_names_a_key_missing_from_the_reward_info() -> None:
+    scores = torch.zeros(3, 2)
+    # No response's reward info has the key: the function never returned it.
+    with pytest.raises(ConfigError) as err:
+        sequence_metric("acc", token_level_scores=scores, reward_extra_info={"score": [1.0, 0.0, 1.0]})
+    assert "metric = 'acc': not available; available here: ['seq_reward', 'score']" in str(err.value)
+    assert "Return 'acc' in the dict of every call" in str(err.value)
+    # Some responses lack a value (the trainer's object columns hold None there): named, not NaN.
+    info = {"acc": np.array([1.0, None, 0.0], dtype=object), "score": np.array([1.0, 0.5, 0.0], dtype=object)}
+    with pytest.raises(DataError, match=r"metric = 'acc': no number for responses \[1\] of 3 \(values there: "
+                                        r"\[None\]\); available here: \['seq_reward', 'acc', 'score'\]"):
+        sequence_metric("acc", token_level_scores=scores, reward_extra_info=info)
+    # Object columns of numbers (numpy bools among them) are read as float64.
+    info["acc"] = np.array([np.bool_(True), 0.0, 1], dtype=object)
+    assert sequence_metric("acc", reward_extra_info=info).tolist() == [1.0, 0.0, 1.0]
+
+
 def test_dynamic_sampling_until_enough() -> None:
     state = DynamicSamplingState(num_prompts_needed=8, max_num_gen_batches=3)
     assert state.record(3) is False

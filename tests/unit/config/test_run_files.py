@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,11 @@ from safetensors.torch import save_file
 from megarl.cli import main as cli_main
 from megarl.config import load_config
 from megarl.config.model_files import safetensors_problem, weights_problems
-from megarl.config.run_files import check_run_files, run_file_problems
+from megarl.config.run_files import check_run_files, reward_function_problem, run_file_problems
 from megarl.data.parquet_io import write_parquet
 from megarl.data.tokenizer import build_char_tokenizer
 from megarl.errors import ConfigError
+from megarl.rewards.worker import load_user_function
 from megarl.trainer.setup import prepare_run
 
 pytestmark = pytest.mark.unit
@@ -107,6 +109,54 @@ def test_reward_function_file_missing_or_not_python(tmp_path: Path, task: dict[s
     good.write_text("from math import tanh as compute_score\n")  # an imported name counts as defined
     cfg = load_config(experiment(tmp_path, task), [f"reward.custom_reward_function.path={good}"])
     assert run_file_problems(cfg) == []
+
+
+# Files the scoring worker loads with `compute_score` bound: each must pass the check.
+BOUND_AT_MODULE_LEVEL = {
+    "inside_try": "try:\n    import json\n\n    def compute_score(**kw):\n        return 1.0\n"
+                  "except ImportError:\n    compute_score = None\n",
+    "inside_if": "import sys\nif sys.version_info >= (3, 8):\n    def compute_score(**kw):\n        return 1.0\n"
+                 "else:\n    def compute_score(**kw):\n        return 0.0\n",
+    "inside_with": "import contextlib\nwith contextlib.suppress(Exception):\n    from math import tanh as compute_score\n",
+    "star_import": "from helper_scores import *\n",
+    "tuple_assignment": "def _a(**kw):\n    return 1.0\n\ncompute_score, other = _a, _a\n",
+    "starred_assignment": "def _a(**kw):\n    return 1.0\n\n*_, compute_score = [_a, _a]\n",
+    "for_target": "def _a(**kw):\n    return 1.0\n\nfor compute_score in [_a]:\n    pass\n",
+    "walrus": "def _a(**kw):\n    return 1.0\n\nif (compute_score := _a):\n    pass\n",
+    "module_getattr": "def __getattr__(name):\n    return lambda **kw: 1.0\n",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BOUND_AT_MODULE_LEVEL))
+def test_reward_function_bound_anywhere_at_module_level_passes(tmp_path: Path, case: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the loader puts the file's directory first
+    (tmp_path / "helper_scores.py").write_text("def compute_score(**kw):\n    return 1.0\n")
+    fn = tmp_path / f"{case}.py"
+    fn.write_text(BOUND_AT_MODULE_LEVEL[case])
+    assert reward_function_problem(str(fn), "compute_score") is None
+    # The scoring worker loads it too: the check refuses nothing that would run.
+    assert callable(load_user_function(str(fn), "compute_score"))
+
+
+@pytest.mark.parametrize("source, functions", [
+    ("def other(**kw):\n    return 0.0\n", ["other"]),
+    # Bound only inside a function, a class, a comprehension, or annotated without a value: not the module's.
+    ("def outer():\n    def compute_score(**kw):\n        return 1.0\n", ["outer"]),
+    ("class Scorer:\n    compute_score = staticmethod(abs)\n", []),
+    ("fns = [compute_score for compute_score in (abs,)]\n", []),
+    ("compute_score: int\n", []),
+    ("try:\n    def helper(**kw):\n        return 1.0\nexcept ImportError:\n    pass\n", ["helper"]),
+])
+def test_reward_function_bound_nowhere_is_refused(tmp_path: Path, source: str, functions: list[str]) -> None:
+    fn = tmp_path / "reward.py"
+    fn.write_text(source)
+    assert reward_function_problem(str(fn), "compute_score") == (
+        f"reward.custom_reward_function.name = 'compute_score': {fn} defines no such top-level function "
+        f"(functions there: {functions})")
+    bad = tmp_path / "bad.py"
+    bad.write_text("try:\n    def compute_score(:\n")
+    assert "not valid Python" in reward_function_problem(str(bad), "compute_score")
 
 
 def test_unsupported_model_type_found_before_a_model_is_built(tmp_path: Path, task: dict[str, str]) -> None:

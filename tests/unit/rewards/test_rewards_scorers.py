@@ -278,12 +278,16 @@ def test_scorer_options_are_checked() -> None:
     with pytest.raises(ConfigError, match="reward_kwargs.countdown"):
         check_scorer_options({"countdown": {"bonus": 1}})
     # Values, before any worker starts (the scorer itself would raise at every call).
-    check_scorer_options({"gsm8k": {"method": "flexible", "correct_score": 2}, "countdown": {"require_all_numbers": True}})
+    check_scorer_options({"gsm8k": {"method": "flexible", "correct_score": 2}, "countdown": {"require_all_numbers": True},
+                          "math_dapo": {"tail_chars": 500}})
     for options, message in [
         ({"arithmetic": {"mode": "exakt"}}, "reward_kwargs.arithmetic.mode = 'exakt'; valid: ['prefix', 'exact', 'startswith']"),
         ({"gsm8k": {"method": "strct"}}, "reward_kwargs.gsm8k.method = 'strct'; valid: ['strict', 'flexible']"),
         ({"math": {"format_score": "0.1"}}, "reward_kwargs.math.format_score = '0.1'; valid: a number"),
         ({"countdown": {"require_all_numbers": "yes"}}, "reward_kwargs.countdown.require_all_numbers = 'yes'; valid: true or false"),
+        ({"math_dapo": {"tail_chars": "300"}}, "reward_kwargs.math_dapo.tail_chars = '300'; valid: an integer"),
+        ({"math_dapo": {"tail_chars": True}}, "reward_kwargs.math_dapo.tail_chars = True; valid: an integer"),
+        ({"math_dapo": {"tail_chars": 300.0}}, "reward_kwargs.math_dapo.tail_chars = 300.0; valid: an integer"),
     ]:
         with pytest.raises(ConfigError) as err:
             check_scorer_options(options)
