@@ -44,7 +44,8 @@ from megarl.protocol.batch import Batch
 logger = logging.getLogger(__name__)
 
 PAD_TO_MODES = ("max_length", "longest")
-_FINGERPRINT_VERSION = "megarl-prompt-length-v2"
+# v3: a skipped row's problem names its row in the file (v2 cached numbers shifted past non-UTF-8 rows).
+_FINGERPRINT_VERSION = "megarl-prompt-length-v3"
 _LOGGED_PROBLEMS = 3  # skipped rows whose problem is logged in full
 
 
@@ -63,6 +64,19 @@ def _quiet_datasets() -> Iterator[None]:
 def _file_fingerprint(path: str) -> str:
     stat = os.stat(path)
     return f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+class _RowsOfSelection:
+    """The row checker over a selection of the rows: ``datasets.map`` numbers the selection's rows
+    from 0, the checker must name each row by its global number (so by its row in its file)."""
+
+    def __init__(self, checker: RowChecker, rows: np.ndarray) -> None:
+        self.checker = checker
+        self.rows = rows  # selection position -> global row (int64)
+
+    def __call__(self, *columns: list[Any]) -> dict[str, list[Any]]:
+        *values, positions = columns
+        return self.checker(*values, self.rows[np.asarray(positions, dtype=np.int64)].tolist())
 
 
 class RLDataset:
@@ -219,7 +233,10 @@ class RLDataset:
             for row, problem in self._non_utf8().items():
                 problems[row] = problem
             rows = np.setdiff1d(rows, np.fromiter(problems, dtype=np.int64, count=len(problems)))
-        table = self._table if len(rows) == self.num_rows_read else self._table.select(rows)
+        if len(rows) == self.num_rows_read:
+            table, check = self._table, self._checker
+        else:
+            table, check = self._table.select(rows), _RowsOfSelection(self._checker, rows)
         digest = hashlib.sha256()
         for part in [
             _FINGERPRINT_VERSION,
@@ -236,7 +253,7 @@ class RLDataset:
         try:
             with _quiet_datasets():
                 measured = table.map(
-                    self._checker,
+                    check,
                     batched=True,
                     batch_size=1000,
                     with_indices=True,

@@ -81,17 +81,21 @@ class StatefulSampler:
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position, **{k: getattr(self, k) for k in _LAYOUT_KEYS}}
 
+    def layout_differences(self, state: dict[str, Any]) -> list[str]:
+        """The layout keys (rows, batch size, shuffle, seed, drop_last) that ``state`` lacks or holds
+        with another value than this sampler: a state that cannot be continued here."""
+        return [key for key in _LAYOUT_KEYS if key not in state or state[key] != getattr(self, key)]
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``; the layout (rows, batch size, shuffle, seed, drop_last) must match."""
-        for key in _LAYOUT_KEYS:
+        for key in self.layout_differences(state):
             if key not in state:
                 raise CheckpointError(f"sampler state has no '{key}' (keys: {sorted(state)})")
-            if state[key] != getattr(self, key):
-                raise CheckpointError(
-                    f"sampler state was saved with {key}={state[key]!r} "
-                    f"but this run has {key}={getattr(self, key)!r}; "
-                    "resuming would not continue the same sequence of batches"
-                )
+            raise CheckpointError(
+                f"sampler state was saved with {key}={state[key]!r} "
+                f"but this run has {key}={getattr(self, key)!r}; "
+                "resuming would not continue the same sequence of batches"
+            )
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position <= self.batches_per_epoch:
             raise CheckpointError(f"sampler state has epoch={epoch}, position={position}: out of range")

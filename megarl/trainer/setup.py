@@ -19,10 +19,10 @@ from megarl.config.run_files import check_run_files
 from megarl.data.dataset import RLDataset
 from megarl.data.loader import RLDataLoader
 from megarl.data.tokenizer import load_tokenizer
-from megarl.errors import ConfigError
+from megarl.errors import CheckpointError, ConfigError
 from megarl.protocol import Batch
 from megarl.rewards.manager import RewardManager
-from megarl.trainer.checkpoint_dirs import CheckpointDirs
+from megarl.trainer.checkpoint_dirs import STATE_FILE, CheckpointDirs
 from megarl.trainer.resume import select_resume
 from megarl.trainer.run_spec import response_length
 
@@ -228,12 +228,45 @@ def check_reward_model_rows(cfg: DictConfig, dataset: RLDataset) -> None:
         )
 
 
+# What decides each part of the sampler's layout: what to restore when a resume finds it changed.
+_SAMPLER_SOURCES = {
+    "num_rows": "the usable prompts of data.train_files, after data.filter_overlong_prompts and data.skip_bad_rows",
+    "batch_size": "data.train_batch_size, or data.gen_batch_size with algorithm.filter_groups.enable",
+    "shuffle": "data.shuffle",
+    "seed": "data.seed",
+    "drop_last": "fixed by megarl",
+}
+
+
+def check_data_kept(checkpoint: Path, loader: RLDataLoader) -> None:
+    """A resumed run continues the checkpoint's sequence of batches: refuse, before anything is
+    written, training data or data settings that give the sampler another layout (rows, batch size,
+    shuffle, seed) than the checkpoint's `trainer_state.pt` holds. `RLTrainer.fit` checks it again
+    when it loads the state, but only once the run directory is written and the workers run."""
+    state_file = checkpoint / STATE_FILE
+    state = torch.load(state_file, map_location="cpu", weights_only=False)  # the run's own file, verified
+    saved = state.get("dataloader", {}).get("sampler") if isinstance(state, dict) else None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{state_file}: no dataloader.sampler state; resume from another checkpoint")
+    differ = [f"{key}: {repr(saved[key]) if key in saved else 'absent'} in the checkpoint, "
+              f"{getattr(loader.sampler, key)!r} now ({_SAMPLER_SOURCES[key]})"
+              for key in loader.sampler.layout_differences(saved)]
+    if differ:
+        raise ConfigError(
+            f"cannot resume {checkpoint}: this run's training data would not continue its sequence of batches "
+            f"({'; '.join(differ)}; from {state_file}); nothing was written. Resume with the data and data "
+            "settings the checkpoint was trained with, or train on this data as a new run: "
+            "trainer.resume_mode=disable in another trainer.default_local_dir (to start from the checkpoint's "
+            f"weights: megarl convert mcore-to-hf --ckpt {checkpoint / 'actor'} --out DIR, then model.path=DIR)"
+        )
+
+
 def prepare_run(cfg: DictConfig) -> RunContext:
     """Everything the driver needs before starting workers; fails on bad data before Ray starts.
 
     Nothing of the run directory is written (initial model, config.yaml) before every check passed:
     the files the run reads (`check_run_files`, as `megarl config validate` does), the data, the
-    rewards, and for a resumed run its checkpoint, model keys and initial model.
+    rewards, and for a resumed run its checkpoint, model keys, data-loader layout and initial model.
     """
     check_run_files(cfg)
     run_dir = Path(cfg.trainer.default_local_dir).absolute()
@@ -251,6 +284,8 @@ def prepare_run(cfg: DictConfig) -> RunContext:
     resume = select_resume(CheckpointDirs(run_dir / "checkpoints"), run_dir, cfg.trainer.resume_mode,
                            cfg.trainer.resume_from_path, bool(cfg.trainer.resume_fallback),
                            model=OmegaConf.to_container(cfg.model, resolve=True))
+    if resume is not None:  # first: other data also changes the number of steps checked next
+        check_data_kept(resume[1], train_loader)
     total_steps = total_training_steps(cfg, len(train_loader))
     if resume is not None:
         if resume[0] > total_steps:

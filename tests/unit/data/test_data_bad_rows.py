@@ -146,3 +146,32 @@ def test_skip_bad_rows_skips_text_that_is_not_utf8_and_is_read_from_the_config(
     assert [r["row"] for r in dataset.get_rows(range(len(dataset)))] == [0, 2]
     assert f"{path}: row 1, column 'prompt': text is not valid UTF-8 (byte 0xe9" in caplog.text
     assert DataConfig().skip_bad_rows is False
+
+
+def test_skipped_rows_are_named_by_their_row_in_the_file_after_a_non_utf8_row(
+    tmp_path: Path, char_tokenizer: PreTrainedTokenizerBase, cache_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rows: 0 good, 1 not UTF-8, 2 good, 3 no ground truth, 4 blank prompt, 5 good. The checks that
+    follow the UTF-8 scan run over the rows left; their messages still give each row's number in the file."""
+    prompts = [b"1=", b"\xe9=", b"2=", b"3=", b" ", b"5="]
+    answers = ["1", "1", "2", None, "4", "5"]
+    table = pa.table({
+        "data_source": ["arithmetic"] * len(prompts),
+        "prompt": pa.array([[{"role": b"user", "content": p}] for p in prompts], type=MESSAGES_AS_BYTES).view(MESSAGES),
+        "reward_model": pa.array([{"style": "rule", "ground_truth": a} for a in answers], type=GROUND_TRUTH),
+    })
+    path = str(tmp_path / "mixed.parquet")
+    pq.write_table(table, path)
+    with caplog.at_level(logging.WARNING, logger="megarl.data.dataset"):
+        dataset = RLDataset(path, char_tokenizer, max_prompt_length=8, skip_bad_rows=True, cache_dir=cache_dir)
+    assert [r["row"] for r in dataset.get_rows(range(len(dataset)))] == [0, 2, 5]
+    assert dataset.num_skipped_bad_rows == 3
+    text = caplog.text
+    assert "skipped 3 of 6 rows that fail their checks (data.skip_bad_rows)" in text
+    assert f"{path}: row 1, column 'prompt': text is not valid UTF-8" in text
+    assert f"{path}: row 3, column 'reward_model'" in text and "ground_truth" in text
+    assert f"{path}: row 4, column 'prompt': every message's 'content' is blank" in text
+    assert f"{path}: row 2," not in text  # the shifted numbers of rows 3 and 4
+    # Without skip_bad_rows the first bad row is the error.
+    with pytest.raises(DataError, match=rf"{path}: row 1, column 'prompt': text is not valid UTF-8"):
+        RLDataset(path, char_tokenizer, max_prompt_length=8, cache_dir=cache_dir)
