@@ -440,7 +440,7 @@ class TrainerConfig:
     # When the checkpoint to resume from fails verification: resume from the newest earlier one that
     # passes (true) or stop, naming the damaged file and that earlier checkpoint (false)
     resume_fallback: bool = False
-    max_ckpt_to_keep: int = 2
+    max_ckpt_to_keep: Optional[int] = 2  # checkpoints kept, those saved last (>= 1); null: every one
     default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"
     seed: int = 1
     # sync: every batch is generated with the weights it is trained from. one_step_off: the next

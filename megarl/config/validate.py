@@ -8,6 +8,7 @@ that needs them (a reward model's checkpoint and tokenizer) runs only once every
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -17,8 +18,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from megarl.config.model_files import family_specs
 from megarl.config.plugins import import_modules
-from megarl.config.schema import AlgorithmConfig, KLControlConfig, TrainerConfig
+from megarl.config.schema import (ActorConfig, AlgorithmConfig, CriticConfig, CustomRewardFunctionConfig,
+                                  KLControlConfig, OverlongBufferConfig, RewardConfig, RewardModelConfig, TrainerConfig)
 from megarl.errors import ConfigError
+from megarl.rewards.scorers import check_scorer_options  # standard library only, like these rules
 
 # The built-in names of the algorithm registries (a test keeps them equal); names users register
 # are added when megarl.algorithms is already imported (importing it here would load torch).
@@ -99,6 +102,18 @@ def model_hf_config(cfg: DictConfig) -> Optional[dict[str, Any]]:
     out.update(OmegaConf.to_container(cfg.model.hf_config, resolve=True))
     out.update(OmegaConf.to_container(cfg.model.override_config, resolve=True))
     return out or None
+
+
+def dir_hf_config(r: _Rules, path: str, key: str) -> Optional[dict[str, Any]]:
+    """config.json of the HF directory `path` (the value of `key`); None when it has none."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        r.err(f"{key}: {config_file} is not valid JSON: {err}")
+        return None
 
 
 class _Rules:
@@ -214,6 +229,9 @@ def _check_reward_kl_keys(r: Any, alg: Any) -> None:
         if changed:
             r.err(f"{', '.join(changed)} with algorithm.kl_ctrl.type = 'fixed': only the adaptive controller "
                   "reads them (the fixed one keeps kl_coef); set type: adaptive or remove them")
+    elif alg.kl_ctrl.target_kl <= 0:
+        r.err(f"algorithm.kl_ctrl.target_kl = {alg.kl_ctrl.target_kl} with algorithm.kl_ctrl.type = 'adaptive': "
+              "must be > 0 (the controller moves kl_coef by the measured KL / target_kl - 1)")
 
 
 def _check_partial_rollout(r: Any, cfg: Any) -> None:
@@ -393,8 +411,7 @@ def _check_reward_model(r: _Rules, cfg: DictConfig) -> None:
         r.err("reward_model.enable = true needs reward_model.model_path (a HF sequence-classification directory "
               "with one label)")
         return
-    config_file = Path(rm.model_path) / "config.json"
-    hf = json.loads(config_file.read_text()) if config_file.is_file() else None
+    hf = dir_hf_config(r, rm.model_path, "reward_model.model_path")
     world = pool_size(res.reward_model_pool) if res.reward_model_pool is not None else pool_size(res.actor_pool)
     pool_key = "resources.reward_model_pool" if res.reward_model_pool is not None else "resources.actor_pool"
     _check_layout(r, "reward_model", role_parallel(cfg, "reward_model"), world, pool_key, hf)
@@ -402,6 +419,163 @@ def _check_reward_model(r: _Rules, cfg: DictConfig) -> None:
         r.err("reward_model.megatron differs from actor.megatron, but the reward model shares the actor's processes "
               "(resources.reward_model_pool is null); set reward_model.megatron to null (the actor's layout) or "
               "give the reward model its own pool")
+
+
+def _check_optim(r: _Rules, role: str) -> None:
+    """`<role>.optim.*`: what Megatron's Adam and its LR schedule (megarl.megatron.optim) accept."""
+    key, optim = f"{role}.optim", r.cfg[role].optim
+    if optim.lr < 0:
+        r.err(f"{key}.lr = {optim.lr}: must be >= 0")
+    if optim.min_lr < 0:
+        r.err(f"{key}.min_lr = {optim.min_lr}: must be >= 0")
+    elif optim.min_lr > optim.lr >= 0:
+        r.err(f"{key}.min_lr = {optim.min_lr}: must be <= {key}.lr = {optim.lr} (the decay goes from lr down to "
+              "min_lr)")
+    if optim.lr_warmup_steps == -1:
+        r.err(f"{key}.lr_warmup_steps = -1: verl's 'use lr_warmup_steps_ratio' is 0 in megarl (0: warm up over "
+              "lr_warmup_steps_ratio x the schedule's steps); set 0")
+    elif optim.lr_warmup_steps < 0:
+        r.err(f"{key}.lr_warmup_steps = {optim.lr_warmup_steps}: must be >= 0 (0: lr_warmup_steps_ratio x the "
+              "schedule's steps)")
+    if not 0 <= optim.lr_warmup_steps_ratio < 1:
+        r.err(f"{key}.lr_warmup_steps_ratio = {optim.lr_warmup_steps_ratio}: must be in [0, 1) (the share of the "
+              "schedule's steps spent warming up)")
+    betas = list(optim.betas)
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        r.err(f"{key}.betas = {betas}: must be a list of 2 numbers in [0, 1) (Adam's beta1 and beta2, e.g. "
+              "[0.9, 0.999])")
+    if not optim.eps > 0:
+        r.err(f"{key}.eps = {optim.eps}: must be > 0 (Adam's denominator term, e.g. 1e-8)")
+
+
+# What `algorithm.filter_groups.metric` can name (megarl.algorithms.dapo.sequence_metric): a per-response
+# sum (dapo.TENSOR_METRICS; dapo imports torch, a test keeps them equal) or a key of the rows'
+# reward_info. The built-in scorers return score, acc and format (megarl.rewards.scorers), the reward
+# manager adds failed; overlong shaping adds overlong_penalty, multi-turn rollouts tool_reward, and a
+# reward model rm_score (megarl.rewards.model_scores.combine_scores).
+FILTER_SUMS = ("seq_reward", "seq_final_reward")
+BUILTIN_REWARD_INFO = ("score", "acc", "format", "failed")
+
+
+def filter_metrics(cfg: DictConfig) -> list[str]:
+    """The values of algorithm.filter_groups.metric that the built-in scorers (and a reward model) give."""
+    if cfg.reward_model.enable:
+        # The rule scorers' keys are 0 on the rows the reward model scores alone: not a metric of those rows.
+        return [*FILTER_SUMS, "rm_score"]
+    names = [*FILTER_SUMS, *BUILTIN_REWARD_INFO]
+    if cfg.reward.overlong_buffer.enable:
+        names.append("overlong_penalty")
+    if cfg.rollout.multi_turn.enable:
+        names.append("tool_reward")
+    return names
+
+
+def _check_filter_metric(r: _Rules, cfg: DictConfig) -> None:
+    """algorithm.filter_groups.metric: one the run's scoring computes for every row."""
+    fg = cfg.algorithm.filter_groups
+    if not fg.enable:
+        return
+    valid = filter_metrics(cfg)
+    if fg.metric in valid:
+        return
+    if cfg.reward_model.enable:
+        r.err(f"algorithm.filter_groups.metric = {fg.metric!r} with reward_model.enable: a row the reward model "
+              "scores alone (reward_model.style 'model') carries 0 in the rule scorer's keys, so every such group "
+              "would look uniform and be dropped; use seq_reward (each response's combined score); valid: "
+              f"{valid}")
+    elif not cfg.reward.custom_reward_function.path:  # a custom function may return any key
+        r.err(f"algorithm.filter_groups.metric = {fg.metric!r}: the built-in scorers do not compute it; valid: "
+              f"{valid} (a custom reward function, reward.custom_reward_function.path, may return other keys)")
+
+
+def _check_reward_kwargs(r: _Rules, cfg: DictConfig) -> None:
+    """reward.reward_kwargs against the built-in scorers' options (with a custom function they are its own)."""
+    if cfg.reward.custom_reward_function.path:
+        return
+    options = _as_dict(cfg.reward.reward_kwargs)
+    for name, value in options.items():
+        if not isinstance(value, dict):
+            r.err(f"reward.reward_kwargs.{name} = {value!r}: must be a mapping of the scorer's options, e.g. "
+                  "{arithmetic: {mode: startswith}}")
+            return
+    try:
+        check_scorer_options(options)
+    except ConfigError as exc:
+        msg = str(exc)
+        r.err(f"reward.{msg}" if msg.startswith("reward_kwargs") else f"reward.reward_kwargs: {msg}")
+
+
+def changed_keys(section: str, current: dict, default: dict, skip: tuple[str, ...] = ()) -> list[str]:
+    """`key = value` for each key of `section` whose value differs from the schema's default (a section
+    that is null by default counts as one key when set)."""
+    out = []
+    for name, value in current.items():
+        if name in skip:
+            continue
+        base, key = default.get(name), f"{section}.{name}"
+        if isinstance(value, dict) and isinstance(base, dict):
+            out += changed_keys(key, value, base)
+        elif value != base:
+            out.append(f"{key} = {value!r}")
+    return out
+
+
+DUAL_CLIP_LOSSES = {"vanilla"}  # megarl.algorithms.policy_loss: the built-in losses that read clip_ratio_c
+# reward.* keys that configure the worker pool of a custom reward function (megarl.rewards.manager:
+# built-in scorers run in the driver process).
+POOL_KEYS = ("num_workers", "timeout_s", "batch_timeout_s", "worker_memory_mb")
+
+
+def _check_inert_keys(r: _Rules, cfg: DictConfig) -> None:
+    """Keys set (to other than their default) where this config never reads them."""
+    actor, rm, reward = cfg.actor, cfg.reward_model, cfg.reward
+    if not actor.use_kl_loss:
+        changed = [f"actor.{key} = {actor[key]!r}" for key in ("kl_loss_coef", "kl_loss_type")
+                   if actor[key] != getattr(ActorConfig, key)]
+        if changed:
+            r.err(f"{', '.join(changed)} without actor.use_kl_loss: only the KL loss reads them (the KL penalty in "
+                  "the reward takes algorithm.kl_ctrl.kl_coef and algorithm.kl_penalty); set actor.use_kl_loss: "
+                  "true or remove them")
+    loss_mode = actor.policy_loss.loss_mode
+    if actor.clip_ratio_c != ActorConfig.clip_ratio_c and loss_mode in _BUILTIN_POLICY_LOSSES - DUAL_CLIP_LOSSES:
+        r.err(f"actor.clip_ratio_c = {actor.clip_ratio_c} with actor.policy_loss.loss_mode = {loss_mode!r}: only "
+              f"the dual-clip PPO loss ({', '.join(sorted(DUAL_CLIP_LOSSES))}) reads it; remove it or set loss_mode "
+              "vanilla")
+    if not critic_enabled(cfg):
+        changed = changed_keys("critic", _as_dict(cfg.critic), dataclasses.asdict(CriticConfig()), skip=("enable",))
+        if changed:
+            why = ("critic.enable = false" if cfg.critic.enable is False
+                   else f"critic.enable = null and algorithm.adv_estimator = {cfg.algorithm.adv_estimator!r}")
+            r.err(f"{', '.join(changed)} with no critic ({why}): only a critic reads them; remove them or set "
+                  "critic.enable: true")
+    if not rm.enable:
+        changed = changed_keys("reward_model", _as_dict(rm), dataclasses.asdict(RewardModelConfig()), skip=("enable",))
+        if changed:
+            r.err(f"{', '.join(changed)} with reward_model.enable = false: only a reward model reads them; remove "
+                  "them or set reward_model.enable: true")
+    elif rm.combine == "by_style":
+        changed = [f"reward_model.{key} = {rm[key]!r}" for key in ("rule_weight", "model_weight")
+                   if rm[key] != getattr(RewardModelConfig, key)]
+        if changed:
+            r.err(f"{', '.join(changed)} with reward_model.combine = 'by_style': each row takes its rule or its model "
+                  "score as it is, unweighted; remove them or set combine: weighted_sum")
+    overlong = reward.overlong_buffer
+    if not overlong.enable:
+        changed = [f"reward.overlong_buffer.{key} = {overlong[key]!r}" for key in ("len", "penalty_factor")
+                   if overlong[key] != getattr(OverlongBufferConfig, key)]
+        if changed:
+            r.err(f"{', '.join(changed)} without reward.overlong_buffer.enable: no overlong penalty is computed; "
+                  "set reward.overlong_buffer.enable: true or remove them")
+    if not reward.custom_reward_function.path:
+        changed = [f"reward.{key} = {reward[key]!r}" for key in POOL_KEYS if reward[key] != getattr(RewardConfig, key)]
+        if changed:
+            r.err(f"{', '.join(changed)} with the built-in scorers only (reward.custom_reward_function.path unset): "
+                  "these configure the worker pool of a custom reward function, the built-in scorers run in the "
+                  "driver; remove them or set reward.custom_reward_function.path")
+        name = reward.custom_reward_function.name
+        if name != CustomRewardFunctionConfig.name:
+            r.err(f"reward.custom_reward_function.name = {name!r} without reward.custom_reward_function.path: "
+                  "the built-in scorers score the rows; set the path of the file that defines it or remove the name")
 
 
 def validate_config(cfg: DictConfig) -> None:
@@ -429,11 +603,20 @@ def validate_config(cfg: DictConfig) -> None:
         if backend not in TRACKING_BACKENDS:
             r.err(f"tracking.backends: unknown backend {backend!r}; valid: {sorted(TRACKING_BACKENDS)}")
 
-    for key in ("actor.optim.lr", "critic.optim.lr", "rollout.temperature", "actor.clip_ratio", "rollout.n",
+    for key in ("rollout.temperature", "actor.clip_ratio", "rollout.n",
                 "data.train_batch_size", "data.max_prompt_length", "data.max_response_length", "actor.ppo_epochs",
-                "critic.ppo_epochs", "trainer.total_epochs", "trainer.max_ckpt_to_keep", "actor.optim.clip_grad",
+                "critic.ppo_epochs", "trainer.total_epochs", "actor.optim.clip_grad",
                 "reward.timeout_s", "rollout.val_kwargs.n", "critic.cliprange_value", "algorithm.kl_ctrl.horizon"):
         r.positive(key)
+    for role in ("actor", "critic"):
+        _check_optim(r, role)
+    keep = cfg.trainer.max_ckpt_to_keep
+    if keep is not None and keep < 1:
+        r.err(f"trainer.max_ckpt_to_keep = {keep}: must be >= 1 (the checkpoints saved last that are kept), or null "
+              "to keep every checkpoint")
+    for key in ("rollout.max_num_seqs", "rollout.update_weights_bucket_mb"):
+        if OmegaConf.select(cfg, key) < 1:
+            r.err(f"{key} = {OmegaConf.select(cfg, key)}: must be >= 1")
     for key in ("actor.clip_ratio_low", "actor.clip_ratio_high", "rollout.response_length", "data.val_batch_size",
                 "trainer.total_training_steps", "actor.log_prob_micro_batch_size_per_gpu",
                 "ref.log_prob_micro_batch_size_per_gpu", "data.gen_batch_size"):
@@ -525,6 +708,9 @@ def validate_config(cfg: DictConfig) -> None:
               "reference policy's log-probs; set ref.enable: true (or null: on when a KL term needs it) or turn "
               "the KL term off")
     _check_reward_kl_keys(r, cfg.algorithm)
+    _check_inert_keys(r, cfg)
+    _check_filter_metric(r, cfg)
+    _check_reward_kwargs(r, cfg)
     if cfg.trainer.resume_fallback and cfg.trainer.resume_mode != "auto":
         r.err(f"trainer.resume_fallback = true with trainer.resume_mode = '{cfg.trainer.resume_mode}': the fallback "
               "to an earlier checkpoint applies to resume_mode 'auto' only (resume_path resumes the checkpoint it "
@@ -585,7 +771,9 @@ def validate_config(cfg: DictConfig) -> None:
     if critic_enabled(cfg):
         pool_key = "resources.critic_pool" if cfg.resources.critic_pool is not None else "resources.actor_pool"
         critic_world = pool_size(cfg.resources.critic_pool) if cfg.resources.critic_pool is not None else world
-        critic_dp = _check_layout(r, "critic", role_parallel(cfg, "critic"), critic_world, pool_key, hf)
+        # A critic.model_path is loaded with its own config.json (model.override_config is the actor's).
+        critic_hf = dir_hf_config(r, cfg.critic.model_path, "critic.model_path") if cfg.critic.model_path else hf
+        critic_dp = _check_layout(r, "critic", role_parallel(cfg, "critic"), critic_world, pool_key, critic_hf)
         if cfg.resources.critic_pool is None and cfg.critic.megatron is not None and _as_dict(cfg.critic.megatron) != _as_dict(actor.megatron):
             r.err("critic.megatron differs from actor.megatron, but the critic shares the actor's processes "
                   "(resources.critic_pool is null); set critic.megatron to null (the actor's layout) or give the critic its own pool")

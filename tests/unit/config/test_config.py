@@ -264,7 +264,7 @@ def test_enum_values(valid_file: Path) -> None:
 def test_ranges(valid_file: Path) -> None:
     msg = errors_of(valid_file, "rollout.top_p=0", "actor.optim.lr=-1", "actor.clip_ratio_c=0.5", "algorithm.gamma=1.5")
     assert "rollout.top_p = 0.0: must be in (0.0, 1.0]" in msg
-    assert "actor.optim.lr = -1.0: must be > 0" in msg
+    assert "actor.optim.lr = -1.0: must be >= 0" in msg
     assert "actor.clip_ratio_c = 0.5" in msg
     assert "algorithm.gamma = 1.5: must be in [0.0, 1.0]" in msg
 

@@ -158,7 +158,8 @@ def test_config_validation_names_the_new_keys(tmp_path: Path) -> None:
         "actor": {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2},
         "rollout": {"n": 4},
     }))
-    cfg = load_config(path, ["reward.batch_timeout_s=null", "reward.worker_memory_mb=0", "reward.max_failure_share=1.0"])
+    cfg = load_config(path, ["reward.batch_timeout_s=null", "reward.worker_memory_mb=0", "reward.max_failure_share=1.0",
+                             "reward.custom_reward_function.path=reward.py"])
     assert cfg.reward.batch_timeout_s is None and cfg.reward.max_failure_share == 1.0
     with pytest.raises(ConfigError) as error:
         load_config(path, ["reward.max_failure_share=1.5", "reward.batch_timeout_s=0", "reward.worker_memory_mb=-1"])

@@ -57,4 +57,4 @@ def test_reward_model_in_its_own_pool_with_its_own_layout(tmp_path: Path) -> Non
 
 
 def test_no_reward_model_by_default(tmp_path: Path) -> None:
-    assert resolve(tmp_path, "reward_model.enable=false").reward_model is None
+    assert resolve(tmp_path, "reward_model.enable=false", "reward_model.model_path=null").reward_model is None
