@@ -6,8 +6,8 @@
 #
 # Threads: OMP_NUM_THREADS (default: the machine's cores divided by MEGARL_LOCAL_WORKERS, else the GPU
 # count, else 2; at least 1) is the driver's. Each Ray worker runs resources.num_cpus_per_worker threads.
-# Environment knobs: MEGARL_ENTRYPOINT (default: megarl train; words split at spaces), MEGARL_LOCAL_WORKERS,
-# MEGARL_DRY_RUN=1,
+# Environment knobs: MEGARL_ENTRYPOINT (default: megarl train, with megarl from PATH, else this checkout's
+# .venv/bin/megarl; words split at spaces), MEGARL_LOCAL_WORKERS, MEGARL_DRY_RUN=1,
 # and anything the trainer reads (RAY_AUTH_MODE, CUDA_VISIBLE_DEVICES, ...).
 
 set -euo pipefail
@@ -52,6 +52,22 @@ export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"
 export PYTHONUNBUFFERED=1
 
 read -r -a entrypoint <<< "${MEGARL_ENTRYPOINT:-megarl train}"
+# `megarl` from PATH (an activated environment), else from this checkout's .venv (what `make install`
+# makes). Only a regular file counts: in the repository root, with "." or an empty entry in PATH,
+# bash would otherwise find the package directory megarl/ and fail with "Is a directory".
+if [[ "${entrypoint[0]:-}" == "megarl" ]]; then
+    found="$(type -P megarl || true)"
+    if [[ -z "$found" || ! -f "$found" || ! -x "$found" ]]; then
+        repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+        if [[ -f "$repo/.venv/bin/megarl" && -x "$repo/.venv/bin/megarl" ]]; then
+            entrypoint[0]="$repo/.venv/bin/megarl"
+        else
+            echo "error: megarl is not on PATH and $repo/.venv/bin/megarl does not exist; run \`make install\`" \
+                "in $repo (or activate the environment that has megarl, or set MEGARL_ENTRYPOINT)" >&2
+            exit 127
+        fi
+    fi
+fi
 cmd=("${entrypoint[@]}" "$config" "$@")
 
 if [[ "$dry_run" != "0" ]]; then

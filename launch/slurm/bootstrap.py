@@ -9,10 +9,17 @@
   do not add up to the allocation are refused here, exit status 2, before Ray starts), ``ray start
   --head --block`` in the background, wait until every node of the allocation has joined
   (``ray.nodes()``; timeout -> a clear error), run ``megarl train CONFIG <derived overrides>
-  OVERRIDES`` with ``RAY_ADDRESS`` set, then stop the head. Exit status = the trainer's.
+  OVERRIDES`` with ``RAY_ADDRESS`` set, then stop the head. Exit status = the trainer's (128 + N when
+  a signal N ended it), also written to MEGARL_JOB_STATE_DIR/trainer.status when megarl.sbatch set
+  that directory (srun's own status mixes in the other nodes').
 - node k > 0: wait until the head accepts connections, ``ray start --address=HEAD:PORT --block``, and
   stop once the head has been gone for MEGARL_HEAD_GRACE seconds (the job is over).
-- SIGTERM / SIGINT (scancel, time limit, Ctrl-C): stop the trainer, then this node's Ray processes.
+- SIGTERM / SIGINT (scancel, time limit, Ctrl-C) on node 0 while the trainer runs: SIGTERM to the
+  trainer alone, which finishes its step, writes a checkpoint and exits with 75 (EXIT_STOPPED_FOR_RESUME
+  of megarl.trainer.loop; megarl.sbatch requeues the job on it); killed after MEGARL_STOP_TIMEOUT
+  seconds. Then, as on any other node and at any other time: stop this node's Ray processes.
+  megarl.sbatch signals node 0's bootstrap alone (its pid is in MEGARL_JOB_STATE_DIR/bootstrap.pid),
+  so that the Ray processes the trainer saves through keep running meanwhile.
 
 ``--dry-run`` (or MEGARL_DRY_RUN=1) prints the commands of every node and starts nothing.
 Knobs are environment variables, listed in ``node_plan.LaunchSettings``.
@@ -67,6 +74,26 @@ def with_local_executable(cmd: list[str]) -> list[str]:
         return cmd
     sibling = os.path.join(os.path.dirname(sys.executable), cmd[0])
     return [sibling] + cmd[1:] if os.access(sibling, os.X_OK) else cmd
+
+
+def exit_status(returncode: int) -> int:
+    """A child's exit status as a shell reports it: ``Popen.returncode`` -N (killed by signal N) is
+    128 + N (137 for SIGKILL); ``sys.exit(-9)`` would exit 247 instead."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def write_state(settings: LaunchSettings, name: str, value: object) -> None:
+    """Leave ``value`` in MEGARL_JOB_STATE_DIR/``name`` for megarl.sbatch (nothing when it is unset):
+    written to a temporary name and renamed, so that the batch script never reads half a file."""
+    if not settings.state_dir:
+        return
+    path = os.path.join(settings.state_dir, name)
+    try:
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(f"{value}\n")
+        os.replace(path + ".tmp", path)
+    except OSError as err:  # the batch script then falls back to srun's status
+        log(f"could not write {path} (MEGARL_JOB_STATE_DIR): {err}")
 
 
 def log(message: str) -> None:
@@ -166,12 +193,33 @@ def run_head(plan: NodePlan, settings: LaunchSettings) -> int:
         log(f"{len(alive)} Ray nodes alive; running: " + " ".join(plan.driver))
         driver_env = environ_with({**plan.env, "RAY_ADDRESS": plan.head_address})
         driver = subprocess.Popen(with_local_executable(plan.driver), env=driver_env)
-        code = driver.wait()
+        try:
+            code = exit_status(driver.wait())
+        except Terminated as err:
+            code = stop_trainer(driver, err.signum, settings.stop_timeout_s)
         log(f"trainer exited with status {code}")
+        write_state(settings, "trainer.status", code)  # before Ray stops: the workers then end the srun step
         return code
     finally:
         stop_process(driver, "the trainer")
         stop_process(head, "the Ray head")
+
+
+def stop_trainer(driver: subprocess.Popen, signum: int, timeout_s: float) -> int:
+    """Ask the trainer to stop (SIGTERM: it finishes its step and writes a checkpoint of it first) and
+    wait up to ``timeout_s`` for it; then kill it. Returns its exit status (128 + ``signum`` when it had
+    to be killed). Runs with further signals ignored (`_raise_terminated`): the stop is not cut short."""
+    log(f"received signal {signum}: asking the trainer (pid {driver.pid}) to stop after its current step, with a "
+        f"checkpoint; it is killed if still running in {timeout_s:g} s (MEGARL_STOP_TIMEOUT)")
+    driver.terminate()
+    try:
+        return exit_status(driver.wait(timeout=timeout_s))
+    except subprocess.TimeoutExpired:
+        log(f"the trainer did not stop within {timeout_s:g} s (MEGARL_STOP_TIMEOUT): killing it; a rerun resumes "
+            "from its last periodic checkpoint")
+        driver.kill()
+        driver.wait()
+        return 128 + signum
 
 
 def run_worker(plan: NodePlan, settings: LaunchSettings) -> int:
@@ -192,6 +240,7 @@ def run_worker(plan: NodePlan, settings: LaunchSettings) -> int:
         while True:
             code = worker.poll()
             if code is not None:
+                code = exit_status(code)
                 log(f"node {plan.rank}: `ray start` exited with status {code}")
                 return code
             if port_open(plan.head_address):
@@ -230,6 +279,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
 
     install_signal_handlers()
+    if plan.is_head:
+        write_state(settings, "bootstrap.pid", os.getpid())
     try:
         return run_head(plan, settings) if plan.is_head else run_worker(plan, settings)
     except LaunchError as err:

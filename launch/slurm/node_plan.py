@@ -23,6 +23,7 @@ from slurm_env import Allocation, LaunchError
 DEFAULT_RAY_PORT = 6379
 DEFAULT_WAIT_TIMEOUT_S = 300.0
 DEFAULT_ENTRYPOINT = "megarl train"
+DEFAULT_STOP_TIMEOUT_S = 240.0  # of the 300 s that megarl.sbatch's --signal=B:TERM@300 leaves
 # The experiment config's resource pools (resources.<key>), the actor's first. A pool that is null
 # (the default for all but the actor's) shares the actor's processes and takes no node of its own.
 POOL_KEYS = ("actor_pool", "critic_pool", "ref_pool", "reward_model_pool", "rollout_pool")
@@ -45,6 +46,12 @@ class LaunchSettings:
     extra_ray_args: tuple[str, ...] = ()  # MEGARL_RAY_START_ARGS: more `ray start` flags for this node
     head_grace_s: float = 10.0  # MEGARL_HEAD_GRACE: workers stop this long after the head went away
     ray_stop_all: bool = False  # MEGARL_RAY_STOP_ALL=1: also `ray stop --force` at teardown (exclusive nodes)
+    # MEGARL_STOP_TIMEOUT: after SIGTERM, how long the trainer gets to finish its step and write a checkpoint
+    # before it is killed; with --signal=B:TERM@300 it must leave time for the Ray teardown after it.
+    stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
+    # MEGARL_JOB_STATE_DIR (set by megarl.sbatch, on node 0's host): node 0 leaves its pid there (`bootstrap.pid`,
+    # so that the batch script can ask it alone to stop) and the trainer's exit status (`trainer.status`).
+    state_dir: Optional[str] = None
 
     @staticmethod
     def from_env(env: Mapping[str, str]) -> "LaunchSettings":
@@ -87,6 +94,8 @@ class LaunchSettings:
             extra_ray_args=tuple(shlex.split(env.get("MEGARL_RAY_START_ARGS", ""))),
             head_grace_s=number("MEGARL_HEAD_GRACE", 10.0),
             ray_stop_all=flag("MEGARL_RAY_STOP_ALL", False),
+            stop_timeout_s=number("MEGARL_STOP_TIMEOUT", DEFAULT_STOP_TIMEOUT_S),
+            state_dir=env.get("MEGARL_JOB_STATE_DIR", "").strip() or None,
         )
 
 
@@ -319,6 +328,8 @@ def format_plan(plans: list[NodePlan], settings: LaunchSettings) -> str:
                     "the actor pool gets the nodes the others leave"
                 )
             lines.append(f"RAY_ADDRESS={p.head_address} " + shlex.join(p.driver))
+            lines.append(f"# on SIGTERM: SIGTERM to the trainer alone, which checkpoints its last step; killed after "
+                         f"{settings.stop_timeout_s:g} s (MEGARL_STOP_TIMEOUT)")
             lines.append("# then stop this node's Ray processes; workers stop once the head is gone")
         else:
             lines.append(f"# stop when {p.head_address} is gone for {settings.head_grace_s:g} s")

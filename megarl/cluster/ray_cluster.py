@@ -12,6 +12,9 @@ was never left normally. When nothing in this process can run (SIGKILL), the rea
 cluster (megarl.cluster.reaper) kills its processes: every process started while the block is
 open carries the cluster's tag (`MEGARL_LOCAL_CLUSTER_TAG`) and is killed when the block exits or
 the process dies, so one that must outlive the block is started without that variable.
+
+Code that can stop where nothing is lost (the training loop: between steps) takes SIGTERM as a
+request instead, inside `stop_on_signal()`, and polls it.
 """
 
 from __future__ import annotations
@@ -140,7 +143,9 @@ def start_or_connect(
     else:
         init_kwargs.pop("include_dashboard")
     try:
-        context = ray.init(address=address, **init_kwargs)
+        # "local": a new cluster even when RAY_ADDRESS or Ray's record of the last `ray start` on this
+        # machine (/tmp/ray/ray_current_cluster, left behind when that cluster is gone) names another.
+        context = ray.init(address="local" if local else address, **init_kwargs)
     except BaseException:
         _restore_env(REAPER_TAG_ENV, tag_before, local)
         _release(reaper)
@@ -201,6 +206,70 @@ def _install_sigterm_handler() -> tuple[bool, Any]:
         raise SystemExit(128 + signum)
 
     return True, signal.signal(signal.SIGTERM, on_sigterm)
+
+
+class StopRequest:
+    """A stop asked for by a signal, read where stopping loses nothing (`stop_on_signal`)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None  # the first signal received; None while no stop is asked for
+        self.received = 0  # signals received, the first included
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else "no signal"
+
+    def note(self, signum: int) -> None:
+        """Record `signum` (the signal handler's whole work: it only sets data). The first says at
+        once, on the file descriptor (a signal handler must not re-enter a buffered stream that the
+        interrupted code may be writing), that the stop is under way; later ones are ignored."""
+        self.received += 1
+        if self.signum is None:
+            self.signum = signum
+            message = (f"megarl: received {signal.Signals(signum).name}: stopping at the next step boundary "
+                       "(the current step finishes, then a checkpoint of it is written); further signals are "
+                       "ignored until then, SIGINT or SIGKILL stop at once\n")
+        else:
+            message = (f"megarl: received {signal.Signals(signum).name} again: ignored, the stop asked for "
+                       "earlier is under way (a checkpoint being written is not interrupted)\n")
+        try:
+            os.write(2, message.encode())
+        except OSError:  # stderr closed: the stop still happens
+            pass
+
+
+@contextmanager
+def stop_on_signal(signals: tuple[int, ...] = (signal.SIGTERM,)) -> Iterator[StopRequest]:
+    """Inside the block, `signals` (SIGTERM: SLURM before the time limit, Kubernetes, `kill`) set
+    `StopRequest.requested` instead of stopping the process; the caller polls it where stopping
+    keeps its work. A repeated signal never interrupts anything, so a checkpoint being written when
+    it arrives is finished. SIGINT (Ctrl-C) and SIGKILL still stop at once.
+
+    On leaving the block the earlier handlers come back, unless a stop was asked for: then the
+    signals stay noted-and-ignored, so that a late one cannot change the exit status of the
+    shutdown that follows. Outside the main thread (no signal handlers there) the request is never
+    set.
+    """
+    request = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield request
+        return
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        request.note(signum)
+
+    previous = {signum: signal.signal(signum, on_signal) for signum in signals}
+    try:
+        yield request
+    finally:
+        if not request.requested:
+            for signum, handler in previous.items():
+                # None means a handler set outside Python: the closest we can restore is the default.
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 def wait_for_alive_nodes(count: int, timeout_s: float) -> int:

@@ -80,6 +80,21 @@ def add_tool_rewards(result: RewardResult, tool_rewards: torch.Tensor, response_
     result.metrics["reward/tool_reward_mean"] = float(tool_rewards.mean()) if len(tool_rewards) else 0.0
 
 
+def with_common_reward_info(batches: Sequence[Any]) -> list[Any]:
+    """`batches` (scored `Batch`es, e.g. DAPO's generation rounds) each carrying every
+    ``reward_info/<key>`` column any of them has, 0.0 where a batch lacked it (as a response lacking
+    a key gets within a batch): an early round scored before the function first returned a key, or a
+    round the reward model scored alone, has fewer columns and would not concatenate."""
+    keys = sorted({k for batch in batches for k in batch.non_tensor_keys if k.startswith("reward_info/")})
+    out = []
+    for batch in batches:
+        missing = [k for k in keys if k not in batch.non_tensor_keys]
+        for key in missing:  # written into the batch itself (a round's rows are its own)
+            batch[key] = np.zeros(len(batch), dtype=np.float64)
+        out.append(batch)
+    return out
+
+
 def last_valid_positions(response_mask: torch.Tensor) -> torch.Tensor:
     """(B,) int64 index of the last nonzero of each row of ``response_mask`` (B, R); -1 for an empty row."""
     valid = response_mask != 0

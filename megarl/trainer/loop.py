@@ -18,6 +18,11 @@ One step (see `RLTrainer.train_step`):
   7. metrics, validation every `test_freq` steps, checkpoint every `save_freq` steps (both also
      at the last step)
 
+SIGTERM (SLURM before the time limit, Kubernetes, `kill`) stops the run at the next step boundary
+(before the first step, or after the step running, its validation and checkpoint): a checkpoint of
+that step is written unless one just was, the metrics are flushed, and `megarl train` exits with
+`EXIT_STOPPED_FOR_RESUME` (75), after which a rerun with `trainer.resume_mode=auto` continues.
+
 Memory phases are lines of this file: a role whose `*_offload` keys are set is onloaded right
 before the phase that computes with it (`self.onloaded(...)`: its parameters only for a forward pass
 or a weight sync, everything for an update) and offloaded right after; the rollout
@@ -56,11 +61,13 @@ from megarl.algorithms import (
 )
 from megarl.cluster.dispatch import plan_dispatch
 from megarl.cluster.host_worker import HostWorker
+from megarl.cluster.ray_cluster import StopRequest, stop_on_signal
 from megarl.cluster.remote_call import CallHandle, gather
 from megarl.cluster.rendezvous import address_and_free_port
 from megarl.cluster.worker_group import RoleView, WorkerGroup
 from megarl.protocol import Batch
 from megarl.protocol.balance import balance_applies, balance_order
+from megarl.rewards.manager import with_common_reward_info
 from megarl.rewards.model_scores import combine_scores, reward_model_inputs, reward_model_tokenizer, row_styles
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.partial import OPEN, TOKEN_VERSIONS, WeightSignal, oldest_versions, open_rows, partial_metrics
@@ -126,6 +133,21 @@ def longest_timeout(*timeouts: float | None) -> float | None:
 
 
 MEMORY_TRACE_FILE = "memory_phases.jsonl"  # one line of memory transitions per step
+
+# The exit status of `megarl train` stopped by SIGTERM after a checkpoint of its last step: the run
+# is not finished, and a rerun with trainer.resume_mode=auto continues it. 75 is EX_TEMPFAIL of
+# sysexits.h ("temporary failure, try again"); launch/slurm/megarl.sbatch requeues the job on it.
+EXIT_STOPPED_FOR_RESUME = 75
+
+
+class TrainingStopped(SystemExit):
+    """Raised by `RLTrainer.fit` once a stop asked for by a signal is done (checkpoint written,
+    metrics flushed); its `code` is the process's exit status: `EXIT_STOPPED_FOR_RESUME` when a rerun
+    continues the run, else 128 + the signal number (no checkpoint to continue from)."""
+
+    def __init__(self, code: int, step: int) -> None:
+        super().__init__(code)
+        self.step = step
 
 
 def mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
@@ -229,6 +251,8 @@ class RLTrainer:
         self.checkpointer = TrainerCheckpointer(
             CheckpointDirs(run.run_dir / "checkpoints", self.cfg.trainer.max_ckpt_to_keep), trained,
             run.run_dir / "config.yaml")
+        self.saved_step: Optional[int] = None  # the step of the checkpoint saved or resumed from last
+        self.stop = StopRequest()  # a stop asked for by SIGTERM, armed by `fit` (stop_on_signal)
 
     # ------------------------------------------------------------------ the driver's own state
     def state_dict(self) -> dict[str, Any]:
@@ -249,10 +273,17 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
+        """Train to the last step; returns the last validation metrics. SIGTERM stops at the next step
+        boundary instead: `TrainingStopped` (a SystemExit) once its checkpoint is written."""
+        with stop_on_signal() as self.stop:
+            return self.train_until_done_or_stopped()
+
+    def train_until_done_or_stopped(self) -> dict[str, float]:
         trainer = self.cfg.trainer
         state = self.checkpointer.load(self.run.resume)  # chosen and verified by prepare_run
         if state is not None:
             self.load_state_dict(state)
+            self.saved_step = self.global_step
         # The steps after the checkpoint are trained again (a fresh run starts the file anew).
         keep_steps_up_to(self.run.run_dir / MEMORY_TRACE_FILE, self.global_step)
         last_val: dict[str, float] = {}
@@ -265,6 +296,10 @@ class RLTrainer:
             return last_val
         self.progress.start()
         while not self.finished():
+            # A step boundary. Not while a generation for the next step is in flight (pipelined modes,
+            # queue_generation): that step runs first, and launches none once a stop is asked for.
+            if self.stop.requested and self.prefetch is None:
+                self.stop_at_boundary()
             step = self.global_step + 1
             with self.profiled(step):
                 metrics = self.train_step(step)
@@ -279,6 +314,7 @@ class RLTrainer:
                     # it does not log them again (mlflow_backend).
                     self.tracker.flush()
                     self.checkpointer.save(step, self.state_dict())
+                self.saved_step = step
             metrics.update(self.outside_step_metrics())
             self.write_memory_trace(step)
             if self.data_bounded_sampling:  # its steps take a varying number of loader batches
@@ -290,6 +326,34 @@ class RLTrainer:
                 self.tracker.flush()
             self.progress.step_done(step, reward=metrics.get("critic/score/mean"))
         return last_val
+
+    def stop_at_boundary(self) -> None:
+        """The stop SIGTERM asked for, between two steps: a checkpoint of the last finished step
+        (unless it has one: a periodic save, or the checkpoint this run resumed from), the metrics
+        flushed, then `TrainingStopped`. Its exit status is `EXIT_STOPPED_FOR_RESUME` when a rerun
+        continues from here, else 128 + the signal: no checkpoint (`trainer.save_freq` <= 0), or a
+        rerun would resume from elsewhere (`trainer.resume_mode` not auto)."""
+        trainer, step, name = self.cfg.trainer, self.global_step, self.stop.signal_name
+        self.tracker.flush()  # the store holds every step before the checkpoint, as at a periodic save
+        if step == 0:
+            where = "no step trained yet"
+        elif self.saved_step == step:
+            where = f"its checkpoint is {self.checkpointer.dirs.step_dir(step)}"
+        elif trainer.save_freq <= 0:
+            logger.warning("stopped by %s after step %d without a checkpoint (trainer.save_freq=%d: none are "
+                           "written); a rerun starts over. Set trainer.save_freq > 0 for a stop that keeps the "
+                           "steps trained", name, step, trainer.save_freq)
+            raise TrainingStopped(128 + int(self.stop.signum), step)
+        else:
+            where = f"checkpoint {self.checkpointer.save(step, self.state_dict())}"
+            self.saved_step = step
+        if trainer.resume_mode != "auto":
+            logger.warning("stopped by %s after step %d (%s); trainer.resume_mode=%s: a rerun does not continue "
+                           "from here unless it sets trainer.resume_mode=auto", name, step, where, trainer.resume_mode)
+            raise TrainingStopped(128 + int(self.stop.signum), step)
+        logger.warning("stopped by %s after step %d (%s); exit status %d: a rerun with trainer.resume_mode=auto "
+                       "(the default) continues from here", name, step, where, EXIT_STOPPED_FOR_RESUME)
+        raise TrainingStopped(EXIT_STOPPED_FOR_RESUME, step)
 
     def outside_step_metrics(self) -> dict[str, float]:
         """`timing_s/val`, `timing_s/save_checkpoint` and `memory/val/*` of the validation and the
@@ -758,7 +822,7 @@ class RLTrainer:
         not at a checkpoint step, so that a checkpoint holds nothing in flight and a resume generates
         what the uninterrupted run generated (with the same weights and seed)."""
         trainer = self.cfg.trainer
-        if step >= self.run.total_steps:
+        if step >= self.run.total_steps or self.stop.requested:  # a stop needs nothing in flight
             return False
         if not trainer.total_training_steps:  # ends with the data: a next batch must exist
             left = trainer.total_epochs * len(self.run.train_loader) - self.run.train_loader.batches_handed_out
@@ -823,7 +887,7 @@ class RLTrainer:
             kept.append(batch_kept)
             if state.record(n_kept):
                 break
-        batch = Batch.concat(kept)
+        batch = Batch.concat(with_common_reward_info(kept))
         # Exactly train_batch_size groups: drop the surplus, whole groups at a time.
         uids = list(dict.fromkeys(batch["uid"].tolist()))[:needed]
         batch = batch[np.isin(batch["uid"], uids)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -22,6 +23,9 @@ def main() -> int:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     ray.init(address=values["resources.ray_address"], logging_level="ERROR", log_to_driver=False)
+    # As `megarl train` outside its training loop (megarl.cluster.ray_cluster.start_or_connect): SIGTERM
+    # exits with 128 + 15; ray.init's own handler would exit with 15.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     @ray.remote(num_cpus=1)
     def node_of_task() -> str:

@@ -9,8 +9,10 @@ rayStartParams is map[string]string in the CRD: a bare YAML number there is reje
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -211,3 +213,60 @@ def test_image_is_the_same_everywhere(name: str) -> None:
     templates = [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
     images = {c["image"] for t in templates for c in t["spec"]["containers"]}
     assert len(images) == 1, f"{name}: head and workers must run one image, found {images}"
+
+
+# Stand-ins for the account tools, acting on a passwd file of our own (the real ones need root, and
+# a docker build cannot run here). Exit statuses are those of shadow-utils: useradd 4 = uid in use,
+# 9 = name in use; userdel 6 = no such user; getent 2 = not found.
+ACCOUNT_TOOLS = {
+    "getent": """#!/bin/sh
+[ "$1" = passwd ] || exit 1
+awk -F: -v key="$2" '$1 == key || $3 == key { print; found = 1 } END { exit found ? 0 : 2 }' "$FAKE_PASSWD"
+""",
+    "userdel": """#!/bin/sh
+for name; do :; done
+grep -q "^$name:" "$FAKE_PASSWD" || { echo "userdel: user '$name' does not exist" >&2; exit 6; }
+grep -v "^$name:" "$FAKE_PASSWD" > "$FAKE_PASSWD.new"; mv "$FAKE_PASSWD.new" "$FAKE_PASSWD"
+""",
+    "useradd": """#!/bin/sh
+uid=""; name=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --uid|-u) uid="$2"; shift 2 ;;
+        --shell|-s|--home-dir|-d|--gid|-g) shift 2 ;;
+        -*) shift ;;
+        *) name="$1"; shift ;;
+    esac
+done
+if awk -F: -v uid="$uid" '$3 == uid { found = 1 } END { exit found ? 0 : 1 }' "$FAKE_PASSWD"; then
+    echo "useradd: UID $uid is not unique" >&2; exit 4
+fi
+grep -q "^$name:" "$FAKE_PASSWD" && { echo "useradd: user '$name' already exists" >&2; exit 9; }
+echo "$name:x:$uid:$uid::/home/$name:/bin/bash" >> "$FAKE_PASSWD"
+""",
+}
+
+
+@pytest.mark.parametrize("base_users", [
+    ["root:x:0:0:root:/root:/bin/bash", "ubuntu:x:1000:1000:Ubuntu:/home/ubuntu:/bin/bash"],  # ubuntu24.04
+    ["root:x:0:0:root:/root:/bin/bash"],  # ubuntu22.04 and older: uid 1000 is free
+], ids=["uid_1000_taken_by_ubuntu", "uid_1000_free"])
+def test_dockerfile_user_step_succeeds_on_either_base(tmp_path: Path, base_users: list[str]) -> None:
+    """The RUN step that creates the image's user, run as Docker runs it (`/bin/sh -c`), against the
+    account tables of the CUDA base images: it must leave user `ray` with uid 1000 and nobody else on it."""
+    steps = dockerfile_instructions()
+    user_steps = [rest for word, rest in steps if word == "RUN" and "useradd" in rest]
+    assert len(user_steps) == 1, user_steps
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in ACCOUNT_TOOLS.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    passwd = tmp_path / "passwd"
+    passwd.write_text("\n".join(base_users) + "\n")
+    env = {"PATH": f"{bin_dir}{os.pathsep}/usr/bin:/bin", "FAKE_PASSWD": str(passwd)}
+    done = subprocess.run(["/bin/sh", "-c", user_steps[0]], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, f"the user step fails on this base (status {done.returncode}): {done.stderr}"
+    holders = [line.split(":")[0] for line in passwd.read_text().splitlines() if line.split(":")[2] == "1000"]
+    assert holders == ["ray"], passwd.read_text()
+    assert [w for w, _ in steps].index("USER") > steps.index(("RUN", user_steps[0]))

@@ -406,8 +406,10 @@ def test_local_sh_runs_the_entrypoint_with_thread_settings(tmp_path: Path) -> No
     assert got["omp"] == str(max(1, cores // 1))
 
 
-def test_local_sh_dry_run_and_bad_worker_count() -> None:
+def test_local_sh_dry_run_and_bad_worker_count(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    on_path = write_executable(tmp_path / "bin" / "megarl", "#!/bin/sh\n")  # an activated environment's megarl
+    env["PATH"] = f"{on_path.parent}{os.pathsep}{env.get('PATH', '')}"
     done = subprocess.run(
         [str(REPO / "launch" / "local.sh"), "--dry-run"],
         env={**env, "MEGARL_LOCAL_WORKERS": "2"},
@@ -427,6 +429,61 @@ def test_local_sh_dry_run_and_bad_worker_count() -> None:
         timeout=30,
     )
     assert bad.returncode == 2 and "MEGARL_LOCAL_WORKERS='zero'" in bad.stderr
+
+
+def write_executable(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def checkout_with_local_sh(root: Path, venv: bool) -> Path:
+    """A checkout as `local.sh` sees it: launch/local.sh, the package directory megarl/ (what bash
+    tried to execute before), and with `venv` a .venv/bin/megarl that records its arguments."""
+    script = root / "launch" / "local.sh"
+    script.parent.mkdir(parents=True)
+    shutil.copy2(REPO / "launch" / "local.sh", script)
+    (root / "megarl").mkdir()
+    if venv:
+        write_executable(root / ".venv" / "bin" / "megarl",
+                         f'#!/bin/sh\nprintf "%s\\n" "$@" > "{root}/venv_megarl_argv"\n')
+    return script
+
+
+def path_without_megarl() -> str:
+    """PATH with only the system directories, checked to hold no `megarl`."""
+    path = os.pathsep.join(d for d in ("/usr/local/bin", "/usr/bin", "/bin") if Path(d).is_dir())
+    assert shutil.which("megarl", path=path) is None, f"megarl is installed system-wide in {path}"
+    return path
+
+
+def test_local_sh_without_megarl_on_path_runs_the_checkouts_venv(tmp_path: Path) -> None:
+    root = tmp_path / "checkout"
+    script = checkout_with_local_sh(root, venv=True)
+    env = {"PATH": path_without_megarl(), "HOME": str(tmp_path), "MEGARL_LOCAL_WORKERS": "1"}
+    # From the repository root, where `megarl` alone names the package directory.
+    dry = subprocess.run([str(script), "--dry-run", "my.yaml", "rollout.n=4"], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=30)
+    assert dry.returncode == 0, dry.stderr
+    assert shlex.split(dry.stdout.splitlines()[-1]) == [str(root / ".venv" / "bin" / "megarl"), "train", "my.yaml",
+                                                        "rollout.n=4"]
+    run = subprocess.run([str(script), "my.yaml", "rollout.n=4"], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=30)
+    assert run.returncode == 0, run.stderr
+    assert (root / "venv_megarl_argv").read_text().splitlines() == ["train", "my.yaml", "rollout.n=4"]
+
+
+def test_local_sh_without_any_megarl_names_make_install(tmp_path: Path) -> None:
+    root = tmp_path / "checkout"
+    script = checkout_with_local_sh(root, venv=False)
+    env = {"PATH": path_without_megarl(), "HOME": str(tmp_path), "MEGARL_LOCAL_WORKERS": "1"}
+    for args in ([], ["--dry-run"]):
+        done = subprocess.run([str(script), *args], env=env, cwd=root, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 127, (args, done.stdout, done.stderr)
+        assert "megarl is not on PATH" in done.stderr and "`make install`" in done.stderr, done.stderr
+        assert str(root / ".venv" / "bin" / "megarl") in done.stderr
+        assert "Is a directory" not in done.stderr
 
 
 def shellcheck_binary() -> str | None:

@@ -13,7 +13,8 @@ import torch
 from megarl.algorithms.dapo import filter_groups, sequence_metric
 from megarl.data.tokenizer import build_char_tokenizer
 from megarl.protocol.batch import Batch
-from megarl.rewards.manager import RewardManager
+from megarl.errors import DataError
+from megarl.rewards.manager import RewardManager, with_common_reward_info
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -64,3 +65,20 @@ def test_rounds_whose_calls_returned_different_keys_concatenate(tmp_path: Path) 
     assert acc.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     keep = filter_groups(acc, batch.group_indices("uid"), uids=batch["uid"])
     assert keep.tolist() == [True, True, False, False, False, False]  # only group "a" has a spread
+
+
+def test_an_earlier_round_without_a_key_gets_it_as_zeros_before_the_rounds_concatenate(tmp_path: Path) -> None:
+    """The first round's calls all returned bare numbers, the second's a dict with `acc`: the first round
+    was scored before `acc` was ever seen, so it lacks the column; `with_common_reward_info` adds it
+    (0.0, as for a response that lacks a key within a batch) and the rounds concatenate."""
+    (tmp_path / "reward.py").write_text(USER_FILE)
+    tokenizer = build_char_tokenizer("0123456789", tmp_path / "tok")
+    with RewardManager(custom_fn_path=str(tmp_path / "reward.py"), num_workers=1) as manager:
+        first = scored(manager, rollout_round(tokenizer, ["7", "2"], ["float", "float"], ["a", "a"]), tokenizer)
+        second = scored(manager, rollout_round(tokenizer, ["7", "3"], ["dict", "dict"], ["b", "b"]), tokenizer)
+    assert "reward_info/acc" not in first.non_tensor_keys and "reward_info/acc" in second.non_tensor_keys
+    with pytest.raises(DataError, match="reward_info/acc"):
+        Batch.concat([first, second])
+    batch = Batch.concat(with_common_reward_info([first, second]))
+    assert batch["reward_info/acc"].tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert batch["reward_info/score"].tolist() == [0.5, 0.0, 1.0, 0.0]
