@@ -87,3 +87,19 @@ def test_parse_layout_defaults_to_one() -> None:
     assert parse_layout("tp=2,dp=4,ep=8,etp=1")["etp"] == 1
     with pytest.raises(ConfigError, match="degree from tp, pp, dp, cp, ep, etp"):
         parse_layout("tp8")
+
+
+def test_a_closed_pipe_ends_the_command_quietly(config: Path) -> None:
+    """`megarl sync plan --json | head -1`: the reader goes away before the output is written (here a
+    reader that exits at once, long before Python has imported megarl); the command exits 141
+    (128 + SIGPIPE) without a traceback."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from megarl.cli import main; sys.exit(main(['sync', 'plan', sys.argv[1], '--train', "
+            "'tp=2', '--rollout-tp', '1', '--dtype', 'fp32', '--json', '--per-rank']))")
+    done = subprocess.run(f"{sys.executable} -c \"{code}\" {config} | true; "
+                          "echo status ${PIPESTATUS[0]} >&2", shell=True, executable="/bin/bash",
+                          capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+    assert "status 141" in done.stderr, done.stderr
