@@ -15,12 +15,13 @@ from megarl.data.schema import read_parquet_schema
 from megarl.data.tasks import ArithmeticTask, CountdownTask
 from megarl.data.tasks.arithmetic_tools import ArithmeticToolsTask, build_tools_tokenizer
 from megarl.data.tokenizer import build_char_tokenizer
+from megarl.errors import ConfigError
 
 _rows = positive_int("number of rows", " (both splits are written; a config without validation sets "
                      "data.val_files: [])")
 
 
-def _add_common(parser: argparse.ArgumentParser) -> None:
+def _add_common(parser: argparse.ArgumentParser, char_tokenizer: bool = True) -> None:
     parser.add_argument("--out", required=True, help="output directory: train.parquet, val.parquet")
     parser.add_argument("--train-size", type=_rows, default=1000)
     parser.add_argument("--val-size", type=_rows, default=100)
@@ -29,18 +30,28 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         "--tokenizer-out", help="also write a tokenizer covering the task to this directory (a character "
         "tokenizer; arithmetic_tools: ChatML with the tool-call tags as single tokens)"
     )
-    parser.add_argument("--extra-chars", default="",
-                        help="more characters for the character tokenizer (e.g. letters; not arithmetic_tools)")
+    if char_tokenizer:
+        parser.add_argument("--extra-chars", default="", help="more characters for the character tokenizer (e.g. letters)")
+
+
+# The arithmetic task's options and their defaults; each defaults to None on the command line so that
+# one given together with --preset (which sets them all) is refused, not ignored.
+ARITHMETIC_DEFAULTS = {"num_operands": 2, "min_value": 0, "max_value": 9, "operators": "+"}
 
 
 def _arithmetic(args: argparse.Namespace) -> ArithmeticTask:
+    given = [name for name in ARITHMETIC_DEFAULTS if getattr(args, name) is not None]
+    given += [name for name in ("no_negative", "spaces") if getattr(args, name)]
     if args.preset == "single_digit_addition":
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise ConfigError(f"data make arithmetic: --preset {args.preset} sets the task's options; remove {flags} "
+                              "or the preset")
         return ArithmeticTask.single_digit_addition()
+    options = {name: default if getattr(args, name) is None else getattr(args, name)
+               for name, default in ARITHMETIC_DEFAULTS.items()}
     return ArithmeticTask(
-        num_operands=args.num_operands,
-        min_value=args.min_value,
-        max_value=args.max_value,
-        operators=args.operators,
+        **options,
         allow_negative_results=not args.no_negative,
         spaces=args.spaces,
     )
@@ -110,10 +121,10 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     arithmetic.add_argument(
         "--preset", choices=["single_digit_addition"], help="overrides the task options below"
     )
-    arithmetic.add_argument("--num-operands", type=int, default=2)
-    arithmetic.add_argument("--min-value", type=int, default=0)
-    arithmetic.add_argument("--max-value", type=int, default=9)
-    arithmetic.add_argument("--operators", default="+", help="subset of '+-*'")
+    arithmetic.add_argument("--num-operands", type=int, help=f"default {ARITHMETIC_DEFAULTS['num_operands']}")
+    arithmetic.add_argument("--min-value", type=int, help=f"default {ARITHMETIC_DEFAULTS['min_value']}")
+    arithmetic.add_argument("--max-value", type=int, help=f"default {ARITHMETIC_DEFAULTS['max_value']}")
+    arithmetic.add_argument("--operators", help="subset of '+-*' (default '+')")
     arithmetic.add_argument(
         "--no-negative", action="store_true", help="redraw expressions with a negative result"
     )
@@ -131,7 +142,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     countdown.set_defaults(func=make)
 
     tools = tasks.add_parser("arithmetic_tools", help='"483920+771035=" with a calculator tool (multi-turn)')
-    _add_common(tools)
+    _add_common(tools, char_tokenizer=False)  # its tokenizer is ChatML with the tool-call tags
     tools.add_argument("--digits", type=int, default=6, help="digits of each operand")
     tools.add_argument("--operators", default="+", help="subset of '+-*'")
     tools.set_defaults(func=make)

@@ -127,3 +127,22 @@ def test_a_split_size_under_one_is_a_usage_error_before_anything_is_written(
     assert done.value.code == 2
     assert f"{size!r} is not a number of rows; valid: an integer >= 1" in capsys.readouterr().err
     assert not (tmp_path / "arith").exists()
+
+
+def test_options_that_would_be_ignored_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--preset sets every task option: one given beside it is refused, not dropped; arithmetic_tools
+    builds its own ChatML tokenizer, so it takes no --extra-chars (argparse's usage error, exit 2)."""
+    from megarl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--preset single_digit_addition sets the task's options; remove "
+                                          r"--max-value, --spaces or the preset"):
+        run(["data", "make", "arithmetic", "--out", str(tmp_path / "a"), "--preset", "single_digit_addition",
+             "--max-value", "20", "--spaces"])
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(SystemExit) as done:
+        run(["data", "make", "arithmetic_tools", "--out", str(tmp_path / "t"), "--extra-chars", "xyz"])
+    assert done.value.code == 2 and "unrecognized arguments: --extra-chars" in capsys.readouterr().err
+    # The defaults still apply when no option is given.
+    assert run(["data", "make", "arithmetic", "--out", str(tmp_path / "d"), "--train-size", "4", "--val-size", "2"]) == 0
+    prompt = pq.read_table(tmp_path / "d" / "train.parquet").to_pylist()[0]["prompt"][0]["content"]
+    assert prompt.endswith("=") and "+" in prompt
