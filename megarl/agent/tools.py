@@ -223,7 +223,7 @@ class ToolSet:
         name is the tool's name)."""
         tools: dict[str, Tool] = {}
         for name in names:
-            tool_cls = BUILTIN_TOOLS.get(name) or (_import_tool(name) if ":" in name else None)
+            tool_cls = BUILTIN_TOOLS.get(name) or (import_tool(name) if ":" in name else None)
             if tool_cls is None:
                 raise ValueError(f"unknown tool {name!r}; built in: {sorted(BUILTIN_TOOLS)}, or give a Tool "
                                  "subclass as 'package.module:ClassName'")
@@ -243,7 +243,8 @@ class ToolSet:
         return self.tools[name].call(episode, arguments, **kwargs)
 
 
-def _import_tool(path: str) -> type[Tool]:
+def import_tool(path: str) -> type[Tool]:
+    """The Tool subclass `path` names ("package.module:ClassName"); ValueError saying why not."""
     module_name, _, attr = path.partition(":")
     try:
         tool_cls = getattr(importlib.import_module(module_name), attr)

@@ -16,6 +16,7 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
+from megarl.agent.tools import import_tool
 from megarl.config.model_files import architecture_problem, model_dir_problems, read_hf_config
 from megarl.config.validate import critic_enabled, model_hf_config
 from megarl.errors import ConfigError
@@ -178,8 +179,24 @@ def run_file_problems(cfg: DictConfig) -> list[str]:
         if problem:
             problems.append(problem)
     problems += model_problems(cfg)
+    problems += tool_problems(cfg)
     if tokenizer is None and cfg.reward_model.enable and cfg.reward_model.model_path:
         problems += reward_model_checkpoint_problems(cfg)
+    return problems
+
+
+def tool_problems(cfg: DictConfig) -> list[str]:
+    """`rollout.multi_turn.tools` given as "package.module:ClassName": imported here, as the rollout
+    workers will, so that a missing module or class is named before they start."""
+    if not cfg.rollout.multi_turn.enable:
+        return []
+    problems = []
+    for i, name in enumerate(cfg.rollout.multi_turn.tools):
+        if ":" in str(name):
+            try:
+                import_tool(str(name))
+            except ValueError as err:
+                problems.append(f"rollout.multi_turn.tools[{i}]: {err}")
     return problems
 
 

@@ -272,3 +272,19 @@ def test_train_runs_the_same_checks_before_writing_anything(tmp_path: Path, task
     assert str(info.value) == str(same.value) and "data.train_files[0]" in str(info.value)
     assert not (tmp_path / "run").exists()
     assert OmegaConf.select(cfg, "trainer.default_local_dir") == str(tmp_path / "run")
+
+
+def test_multi_turn_tools_are_imported_before_workers_start(tmp_path: Path, task: dict[str, str]) -> None:
+    """A tool given as "package.module:ClassName" is imported by the check, as the rollout workers will:
+    a missing module, a missing class or a class that is no Tool is named by its place in the list."""
+    tools = "[calculator, nosuch.module:Calc, megarl.agent.tools:NoSuchTool, megarl.agent.tools:ToolResult]"
+    cfg = load_config(experiment(tmp_path, task), ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tools={tools}"])
+    problems = run_file_problems(cfg)
+    assert len(problems) == 3, problems
+    assert problems[0].startswith("rollout.multi_turn.tools[1]: tool 'nosuch.module:Calc': cannot import it")
+    assert problems[1].startswith("rollout.multi_turn.tools[2]: tool 'megarl.agent.tools:NoSuchTool': cannot import")
+    assert problems[2] == ("rollout.multi_turn.tools[3]: tool 'megarl.agent.tools:ToolResult' is not a subclass of "
+                           "megarl.agent.tools.Tool")
+    ok = load_config(experiment(tmp_path, task), ["rollout.multi_turn.enable=true",
+                                                   "rollout.multi_turn.tools=[calculator, megarl.agent.tools:PythonTool]"])
+    assert run_file_problems(ok) == []
