@@ -19,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from megarl.config.model_files import family_specs
 from megarl.config.plugins import import_modules
 from megarl.config.schema import (ActorConfig, AlgorithmConfig, CriticConfig, CustomRewardFunctionConfig,
-                                  KLControlConfig, OverlongBufferConfig, RewardConfig, RewardModelConfig, TrainerConfig)
+                                  FilterGroupsConfig, KLControlConfig, OverlongBufferConfig, RewardConfig,
+                                  RewardModelConfig, TrainerConfig)
 from megarl.errors import ConfigError
 from megarl.rewards.scorers import check_scorer_options  # standard library only, like these rules
 
@@ -440,6 +441,12 @@ def _check_optim(r: _Rules, role: str) -> None:
     if not 0 <= optim.lr_warmup_steps_ratio < 1:
         r.err(f"{key}.lr_warmup_steps_ratio = {optim.lr_warmup_steps_ratio}: must be in [0, 1) (the share of the "
               "schedule's steps spent warming up)")
+    elif optim.lr_warmup_steps > 0 and optim.lr_warmup_steps_ratio != 0:
+        r.err(f"{key}.lr_warmup_steps_ratio = {optim.lr_warmup_steps_ratio} with {key}.lr_warmup_steps = "
+              f"{optim.lr_warmup_steps}: the steps are used and the ratio is never read; remove one of them")
+    if optim.lr_scheduler == "constant" and optim.min_lr != 0 and not optim.min_lr > optim.lr >= 0:
+        r.err(f"{key}.min_lr = {optim.min_lr} with {key}.lr_scheduler = 'constant': only a decaying schedule "
+              "(cosine, linear) reads it; remove it or set lr_scheduler")
     betas = list(optim.betas)
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
         r.err(f"{key}.betas = {betas}: must be a list of 2 numbers in [0, 1) (Adam's beta1 and beta2, e.g. "
@@ -474,6 +481,11 @@ def _check_filter_metric(r: _Rules, cfg: DictConfig) -> None:
     """algorithm.filter_groups.metric: one the run's scoring computes for every row."""
     fg = cfg.algorithm.filter_groups
     if not fg.enable:
+        changed = changed_keys("algorithm.filter_groups", _as_dict(fg), dataclasses.asdict(FilterGroupsConfig()),
+                               skip=("enable",))
+        if changed:
+            r.err(f"{', '.join(changed)} without algorithm.filter_groups.enable: only DAPO's dynamic sampling "
+                  "reads them; remove them or enable it")
         return
     valid = filter_metrics(cfg)
     if fg.metric in valid:

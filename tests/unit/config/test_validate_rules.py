@@ -218,3 +218,22 @@ def test_filter_metric_names_match_the_code_that_computes_them() -> None:
     truths = {"countdown": {"target": 1, "numbers": [1]}}
     returned = {key for name, scorer in SCORERS.items() for key in scorer("1", truths.get(name, "1"))}
     assert set(validate.BUILTIN_REWARD_INFO) == returned | {"failed"}  # failed: the reward manager's
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_schedule_keys_the_schedule_does_not_read(valid_file: Path, role: str) -> None:
+    on = ["critic.enable=true"] if role == "critic" else []
+    key = f"{role}.optim"
+    msg = errors_of(valid_file, *on, f"{key}.lr_warmup_steps=5", f"{key}.lr_warmup_steps_ratio=0.1")
+    assert f"{key}.lr_warmup_steps_ratio = 0.1 with {key}.lr_warmup_steps = 5: the steps are used" in msg
+    msg = errors_of(valid_file, *on, f"{key}.lr=1e-5", f"{key}.min_lr=1e-6")
+    assert f"{key}.min_lr = 1e-06 with {key}.lr_scheduler = 'constant': only a decaying schedule" in msg
+    load_config(valid_file, [*on, f"{key}.lr=1e-5", f"{key}.min_lr=1e-6", f"{key}.lr_scheduler=cosine",
+                             f"{key}.lr_warmup_steps=5"])
+
+
+def test_filter_keys_need_the_filter(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "algorithm.filter_groups.metric=seq_reward", "algorithm.filter_groups.max_num_gen_batches=3")
+    assert ("algorithm.filter_groups.metric = 'seq_reward', algorithm.filter_groups.max_num_gen_batches = 3 without "
+            "algorithm.filter_groups.enable: only DAPO's dynamic sampling reads them") in msg
+    load_config(valid_file, ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward"])
