@@ -78,7 +78,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # Imported here, not at the top: `megarl config` and `megarl data` start without torch, Ray
     # and Megatron.
     from megarl.cluster.ray_cluster import start_or_connect
-    from megarl.trainer.loop import RLTrainer
+    from megarl.trainer.loop import RLTrainer, TrainingStopped
     from megarl.trainer.run_spec import resolve_run_spec
     from megarl.trainer.setup import prepare_run
     from megarl.trainer.workers import start_workers
@@ -123,6 +123,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
             try:
                 trainer = RLTrainer(run, spec, workers, tracker, progress)
                 last_val = trainer.fit()
+            except TrainingStopped:
+                status = "KILLED"  # stopped by a signal, with a checkpoint: mlflow's status for a run cut short
+                raise
             finally:
                 workers.shutdown()
         status = "FINISHED"

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from fault_scenarios import logged_steps, run_train, start_train, wait_for
 from test_async_e2e import ASYNC
@@ -36,7 +37,8 @@ def test_sigterm_checkpoints_the_last_step_and_a_rerun_continues(tmp_path: Path,
                                                                  mode: str) -> None:
     config = write_config(tmp_path, task_dir, **(ASYNC if mode == "one_step_off" else {}))
     run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    driver = start_train(config, f"trainer.total_training_steps={STEPS}", NO_PERIODIC_SAVE)
+    driver = start_train(config, f"trainer.total_training_steps={STEPS}", NO_PERIODIC_SAVE,
+                         "tracking.backends=[jsonl,console,mlflow]")
     try:
         wait_for(lambda: len(logged_steps(run_dir)) >= 1, driver, "step 1 was logged", timeout_s=300)
         driver.send_signal(signal.SIGTERM)
@@ -64,6 +66,10 @@ def test_sigterm_checkpoints_the_last_step_and_a_rerun_continues(tmp_path: Path,
     assert sorted(p.name for p in ckpts.iterdir()) == [f"global_step_{last}", LATEST_FILE]  # nothing partial
     report = verify_checkpoint(ckpts / f"global_step_{last}")
     assert report.ok, report.message()
+    # mlflow marks the run cut short (KILLED), not FAILED: it stopped as asked, with a checkpoint.
+    client = MlflowClient(tracking_uri=f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [r.info.status for r in runs] == ["KILLED"]
 
     rerun = run_train(config, f"trainer.total_training_steps={last + 1}", NO_PERIODIC_SAVE)
     assert rerun.returncode == 0, rerun.stderr[-6000:]
