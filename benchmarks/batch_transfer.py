@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     as_batch, as_torch = pickle.loads(pickle.dumps(batch)), pickle.loads(pickle.dumps(torch_encoded(batch)))
     for key in batch.tensor_keys:  # the encodings carry the same data
         assert torch.equal(as_batch[key], as_torch["tensors"][key])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         echo = Echo.remote()
         results = {"torch": measure(torch_encoded(batch), echo, args.repeats), "batch": measure(batch, echo, args.repeats)}

@@ -180,8 +180,9 @@ def cmd_ray(args: argparse.Namespace) -> int:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     start = time.perf_counter()
-    ray.init(num_cpus=1, num_gpus=args.gpus, include_dashboard=False, object_store_memory=256 * 2**20,
-             log_to_driver=False)
+    # "local": a cluster of its own, whatever RAY_ADDRESS or a stale record of an earlier `ray start` names.
+    ray.init(address="local", num_cpus=1, num_gpus=args.gpus, include_dashboard=False,
+             object_store_memory=256 * 2**20, log_to_driver=False)
     problems = []
     try:
         print(f"ray {ray.__version__} from {Path(ray.__file__).parent}: "
