@@ -331,11 +331,14 @@ def _check_layout(r: _Rules, role: str, par: Any, world: int, pool_key: str, hf:
     return dp
 
 
-def _check_moe(r: _Rules, cfg: DictConfig) -> None:
-    """What a mixture-of-experts model cannot do in `megarl train` yet (see README, Models)."""
-    trained = [("actor", cfg.actor.megatron)]
-    if critic_enabled(cfg):
-        trained.append(("critic", role_parallel(cfg, "critic")))
+def is_moe(hf: Optional[dict]) -> bool:
+    """Whether the HF config `hf` describes a mixture-of-experts model."""
+    return bool(hf and (hf.get("num_local_experts") or hf.get("num_experts")))
+
+
+def _check_moe(r: _Rules, trained: list[tuple[str, Any]]) -> None:
+    """What a mixture-of-experts model cannot do in `megarl train` yet (see README, Models), for the
+    trained roles `(role, megatron layout)` whose model has experts."""
     for role, par in trained:
         if par.tensor_model_parallel_size > 1 and not par.sequence_parallel:
             r.err(f"{role}.megatron.tensor_model_parallel_size = {par.tensor_model_parallel_size}: training a "
@@ -792,8 +795,15 @@ def validate_config(cfg: DictConfig) -> None:
         _check_batches(r, "critic", cfg.critic, data.train_batch_size, n, critic_dp)
         if critic_dp:
             _check_token_budget(r, "critic", cfg.critic, role_parallel(cfg, "critic"), seq_len)
-    if hf and (hf.get("num_local_experts") or hf.get("num_experts")):
-        _check_moe(r, cfg)
+        critic_pos = (critic_hf or {}).get("max_position_embeddings") if cfg.critic.model_path else None
+        resp = rollout.response_length or data.max_response_length
+        if critic_pos and data.max_prompt_length + resp > critic_pos:
+            r.err(f"data.max_prompt_length + response length = {data.max_prompt_length} + {resp} exceeds the critic's "
+                  f"max_position_embeddings = {critic_pos} (critic.model_path: {cfg.critic.model_path})")
+    moe_roles = [("actor", actor.megatron)] if is_moe(hf) else []
+    if critic_enabled(cfg) and is_moe(critic_hf):
+        moe_roles.append(("critic", role_parallel(cfg, "critic")))
+    _check_moe(r, moe_roles)
     if cfg.model.prompt_sharing == "always":
         _check_prompt_sharing(r, cfg)
     if ref_enabled(cfg):

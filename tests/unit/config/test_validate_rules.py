@@ -237,3 +237,14 @@ def test_filter_keys_need_the_filter(valid_file: Path) -> None:
     assert ("algorithm.filter_groups.metric = 'seq_reward', algorithm.filter_groups.max_num_gen_batches = 3 without "
             "algorithm.filter_groups.enable: only DAPO's dynamic sampling reads them") in msg
     load_config(valid_file, ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward"])
+
+
+def test_critic_positions_are_checked_against_its_own_model(tmp_path: Path, valid_file: Path) -> None:
+    # The actor's model has 128 positions; a critic started from a 32-position model cannot take prompt 32 +
+    # response 16.
+    short = model_dir(tmp_path / "short", max_position_embeddings=32)
+    msg = errors_of(valid_file, "algorithm.adv_estimator=gae", f"critic.model_path={short}")
+    assert (f"data.max_prompt_length + response length = 32 + 16 exceeds the critic's max_position_embeddings = 32 "
+            f"(critic.model_path: {short})") in msg
+    fits = model_dir(tmp_path / "fits", max_position_embeddings=48)
+    assert load_config(valid_file, ["algorithm.adv_estimator=gae", f"critic.model_path={fits}"]).critic.model_path
