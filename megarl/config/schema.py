@@ -74,6 +74,9 @@ class DataConfig:
     # skipped, counted and logged when the dataset is opened, instead of stopping the run.
     skip_bad_rows: bool = False
     apply_chat_template: str = "auto"  # auto | true | false
+    # Extra arguments of the tokenizer's chat template, as verl's data.apply_chat_template_kwargs
+    # (e.g. {enable_thinking: false} for Qwen3); used where the chat template is applied.
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     shuffle: bool = True
     seed: int = 1
 

@@ -181,6 +181,7 @@ def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[Any, Optional[Any]]
         filter_overlong_prompts=data.filter_overlong_prompts,
         skip_bad_rows=data.skip_bad_rows,
         apply_chat_template=data.apply_chat_template,
+        chat_template_kwargs=OmegaConf.to_container(data.apply_chat_template_kwargs, resolve=True),
         # With a reward model, rows of reward_model.style "model" are its to judge.
         model_scored_rows=bool(cfg.reward_model.enable),
     )
