@@ -33,7 +33,7 @@ def test_a_generation_queued_behind_the_update_trains_like_one_sent_after_it(tmp
                               rollout={"free_cache_engine": True})
         assert run_train(config).returncode == 0
         runs[queued] = read_metrics(work / "run")
-        traces[queued] = read_memory_trace(work / "run")
+        traces[queued] = read_memory_trace(work / "run", with_val=True)
     assert sorted(runs[True]) == sorted(runs[False]) == [1, 2, 3, 4]
     for step in (1, 2, 3, 4):
         queued, sent_after = runs[True][step], runs[False][step]
@@ -52,10 +52,12 @@ def test_a_generation_queued_behind_the_update_trains_like_one_sent_after_it(tmp
         assert "memory/sync_weights/peak_rss_gb" in queued and "memory/gen/peak_rss_gb" in queued
         assert queued["perf/worker_calls"] == sent_after["perf/worker_calls"]
     # The engines wake and sleep in the same order, recorded in the same steps and phases, except
-    # around the validation after step 2: without the queue it syncs the new weights itself and
-    # sleeps, and step 3 syncs them again; with it they were synced for step 3 already.
-    assert {k: v for k, v in traces[True].items() if k != 3} == {k: v for k, v in traces[False].items() if k != 3}
-    assert traces[True][2] == SYNC_AND_GEN
-    assert traces[False][3] == [*SYNC_AND_GEN[:2], ("val", "rollout", "sleep"), *SYNC_AND_GEN]
-    assert traces[True][3] == [("val", "rollout", "sleep"), *SYNC_AND_GEN]
+    # around the validation after step 2 (in step 2's line, phase "val"): without the queue it syncs
+    # the new weights itself and sleeps, and step 3 syncs them again; with it they were synced for
+    # step 3 already, and the validation only sleeps after it.
+    assert {k: v for k, v in traces[True].items() if k != 2} == {k: v for k, v in traces[False].items() if k != 2}
+    assert traces[True][3] == SYNC_AND_GEN
+    val_sync = [("val", "rollout", "wake_up:weights"), ("val", "rollout", "wake_up")]
+    assert traces[False][2] == [*SYNC_AND_GEN, *val_sync, ("val", "rollout", "sleep")]
+    assert traces[True][2] == [*SYNC_AND_GEN, ("val", "rollout", "sleep")]
     assert "val/reward_mean" in runs[True][2]  # compared above with the rest
