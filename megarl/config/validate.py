@@ -425,6 +425,17 @@ def _check_reward_model(r: _Rules, cfg: DictConfig) -> None:
               "give the reward model its own pool")
 
 
+def _check_positions(r: _Rules, hf: Optional[dict], whose: str, source: str = "") -> None:
+    """The longest sequence (prompt + response) within the positions of the model `hf` (`whose`, read
+    from `source`)."""
+    max_pos = (hf or {}).get("max_position_embeddings")
+    data = r.cfg.data
+    resp = r.cfg.rollout.response_length or data.max_response_length
+    if max_pos and data.max_prompt_length + resp > max_pos:
+        r.err(f"data.max_prompt_length + response length = {data.max_prompt_length} + {resp} exceeds {whose} "
+              f"max_position_embeddings = {max_pos}{f' ({source})' if source else ''}")
+
+
 def _check_optim(r: _Rules, role: str) -> None:
     """`<role>.optim.*`: what Megatron's Adam and its LR schedule (megarl.megatron.optim) accept."""
     key, optim = f"{role}.optim", r.cfg[role].optim
@@ -484,8 +495,7 @@ def _check_filter_metric(r: _Rules, cfg: DictConfig) -> None:
     """algorithm.filter_groups.metric: one the run's scoring computes for every row."""
     fg = cfg.algorithm.filter_groups
     if not fg.enable:
-        changed = changed_keys("algorithm.filter_groups", _as_dict(fg), dataclasses.asdict(FilterGroupsConfig()),
-                               skip=("enable",))
+        changed = changed_keys("algorithm.filter_groups", fg, FilterGroupsConfig, skip=("enable",))
         if changed:
             r.err(f"{', '.join(changed)} without algorithm.filter_groups.enable: only DAPO's dynamic sampling "
                   "reads them; remove them or enable it")
@@ -520,12 +530,17 @@ def _check_reward_kwargs(r: _Rules, cfg: DictConfig) -> None:
         r.err(f"reward.{msg}" if msg.startswith("reward_kwargs") else f"reward.reward_kwargs: {msg}")
 
 
-def changed_keys(section: str, current: dict, default: dict, skip: tuple[str, ...] = ()) -> list[str]:
-    """`key = value` for each key of `section` whose value differs from the schema's default (a section
-    that is null by default counts as one key when set)."""
+def changed_keys(section: str, current: Any, default: Any, skip: tuple[str, ...] = (),
+                 only: Optional[tuple[str, ...]] = None) -> list[str]:
+    """`key = value` for each key of `section` (`only` those named, when given) whose value differs from
+    the schema's default; `current` and `default` are dicts or, for the section's config and its
+    dataclass, anything `_as_dict` / `dataclasses.asdict` turn into one (a section that is null by
+    default counts as one key when set)."""
+    current = current if isinstance(current, dict) else _as_dict(current)
+    default = default if isinstance(default, dict) else dataclasses.asdict(default())
     out = []
     for name, value in current.items():
-        if name in skip:
+        if name in skip or (only is not None and name not in only):
             continue
         base, key = default.get(name), f"{section}.{name}"
         if isinstance(value, dict) and isinstance(base, dict):
@@ -545,8 +560,7 @@ def _check_inert_keys(r: _Rules, cfg: DictConfig) -> None:
     """Keys set (to other than their default) where this config never reads them."""
     actor, rm, reward = cfg.actor, cfg.reward_model, cfg.reward
     if not actor.use_kl_loss:
-        changed = [f"actor.{key} = {actor[key]!r}" for key in ("kl_loss_coef", "kl_loss_type")
-                   if actor[key] != getattr(ActorConfig, key)]
+        changed = changed_keys("actor", actor, ActorConfig, only=("kl_loss_coef", "kl_loss_type"))
         if changed:
             r.err(f"{', '.join(changed)} without actor.use_kl_loss: only the KL loss reads them (the KL penalty in "
                   "the reward takes algorithm.kl_ctrl.kl_coef and algorithm.kl_penalty); set actor.use_kl_loss: "
@@ -557,32 +571,30 @@ def _check_inert_keys(r: _Rules, cfg: DictConfig) -> None:
               f"the dual-clip PPO loss ({', '.join(sorted(DUAL_CLIP_LOSSES))}) reads it; remove it or set loss_mode "
               "vanilla")
     if not critic_enabled(cfg):
-        changed = changed_keys("critic", _as_dict(cfg.critic), dataclasses.asdict(CriticConfig()), skip=("enable",))
+        changed = changed_keys("critic", cfg.critic, CriticConfig, skip=("enable",))
         if changed:
             why = ("critic.enable = false" if cfg.critic.enable is False
                    else f"critic.enable = null and algorithm.adv_estimator = {cfg.algorithm.adv_estimator!r}")
             r.err(f"{', '.join(changed)} with no critic ({why}): only a critic reads them; remove them or set "
                   "critic.enable: true")
     if not rm.enable:
-        changed = changed_keys("reward_model", _as_dict(rm), dataclasses.asdict(RewardModelConfig()), skip=("enable",))
+        changed = changed_keys("reward_model", rm, RewardModelConfig, skip=("enable",))
         if changed:
             r.err(f"{', '.join(changed)} with reward_model.enable = false: only a reward model reads them; remove "
                   "them or set reward_model.enable: true")
     elif rm.combine == "by_style":
-        changed = [f"reward_model.{key} = {rm[key]!r}" for key in ("rule_weight", "model_weight")
-                   if rm[key] != getattr(RewardModelConfig, key)]
+        changed = changed_keys("reward_model", rm, RewardModelConfig, only=("rule_weight", "model_weight"))
         if changed:
             r.err(f"{', '.join(changed)} with reward_model.combine = 'by_style': each row takes its rule or its model "
                   "score as it is, unweighted; remove them or set combine: weighted_sum")
     overlong = reward.overlong_buffer
     if not overlong.enable:
-        changed = [f"reward.overlong_buffer.{key} = {overlong[key]!r}" for key in ("len", "penalty_factor")
-                   if overlong[key] != getattr(OverlongBufferConfig, key)]
+        changed = changed_keys("reward.overlong_buffer", overlong, OverlongBufferConfig, only=("len", "penalty_factor"))
         if changed:
             r.err(f"{', '.join(changed)} without reward.overlong_buffer.enable: no overlong penalty is computed; "
                   "set reward.overlong_buffer.enable: true or remove them")
     if not reward.custom_reward_function.path:
-        changed = [f"reward.{key} = {reward[key]!r}" for key in POOL_KEYS if reward[key] != getattr(RewardConfig, key)]
+        changed = changed_keys("reward", reward, RewardConfig, only=POOL_KEYS)
         if changed:
             r.err(f"{', '.join(changed)} with the built-in scorers only (reward.custom_reward_function.path unset): "
                   "these configure the worker pool of a custom reward function, the built-in scorers run in the "
@@ -795,11 +807,8 @@ def validate_config(cfg: DictConfig) -> None:
         _check_batches(r, "critic", cfg.critic, data.train_batch_size, n, critic_dp)
         if critic_dp:
             _check_token_budget(r, "critic", cfg.critic, role_parallel(cfg, "critic"), seq_len)
-        critic_pos = (critic_hf or {}).get("max_position_embeddings") if cfg.critic.model_path else None
-        resp = rollout.response_length or data.max_response_length
-        if critic_pos and data.max_prompt_length + resp > critic_pos:
-            r.err(f"data.max_prompt_length + response length = {data.max_prompt_length} + {resp} exceeds the critic's "
-                  f"max_position_embeddings = {critic_pos} (critic.model_path: {cfg.critic.model_path})")
+        if cfg.critic.model_path:
+            _check_positions(r, critic_hf, "the critic's", f"critic.model_path: {cfg.critic.model_path}")
     moe_roles = [("actor", actor.megatron)] if is_moe(hf) else []
     if critic_enabled(cfg) and is_moe(critic_hf):
         moe_roles.append(("critic", role_parallel(cfg, "critic")))
@@ -828,14 +837,7 @@ def validate_config(cfg: DictConfig) -> None:
         if heads and heads % rtp != 0:
             r.err(f"rollout.tensor_model_parallel_size = {rtp}: must divide num_attention_heads = {heads}; valid: {_divisors(heads)}")
 
-    if hf:
-        max_pos = hf.get("max_position_embeddings")
-        resp = rollout.response_length or data.max_response_length
-        if max_pos and data.max_prompt_length + resp > max_pos:
-            r.err(
-                f"data.max_prompt_length + response length = {data.max_prompt_length} + {resp} exceeds the model's "
-                f"max_position_embeddings = {max_pos}"
-            )
+    _check_positions(r, hf, "the model's")
 
     if r.errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(r.errors))

@@ -34,22 +34,20 @@ def _add_common(parser: argparse.ArgumentParser, char_tokenizer: bool = True) ->
         parser.add_argument("--extra-chars", default="", help="more characters for the character tokenizer (e.g. letters)")
 
 
-# The arithmetic task's options and their defaults; each defaults to None on the command line so that
-# one given together with --preset (which sets them all) is refused, not ignored.
-ARITHMETIC_DEFAULTS = {"num_operands": 2, "min_value": 0, "max_value": 9, "operators": "+"}
+# The arithmetic task's options: None on the command line when not given, so that the task's own
+# defaults apply and one given together with --preset (which sets them all) is refused, not ignored.
+ARITHMETIC_OPTIONS = ("num_operands", "min_value", "max_value", "operators")
 
 
 def _arithmetic(args: argparse.Namespace) -> ArithmeticTask:
-    given = [name for name in ARITHMETIC_DEFAULTS if getattr(args, name) is not None]
-    given += [name for name in ("no_negative", "spaces") if getattr(args, name)]
+    options = {name: getattr(args, name) for name in ARITHMETIC_OPTIONS if getattr(args, name) is not None}
+    given = [*options, *(name for name in ("no_negative", "spaces") if getattr(args, name))]
     if args.preset == "single_digit_addition":
         if given:
             flags = ", ".join("--" + name.replace("_", "-") for name in given)
             raise ConfigError(f"data make arithmetic: --preset {args.preset} sets the task's options; remove {flags} "
                               "or the preset")
         return ArithmeticTask.single_digit_addition()
-    options = {name: default if getattr(args, name) is None else getattr(args, name)
-               for name, default in ARITHMETIC_DEFAULTS.items()}
     return ArithmeticTask(
         **options,
         allow_negative_results=not args.no_negative,
@@ -121,10 +119,10 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     arithmetic.add_argument(
         "--preset", choices=["single_digit_addition"], help="overrides the task options below"
     )
-    arithmetic.add_argument("--num-operands", type=int, help=f"default {ARITHMETIC_DEFAULTS['num_operands']}")
-    arithmetic.add_argument("--min-value", type=int, help=f"default {ARITHMETIC_DEFAULTS['min_value']}")
-    arithmetic.add_argument("--max-value", type=int, help=f"default {ARITHMETIC_DEFAULTS['max_value']}")
-    arithmetic.add_argument("--operators", help="subset of '+-*' (default '+')")
+    arithmetic.add_argument("--num-operands", type=int, help=f"default {ArithmeticTask.num_operands}")
+    arithmetic.add_argument("--min-value", type=int, help=f"default {ArithmeticTask.min_value}")
+    arithmetic.add_argument("--max-value", type=int, help=f"default {ArithmeticTask.max_value}")
+    arithmetic.add_argument("--operators", help=f"subset of '+-*' (default {ArithmeticTask.operators!r})")
     arithmetic.add_argument(
         "--no-negative", action="store_true", help="redraw expressions with a negative result"
     )

@@ -475,11 +475,11 @@ class RLTrainer:
             batch = batch[restore]
         if cfg.trainer.rollout_data_dir:
             dump_rollouts(batch, self.run.tokenizer, step, cfg.trainer.rollout_data_dir)
-        timings = self.timer.pop()
+        inner, timings = self.timer.inner(), self.timer.pop()
         total_tokens, response_tokens = count_tokens(batch)
         metrics.update(compute_data_metrics(batch, max_response_length=self.response_length,
                                             max_prompt_length=cfg.data.max_prompt_length))
-        metrics.update(compute_timing_metrics(timings, total_tokens, response_tokens, inner=self.timer.inner()))
+        metrics.update(compute_timing_metrics(timings, total_tokens, response_tokens, inner=inner))
         metrics.update(compute_throughput(total_tokens, timings["step"], self.n_devices))
         metrics.update(self.sync_metrics)  # of the sync this step's generation took (or the validation before)
         self.sync_metrics = {}

@@ -14,7 +14,7 @@ class Timer:
     phase includes the inner one, e.g. ``step`` around everything) and may repeat within a step
     (durations add up, e.g. DAPO generating several times to fill a batch). ``pop()`` returns the
     step's durations in the order phases were first entered and starts a new step. ``inner()`` gives,
-    per phase, the time of the phases nested directly in it (the reward scored while the workers
+    per phase of the step so far, the time of the phases nested directly in it (the reward scored while the workers
     compute the old log-probs, ReMax's greedy generation inside the advantage phase): the phase's
     time less that is its own, so that summed phases count every second once.
     """
@@ -23,7 +23,6 @@ class Timer:
         self._clock = clock
         self._durations: dict[str, float] = {}
         self._inner: dict[str, float] = {}
-        self._popped_inner: dict[str, float] = {}
         self._open: list[str] = []
 
     @contextmanager
@@ -55,11 +54,10 @@ class Timer:
         """
         if self._open:
             raise RuntimeError(f"Timer.pop() while phases are still open: {self._open}")
-        durations, self._durations = self._durations, {}
-        self._popped_inner, self._inner = self._inner, {}
+        durations, self._durations, self._inner = self._durations, {}, {}
         return durations
 
     def inner(self) -> dict[str, float]:
-        """Of the durations the last ``pop()`` returned: phase -> seconds of the phases nested directly
-        in it (only phases that had any)."""
-        return dict(self._popped_inner)
+        """Since the last ``pop()``: phase -> seconds of the phases nested directly in it (only phases
+        that had any); read it before ``pop()``, which starts a new step."""
+        return dict(self._inner)

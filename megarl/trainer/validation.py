@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from megarl.protocol import Batch
+from megarl.rewards.manager import with_common_reward_info
 
 
 def validation_batches(dataset: Any, batch_size: int | None) -> list[Batch]:
@@ -53,10 +54,11 @@ def summarise(scores: np.ndarray, extras: Mapping[str, np.ndarray], sources: np.
 
 
 def numeric_reward_info(scored: Sequence[Batch]) -> dict[str, np.ndarray]:
-    """The ``reward_info/<key>`` columns every scored batch has and whose values are all numbers,
-    as float64 arrays by key (text a scorer reports, e.g. an extracted answer, is left out)."""
-    keys = set.intersection(*({k for k in gen.keys() if k.startswith("reward_info/")} for gen in scored)) \
-        if scored else set()
+    """The ``reward_info/<key>`` columns of the scored batches whose values are all numbers, as float64
+    arrays by key (0.0 in a batch scored before the key was first returned: `with_common_reward_info`;
+    text a scorer reports, e.g. an extracted answer, is left out)."""
+    scored = with_common_reward_info(scored)
+    keys = [k for k in scored[0].non_tensor_keys if k.startswith("reward_info/")] if scored else []
     out = {}
     for key in sorted(keys):
         try:

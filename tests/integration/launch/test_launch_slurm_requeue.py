@@ -26,12 +26,11 @@ from typing import Iterator
 
 import psutil
 import pytest
-import yaml
 
 from megarl.trainer.checkpoint_dirs import LATEST_FILE
 from megarl.trainer.checkpoint_verify import verify_checkpoint
 from megarl.trainer.loop import EXIT_STOPPED_FOR_RESUME
-from test_launch_slurm_two_nodes import free_port, raylet_ports
+from test_launch_slurm_two_nodes import free_port, raylet_ports, write_experiment
 
 pytestmark = pytest.mark.integration
 
@@ -115,31 +114,11 @@ def job_environment(root: Path) -> dict[str, str]:
     return env
 
 
-def write_experiment(root: Path) -> Path:
-    data = root / "data"
-    subprocess.run(
-        [sys.executable, "-m", "megarl.cli", "data", "make", "arithmetic", "--out", str(data), "--tokenizer-out",
-         str(data / "tok"), "--num-operands", "2", "--min-value", "0", "--max-value", "4", "--operators", "+",
-         "--train-size", "400", "--val-size", "8"],
-        check=True, capture_output=True,
-    )
-    config = {
-        "data": {"train_files": [str(data / "train.parquet")], "tokenizer": str(data / "tok"), "max_prompt_length": 8,
-                 "max_response_length": 4, "train_batch_size": 2, "apply_chat_template": "false"},
-        "model": {"init_from_scratch": True, "hf_config": {
-            "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 32}},
-        "actor": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 4},
-        "rollout": {"engine": "hf", "n": 2},
-        # Far more steps than run before the signal, and no periodic checkpoint: only the stop writes one.
-        "trainer": {"total_training_steps": 400, "save_freq": 1000, "val_before_train": False, "progress_bar": False,
-                    "default_local_dir": "run"},  # relative: to the submit directory, the same on a requeue
-        "resources": {"device": "cpu", "actor_pool": {"nnodes": 1, "devices_per_node": 1}},
-        "tracking": {"backends": ["jsonl"], "report_plots": False},
-    }
-    path = root / "experiment.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+def write_job_experiment(root: Path) -> Path:
+    # Far more steps than run before the signal, and no periodic checkpoint: only the stop writes one; the
+    # run directory relative to the submit directory, the same on a requeue.
+    return write_experiment(root, train_size=400, actor={},
+                            trainer={"total_training_steps": 400, "save_freq": 1000, "default_local_dir": "run"})
 
 
 def run_job_until_stopped(root: Path, env: dict[str, str], after_step: int, log_name: str) -> tuple[int, str]:
@@ -166,7 +145,7 @@ def run_job_until_stopped(root: Path, env: dict[str, str], after_step: int, log_
 
 def test_sigterm_to_the_batch_script_checkpoints_requeues_and_the_requeued_job_resumes(workdir: Path) -> None:
     root = workdir
-    write_experiment(root)
+    write_job_experiment(root)
     env = job_environment(root)
     run_dir, ckpts, fake_log = root / "run", root / "run" / "checkpoints", root / "log"
 

@@ -260,16 +260,16 @@ def test_failed_trainer_status_is_the_job_status_single_node(workdir: tuple[Path
         alloc.kill_everything()
 
 
-def test_trainer_runs_a_tiny_job_across_both_nodes(workdir: tuple[Path, Path]) -> None:
-    """The real `megarl train` through the SLURM bootstrap: TP=2 with one rank on each node."""
+def write_experiment(root: Path, train_size: int, actor: dict, trainer: dict) -> Path:
+    """`root/experiment.yaml`: tiny GRPO on CPU over a fresh arithmetic task in `root/data`, with `actor`
+    and `trainer` keys added to the defaults below."""
     import yaml
 
-    root, ray_temp = workdir
     data = root / "data"
     subprocess.run(
         [sys.executable, "-m", "megarl.cli", "data", "make", "arithmetic", "--out", str(data), "--tokenizer-out",
          str(data / "tok"), "--num-operands", "2", "--min-value", "0", "--max-value", "4", "--operators", "+",
-         "--train-size", "64", "--val-size", "8"],
+         "--train-size", str(train_size), "--val-size", "8"],
         check=True, capture_output=True,
     )
     config = {
@@ -278,15 +278,22 @@ def test_trainer_runs_a_tiny_job_across_both_nodes(workdir: tuple[Path, Path]) -
         "model": {"init_from_scratch": True, "hf_config": {
             "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
             "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 32}},
-        "actor": {"megatron": {"tensor_model_parallel_size": 2}, "ppo_mini_batch_size": 2,
-                  "ppo_micro_batch_size_per_gpu": 4},
+        "actor": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 4, **actor},
         "rollout": {"engine": "hf", "n": 2},
-        "trainer": {"total_training_steps": 1, "val_before_train": False, "progress_bar": False,
-                    "default_local_dir": str(root / "run")},
+        "trainer": {"val_before_train": False, "progress_bar": False, **trainer},
         "resources": {"device": "cpu", "actor_pool": {"nnodes": 1, "devices_per_node": 1}},
         "tracking": {"backends": ["jsonl"], "report_plots": False},
     }
-    (root / "experiment.yaml").write_text(yaml.safe_dump(config))
+    path = root / "experiment.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_trainer_runs_a_tiny_job_across_both_nodes(workdir: tuple[Path, Path]) -> None:
+    """The real `megarl train` through the SLURM bootstrap: TP=2 with one rank on each node."""
+    root, ray_temp = workdir
+    write_experiment(root, train_size=64, actor={"megatron": {"tensor_model_parallel_size": 2}},
+                     trainer={"total_training_steps": 1, "default_local_dir": str(root / "run")})
     alloc = FakeAllocation(root, ray_temp)
     alloc.base_env["MEGARL_ENTRYPOINT"] = f"{sys.executable} -m megarl.cli train"
     try:

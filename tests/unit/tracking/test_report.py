@@ -91,8 +91,8 @@ def test_nested_phases_count_once_in_the_phase_table(tmp_path: Path) -> None:
             clock.now += 3.0
         with timer("update_actor"):
             clock.now += 2.0
-    timings = timer.pop()
-    metrics = compute_timing_metrics(timings, 100, inner=timer.inner())
+    inner, timings = timer.inner(), timer.pop()
+    metrics = compute_timing_metrics(timings, 100, inner=inner)
     assert metrics["timing_s/old_log_prob"] == 4.0 and metrics["timing_self_s/old_log_prob"] == 3.0
     assert "timing_self_s/step" not in metrics and "timing_self_s/gen" not in metrics
     (tmp_path / "metrics.jsonl").write_text("".join(

@@ -49,12 +49,12 @@ def test_time_of_nested_phases_is_reported_per_parent() -> None:
             with timer("gen"):
                 clock.now += 0.5
             clock.now += 0.25
-    assert timer.pop() == {"step": 4.5, "old_log_prob": 2.75, "reward": 0.75, "adv": 1.75, "gen": 1.5}
     # Only direct children count: "step" holds its phases (4.5 s), not the reward inside old_log_prob again.
     assert timer.inner() == {"step": 4.5, "old_log_prob": 0.75, "adv": 1.5}
+    assert timer.pop() == {"step": 4.5, "old_log_prob": 2.75, "reward": 0.75, "adv": 1.75, "gen": 1.5}
+    assert timer.inner() == {}  # pop starts a new step
     with timer("gen"):
         clock.now += 1.0
-    timer.pop()
     assert timer.inner() == {}
 
 
