@@ -5,8 +5,8 @@
         ...
     # here every worker group and pool is gone, and so is the local cluster
 
-On exit, on Ctrl-C (KeyboardInterrupt) and on SIGTERM (turned into SystemExit inside the block)
-the context manager shuts down the worker groups and resource pools created inside it, then
+On exit, on Ctrl-C (KeyboardInterrupt) and on SIGTERM (`StoppedBySignal`, a SystemExit, out of the
+block) the context manager shuts down the worker groups and resource pools created inside it, then
 disconnects from Ray; a local cluster stops with it. An atexit hook does the same if the block
 was never left normally. When nothing in this process can run (SIGKILL), the reaper of a local
 cluster (megarl.cluster.reaper) kills its processes: every process started while the block is
@@ -157,7 +157,8 @@ def start_or_connect(
             ray.shutdown()
 
     atexit.register(cleanup)
-    installed, previous_sigterm = _install_sigterm_handler()
+    sigterm: list[int] = []  # the signal number, once SIGTERM arrived inside the block
+    installed, previous_sigterm = _install_sigterm_handler(sigterm)
     try:
         nodes = wait_for_alive_nodes(wait_for_nodes, wait_timeout_s)
         yield ClusterInfo(
@@ -166,6 +167,10 @@ def start_or_connect(
             num_nodes=nodes,
             resources=dict(ray.cluster_resources()),
         )
+    except KeyboardInterrupt:
+        if sigterm:  # the handler's interrupt (below): the caller sees the signal
+            raise StoppedBySignal(sigterm[0]) from None
+        raise
     finally:
         if installed:  # a second SIGTERM must not cut the cleanup short
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -197,13 +202,36 @@ def _release(reaper: subprocess.Popen | None) -> None:
         reaper.stdin.close()
 
 
-def _install_sigterm_handler() -> tuple[bool, Any]:
-    """Make SIGTERM leave the `with` block like Ctrl-C does, so that cleanup runs. Main thread only."""
+class StoppedBySignal(SystemExit):
+    """SIGTERM inside `start_or_connect` outside `stop_on_signal` (e.g. while the workers start): the
+    process leaves the block at once, with exit status 128 + the signal unless the caller decides
+    otherwise (`megarl train` exits `EXIT_STOPPED_FOR_RESUME` when nothing of the run was lost)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+def _install_sigterm_handler(received: list[int]) -> tuple[bool, Any]:
+    """Make SIGTERM leave the `with` block like Ctrl-C does, so that cleanup runs; its number goes to
+    `received`. Main thread only.
+
+    The handler raises KeyboardInterrupt, as Ctrl-C does, because it may run inside a blocking Ray
+    call (`ray.get` while the workers start): Ray turns a KeyboardInterrupt raised there into a
+    KeyboardInterrupt in the caller, but any other exception, SystemExit included, into the
+    driver's immediate exit with status 1, without cleanup or a word. `start_or_connect` turns it
+    back into `StoppedBySignal`."""
     if threading.current_thread() is not threading.main_thread():
         return False, None
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
-        raise SystemExit(128 + signum)
+        if not received:
+            received.append(signum)
+        raise KeyboardInterrupt
 
     return True, signal.signal(signal.SIGTERM, on_sigterm)
 

@@ -7,13 +7,16 @@ import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from megarl.config import critic_enabled, load_config, ref_enabled
 from megarl.config.run_files import check_run_files
 from megarl.config.validate import pool_size
+
+if TYPE_CHECKING:
+    from megarl.cluster.ray_cluster import StoppedBySignal
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +76,29 @@ def eos_token_ids(tokenizer_eos: int | None, model_dirs: Iterable[str | Path], v
     return ids
 
 
+def stopped_during_start_up(cfg: DictConfig, stop: StoppedBySignal, resume_step: int | None) -> SystemExit:
+    """The exit of a run that a signal stopped before its training loop began (Ray, the workers, the
+    model and rollout engine starting): nothing of it was trained, so a rerun with
+    trainer.resume_mode=auto loses nothing and `EXIT_STOPPED_FOR_RESUME` lets a launcher requeue it
+    (launch/slurm/megarl.sbatch); with another resume mode, 128 + the signal as before."""
+    from megarl.trainer.loop import EXIT_STOPPED_FOR_RESUME, TrainingStopped  # torch: as in train()
+
+    name, step = stop.signal_name, resume_step or 0
+    where = f"from its checkpoint of step {step}" if resume_step else "from the start"
+    if cfg.trainer.resume_mode != "auto":
+        logger.warning("stopped by %s while the run was starting (nothing trained); trainer.resume_mode=%s",
+                       name, cfg.trainer.resume_mode)
+        return TrainingStopped(int(stop.code), step)
+    logger.warning("stopped by %s while the run was starting (nothing trained); exit status %d: a rerun with "
+                   "trainer.resume_mode=auto (the default) starts again %s", name, EXIT_STOPPED_FOR_RESUME, where)
+    return TrainingStopped(EXIT_STOPPED_FOR_RESUME, step)
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
     """Run one experiment; returns the last validation metrics. `cfg` must already be validated."""
     # Imported here, not at the top: `megarl config` and `megarl data` start without torch, Ray
     # and Megatron.
-    from megarl.cluster.ray_cluster import start_or_connect
+    from megarl.cluster.ray_cluster import StoppedBySignal, start_or_connect
     from megarl.trainer.loop import RLTrainer, TrainingStopped
     from megarl.trainer.run_spec import resolve_run_spec
     from megarl.trainer.setup import prepare_run
@@ -112,22 +133,30 @@ def train(cfg: DictConfig) -> dict[str, float]:
         append_only=bool(cfg.trainer.val_only) and resume_step is not None,
     )
     status = "FAILED"
+    training = False  # from here on the training loop takes SIGTERM (stop_on_signal)
     try:
-        with start_or_connect(
-            address=res.ray_address,
-            num_cpus=res.ray_num_cpus or ray_cpus_needed(cfg),
-            object_store_memory_gb=res.object_store_memory_gb,
-        ):
-            workers = start_workers(cfg, spec)
-            progress.write(f"rollout engine: {workers.rollout_engine}")
-            try:
-                trainer = RLTrainer(run, spec, workers, tracker, progress)
-                last_val = trainer.fit()
-            except TrainingStopped:
-                status = "KILLED"  # stopped by a signal, with a checkpoint: mlflow's status for a run cut short
+        try:
+            with start_or_connect(
+                address=res.ray_address,
+                num_cpus=res.ray_num_cpus or ray_cpus_needed(cfg),
+                object_store_memory_gb=res.object_store_memory_gb,
+            ):
+                workers = start_workers(cfg, spec)
+                progress.write(f"rollout engine: {workers.rollout_engine}")
+                try:
+                    trainer = RLTrainer(run, spec, workers, tracker, progress)
+                    training = True
+                    last_val = trainer.fit()
+                except TrainingStopped:
+                    status = "KILLED"  # stopped by a signal, with a checkpoint: mlflow's status for a run cut short
+                    raise
+                finally:
+                    workers.shutdown()
+        except StoppedBySignal as stop:
+            if training:
                 raise
-            finally:
-                workers.shutdown()
+            status = "KILLED"
+            raise stopped_during_start_up(cfg, stop, resume_step) from None
         status = "FINISHED"
         return last_val
     finally:

@@ -1,10 +1,13 @@
 """SIGTERM to a running `megarl train` (SLURM's `--signal=B:TERM@300` through launch/slurm, Kubernetes,
 `kill`): the run stops at the next step boundary with a checkpoint of its last finished step, though
 no periodic checkpoint was due, and exits with `EXIT_STOPPED_FOR_RESUME`; a second SIGTERM while
-that checkpoint is written changes nothing; a rerun (trainer.resume_mode=auto) continues from it."""
+that checkpoint is written changes nothing; a rerun (trainer.resume_mode=auto) continues from it.
+A SIGTERM while the run is still starting (Ray and the workers) stops it at once with the same
+status: nothing was trained, so a launcher's requeue loses nothing."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -12,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from fault_scenarios import logged_steps, run_train, start_train, wait_for
+from fault_scenarios import logged_steps, run_train, start_train, tagged_processes, wait_for, worker_processes
 from test_async_e2e import ASYNC
 from megarl.trainer.checkpoint_dirs import LATEST_FILE
 from megarl.trainer.checkpoint_verify import verify_checkpoint
@@ -76,3 +79,33 @@ def test_sigterm_checkpoints_the_last_step_and_a_rerun_continues(tmp_path: Path,
     assert f"resuming from {ckpts / f'global_step_{last}'} (step {last}, verified)" in rerun.stderr
     assert logged_steps(run_dir) == list(range(1, last + 2))
     assert (ckpts / LATEST_FILE).read_text() == str(last + 1)
+
+
+def test_sigterm_while_the_workers_start_exits_for_a_requeue(tmp_path: Path, task_dir: Path) -> None:  # noqa: F811
+    config = write_config(tmp_path, task_dir)
+    run_dir = tmp_path / "run"
+    tag = f"start-stop-{os.getpid()}-{time.monotonic_ns()}"
+    driver = start_train(config, f"trainer.total_training_steps={STEPS}", "tracking.backends=[jsonl,mlflow]", tag=tag)
+    try:
+        # The workers' processes exist: Ray is up and the workers build their models and engines.
+        wait_for(lambda: bool(worker_processes(driver)), driver, "the workers started", timeout_s=300)
+        driver.send_signal(signal.SIGTERM)
+        _, stderr = driver.communicate(timeout=120)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert driver.returncode == EXIT_STOPPED_FOR_RESUME, stderr[-6000:]
+    assert ("stopped by SIGTERM while the run was starting (nothing trained); exit status "
+            f"{EXIT_STOPPED_FOR_RESUME}: a rerun with trainer.resume_mode=auto (the default) starts again from "
+            "the start") in stderr, stderr[-6000:]
+    assert "Traceback" not in stderr, stderr[-6000:]
+    assert logged_steps(run_dir) == []
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+    deadline = time.monotonic() + 30  # the cluster stopped with the driver: nothing of the run is left
+    while tagged_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert tagged_processes(tag) == []
+    client = MlflowClient(tracking_uri=f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [r.info.status for r in runs] == ["KILLED"]
