@@ -30,6 +30,7 @@ import torch
 
 from megarl.algorithms.registry import Registry
 from megarl.algorithms.utils import (
+    REWARD_HINT,
     check_finite,
     check_group_index,
     check_response_tensors,
@@ -111,7 +112,7 @@ def _checked_rewards(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tenso
     check_response_tensors(rewards, inputs.response_mask)
     scores = rewards.sum(dim=-1)
     if not bool(torch.isfinite(scores).all()):  # a NaN/inf reward makes its row's sum non-finite
-        check_finite("token_level_rewards", rewards, inputs.uids)  # raises, naming the samples
+        check_finite("token_level_rewards", rewards, inputs.uids, hint=REWARD_HINT)  # raises, naming the samples
     return inputs.response_mask.to(rewards.dtype), scores.to(torch.float64)
 
 
@@ -179,7 +180,9 @@ def compute_gae_advantage_return(
             f"gae: values must be a (batch, response_len) tensor from the critic, got {tuple(values.shape)} "
             f"for rewards {tuple(rewards.shape)}"
         )
-    check_finite("values", values, inputs.uids)
+    check_finite("values", values, inputs.uids,
+                 hint="The critic's values must be finite numbers; the critic's forward pass gave NaN or inf for "
+                      "these samples (a diverged critic, or an overflow at its precision).")
     values = values.to(rewards.dtype)
     gamma, lam = settings.gamma, settings.lam
 
@@ -246,7 +249,9 @@ def compute_remax_advantage(
             "remax: baseline_rewards must be the (batch,) rewards of the greedy responses, got "
             f"{tuple(baseline_rewards.shape)} for batch {batch}"
         )
-    check_finite("baseline_rewards", baseline_rewards, inputs.uids)
+    check_finite("baseline_rewards", baseline_rewards, inputs.uids,
+                 hint="They are the rewards of these samples' greedy responses (ReMax's baseline); "
+                      "check the reward function for those responses.")
     masked_rewards = rewards * mask
     returns = masked_rewards.flip(-1).cumsum(-1).flip(-1) * mask
     advantages = returns - baseline_rewards.to(returns.dtype).unsqueeze(-1) * mask

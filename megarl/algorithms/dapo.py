@@ -87,7 +87,9 @@ def filter_groups(
             f"filter_groups: metric_values {tuple(metric_values.shape)} and group_index "
             f"{tuple(group_index.shape)} must both be (batch,)"
         )
-    check_finite("filter metric", metric_values, uids)
+    check_finite("filter metric", metric_values, uids,
+                 hint="The metric of algorithm.filter_groups.metric comes from the reward function (its score, "
+                      "or that key of its reward info); check the reward function for these samples.")
     if metric_values.numel() == 0:
         return torch.zeros(0, dtype=torch.bool)
     inverse, sizes = compact_groups(group_index)

@@ -17,14 +17,15 @@ estimator with the gradient of ``k2``, whose gradient is the unbiased gradient o
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from megarl.algorithms.registry import Registry
-from megarl.algorithms.utils import masked_mean
-from megarl.errors import ConfigError
+from megarl.algorithms.utils import check_finite, masked_mean
+from megarl.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
 KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -71,6 +72,11 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_type: str)
     return k2 - k2.detach() + forward.detach()
 
 
+_LOG_PROB_HINT = ("The KL in the reward (algorithm.use_kl_in_reward) is computed from these log-probs of the "
+                  "response tokens: a NaN or inf there comes from that model's forward pass (an overflow at its "
+                  "precision, broken weights), not from the reward function.")
+
+
 def apply_kl_penalty(
     token_level_scores: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -83,8 +89,16 @@ def apply_kl_penalty(
 
     Returns the rewards and the batch's mean KL (mean over sequences of each sequence's per-token
     mean, as verl), the value to feed the KL controller's ``update(current_kl, n_steps=B)``.
+    A KL that is not finite on a valid token raises DataError naming the log-probs it came from:
+    left to the advantage estimator, the NaN reward would be blamed on the reward function. (k3's
+    clamp keeps a -inf log-prob finite, as in verl: that passes.)
     """
-    kld = torch.where(response_mask.bool(), kl_penalty(old_log_prob, ref_log_prob, kl_type), 0.0)
+    valid = response_mask.bool()
+    kld = torch.where(valid, kl_penalty(old_log_prob, ref_log_prob, kl_type), 0.0)
+    if not bool(torch.isfinite(kld).all()):
+        for name, log_prob in (("old_log_prob (the actor's old log-probs)", old_log_prob),
+                               ("ref_log_prob (the reference log-probs)", ref_log_prob)):
+            check_finite(name, torch.where(valid, log_prob.detach(), 0.0), hint=_LOG_PROB_HINT)
     rewards = token_level_scores - kl_coef * kld
     per_seq = masked_mean(kld, response_mask, dim=-1)
     current_kl = float(per_seq.mean()) if per_seq.numel() else 0.0
@@ -148,6 +162,14 @@ class AdaptiveKLController:
         self.horizon = int(horizon)
 
     def update(self, current_kl: float, n_steps: int) -> None:
+        """A KL that is not a finite number raises DataError: a NaN would pass the clip and make the
+        coefficient NaN for the rest of the run (and in its checkpoints)."""
+        if not math.isfinite(current_kl):
+            raise DataError(
+                f"algorithm.kl_ctrl (adaptive): the batch's mean KL (current_kl) is {current_kl}, not a finite "
+                "number, so the KL coefficient cannot be updated from it: the old or reference log-probs it is "
+                "computed from held NaN or inf (apply_kl_penalty names the samples)."
+            )
         proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
 

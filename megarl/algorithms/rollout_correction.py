@@ -25,6 +25,7 @@ whichever way the old log-probs were obtained.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -111,19 +112,21 @@ def mismatch_metrics(trainer_log_prob: torch.Tensor, rollout_log_prob: torch.Ten
                      settings: RolloutCorrectionSettings) -> dict[str, float]:
     """How far the rollout policy is from the trainer's, over the valid tokens of (B, R) inputs.
 
-    ``rollout_corr/kl_k1``: mean of ``rollout - trainer`` (k1 estimate of KL(rollout || trainer));
-    ``kl_k3``: mean of ``w - log w - 1`` (k3, non-negative); ``training_ppl`` / ``rollout_ppl``:
-    mean over responses of ``exp(-mean log-prob)``; ``ppl_ratio``: mean over responses of their
-    trainer perplexity over their rollout perplexity; ``weight_mean`` / ``weight_max``: of ``w`` at
-    the configured level (over tokens at token level, over responses at sequence levels);
-    ``applied_weight_mean``: of the loss multiplier; ``masked_token_frac``: share of tokens the
-    correction drops; ``masked_seq_frac``: share of responses with at least one dropped token.
+    ``rollout_corr/kl_k1``: mean of ``rollout - trainer`` (k1 estimate of KL(rollout || trainer)),
+    unclamped: the +-20 clamp guards ``exp``, which k1 does not take, and would understate a large gap;
+    ``kl_k3``: mean of ``w - log w - 1`` (k3, non-negative; clamped log-ratios, as the weights);
+    ``training_ppl`` / ``rollout_ppl``: mean over responses of ``exp(-mean log-prob)``; ``ppl_ratio``:
+    mean over responses of their trainer perplexity over their rollout perplexity; ``weight_mean`` /
+    ``weight_max``: of ``w`` at the configured level (over tokens at token level, over responses at
+    sequence levels); ``applied_weight_mean``: of the loss multiplier; ``masked_token_frac``: share of
+    tokens the correction drops; ``masked_seq_frac``: share of responses with at least one dropped token.
     """
     valid = response_mask.bool()
     if not bool(valid.any()):
         return {}
     t, r = trainer_log_prob.detach().double(), rollout_log_prob.detach().double()
-    log_w = torch.where(valid, t - r, torch.zeros_like(t)).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    raw_log_w = torch.where(valid, t - r, torch.zeros_like(t))
+    log_w = raw_log_w.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     rows = valid.any(dim=-1)
     mean_t = masked_mean(t, valid, dim=-1)[rows]
     mean_r = masked_mean(r, valid, dim=-1)[rows]
@@ -133,7 +136,7 @@ def mismatch_metrics(trainer_log_prob: torch.Tensor, rollout_log_prob: torch.Ten
     applied = correction_weights(t, r, valid, settings)
     dropped = valid & (applied == 0)
     return {
-        "rollout_corr/kl_k1": float(masked_mean(-log_w, valid)),
+        "rollout_corr/kl_k1": float(masked_mean(-raw_log_w, valid)),
         "rollout_corr/kl_k3": float(masked_mean(log_w.exp() - log_w - 1.0, valid)),
         "rollout_corr/training_ppl": float((-mean_t).exp().mean()),
         "rollout_corr/rollout_ppl": float((-mean_r).exp().mean()),
@@ -176,9 +179,16 @@ def logprob_gap(trainer_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
 def rollout_mismatch_metrics(trainer_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
                              response_mask: torch.Tensor, settings: RolloutCorrectionSettings) -> dict[str, float]:
     """`logprob_gap` and `mismatch_metrics` of (B, R) inputs, over the response tokens whose trainer
-    log-prob is known (NaN marks a row the trainer did not score under the sampling weights)."""
+    log-prob is known (NaN marks a row the trainer did not score under the sampling weights).
+
+    A non-finite rollout log-prob marks nothing: it is a fault of the rollout engine that makes the
+    correction weights NaN. It stays in the metrics (the gap becomes NaN, which `check_logprob_gap`
+    refuses) and ``training/rollout_logprob_num_nonfinite`` counts the response tokens that hold one.
+    """
     mask = response_mask.bool() & torch.isfinite(trainer_log_prob)
+    nonfinite = response_mask.bool() & ~torch.isfinite(rollout_log_prob)
     return {**logprob_gap(trainer_log_prob, rollout_log_prob, mask),
+            "training/rollout_logprob_num_nonfinite": float(nonfinite.sum()),
             **mismatch_metrics(trainer_log_prob, rollout_log_prob, mask, settings)}
 
 
@@ -197,9 +207,28 @@ def logprob_gap_uncheckable(temperature: float, top_p: float, top_k: int, logpro
     return None
 
 
-def check_logprob_gap(step: int, gap_mean: float, threshold: float | None, where: str = "the response tokens") -> None:
-    """Stop the run when step `step`'s mean |rollout - trainer| log-prob gap over `where` exceeds `threshold`."""
-    if threshold is None or not gap_mean > threshold:
+def check_logprob_gap(step: int, gap_mean: float, threshold: float | None, where: str = "the response tokens",
+                      nonfinite_tokens: float | None = None) -> None:
+    """Stop the run when step `step`'s mean |rollout - trainer| log-prob gap over `where` exceeds `threshold`,
+    or is not a finite number (`threshold` None: no check).
+
+    A NaN gap fails every comparison, so it is refused by name: it comes from a NaN or infinite
+    rollout log-prob (the training batch's checks leave out the rows the trainer did not score), which
+    would make the correction weights and the loss NaN. `nonfinite_tokens`
+    (``training/rollout_logprob_num_nonfinite``), when the caller has it, is quoted in the message.
+    """
+    if threshold is None:
+        return
+    if not math.isfinite(gap_mean):
+        count = f" on {int(nonfinite_tokens)} response tokens" if nonfinite_tokens is not None else ""
+        raise RolloutMismatchError(
+            f"step {step}: the mean |rollout log-prob - trainer log-prob| over {where} is {gap_mean}: the rollout "
+            f"log-probs contained non-finite values (NaN or inf){count}, which would make the rollout-correction "
+            "weights and the loss NaN. Look for a NaN or an overflow in the rollout engine's forward pass "
+            "(rollout.dtype, weights broken by a sync) or for tokens it could not score (rollout.logprobs_mode); "
+            "the weight-sync probe compares the trainer's log-probs as they are, and a NaN may be theirs there."
+        )
+    if not gap_mean > threshold:
         return
     raise RolloutMismatchError(
         f"step {step}: the mean |rollout log-prob - trainer log-prob| over {where} is {gap_mean:.4g} "

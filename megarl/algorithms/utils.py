@@ -93,12 +93,21 @@ def group_mean_std(
 # Input checks (the boundary between rollout/reward code and the math)
 
 
+REWARD_HINT = "Rewards must be finite numbers; check the reward function for these samples."
+
+
 def _sample_label(i: int, uids: Optional[Sequence[object] | np.ndarray]) -> str:
     return f"sample {i} (uid {uids[i]!r})" if uids is not None else f"sample {i}"
 
 
-def check_finite(name: str, tensor: torch.Tensor, uids: Optional[Sequence[object] | np.ndarray] = None) -> None:
-    """Raise DataError naming the first samples (rows) whose ``tensor`` holds NaN or inf."""
+def check_finite(name: str, tensor: torch.Tensor, uids: Optional[Sequence[object] | np.ndarray] = None, *,
+                 hint: str = "") -> None:
+    """Raise DataError naming the first samples (rows) whose ``tensor`` holds NaN or inf.
+
+    ``hint`` ends the message: where this tensor's values come from, so that the user looks there
+    (`REWARD_HINT` for rewards, the critic for values, the model's forward pass for log-probs). Empty
+    by default: a wrong guess (the reward function for a critic's NaN) sends the user to the wrong code.
+    """
     if tensor.numel() == 0:
         return
     rows = tensor.reshape(tensor.shape[0], -1)
@@ -115,7 +124,7 @@ def check_finite(name: str, tensor: torch.Tensor, uids: Optional[Sequence[object
     more = f" and {len(bad_rows) - 5} more" if len(bad_rows) > 5 else ""
     raise DataError(
         f"{name}: non-finite values in {len(bad_rows)} sample(s): " + "; ".join(shown) + more
-        + ". Rewards must be finite numbers; check the reward function for these samples."
+        + (f". {hint}" if hint else "")
     )
 
 

@@ -959,7 +959,8 @@ class RLTrainer:
         # Under sampling filters (or raw log-probs at a temperature) the gap measures the sampling: metrics only.
         threshold = self.spec.max_logprob_gap if self.spec.logprob_gap_uncheckable is None else None
         if "training/rollout_logprob_abs_diff_mean" in metrics and fresh:
-            check_logprob_gap(step, metrics["training/rollout_logprob_abs_diff_mean"], threshold)
+            check_logprob_gap(step, metrics["training/rollout_logprob_abs_diff_mean"], threshold,
+                              nonfinite_tokens=metrics.get("training/rollout_logprob_num_nonfinite"))
         elif TOKEN_VERSIONS in batch:  # partial rollout: the tokens sampled after the sync are checked
             tokens = (batch["response_mask"].bool() & (batch[TOKEN_VERSIONS] == self.step_version)
                       & torch.isfinite(trainer_log_probs))  # NaN: rows no first optimizer step held

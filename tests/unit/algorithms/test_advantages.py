@@ -265,8 +265,26 @@ def test_non_finite_reward_names_sample_and_uid(name: str, bad: float) -> None:
     d.group_index = torch.arange(8) // 2
     d.rewards[6, 2] = bad
     uids = np.array([f"prompt-{i // 2}" for i in range(8)], dtype=object)
-    with pytest.raises(DataError, match=r"token_level_rewards.*sample 6 \(uid 'prompt-3'\).*position 2"):
+    with pytest.raises(DataError, match=r"token_level_rewards.*sample 6 \(uid 'prompt-3'\).*position 2.*"
+                                        r"check the reward function"):
         run(name, d, uids=uids, **full_kwargs(d))
+
+
+def test_non_finite_value_points_at_the_critic_not_the_reward_function() -> None:
+    d = random_rollout(0, batch=4)
+    values = d.values.clone()
+    values[2, 1] = float("nan")
+    with pytest.raises(DataError, match=r"values.*sample 2: nan at position 1.*critic") as caught:
+        estimate("gae", d.rewards, d.mask, values=values)
+    assert "reward function" not in str(caught.value)
+
+
+def test_non_finite_greedy_reward_is_named_as_remax_baseline() -> None:
+    d = random_rollout(0, batch=4)
+    baseline = torch.zeros(4)
+    baseline[3] = float("inf")
+    with pytest.raises(DataError, match=r"baseline_rewards.*sample 3.*greedy responses.*reward function"):
+        estimate("remax", d.rewards, d.mask, baseline_rewards=baseline)
 
 
 def test_missing_inputs_are_named() -> None:

@@ -47,7 +47,7 @@ def test_filter_matches_loop(seed: int) -> None:
 def test_filter_edge_cases() -> None:
     assert filter_groups(torch.zeros(0), torch.zeros(0, dtype=torch.long)).shape == (0,)
     values = torch.tensor([0.5, float("nan"), 1.0])
-    with pytest.raises(DataError, match=r"filter metric.*sample 1 \(uid 'b'\)"):
+    with pytest.raises(DataError, match=r"filter metric.*sample 1 \(uid 'b'\).*algorithm\.filter_groups\.metric"):
         filter_groups(values, torch.tensor([0, 0, 1]), uids=np.array(["a", "b", "c"], dtype=object))
 
 

@@ -14,7 +14,7 @@ from megarl.algorithms import (
     kl_penalty,
     make_kl_controller,
 )
-from megarl.errors import ConfigError
+from megarl.errors import ConfigError, DataError
 
 pytestmark = pytest.mark.unit
 
@@ -95,6 +95,37 @@ def test_apply_kl_penalty() -> None:
     expected = torch.tensor([[-0.05, 0.1, 1.0], [-0.1, 2.0, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(rewards, expected)
     assert current_kl == pytest.approx(((0.5 - 1 + 0) / 3 + (1 + 0) / 2) / 2)
+
+
+@pytest.mark.parametrize("which", ["old", "ref"])
+def test_kl_in_reward_names_non_finite_log_probs(which: str) -> None:
+    """A NaN log-prob gives a NaN KL-shaped reward: the message names the log-probs, not the reward function."""
+    scores = torch.zeros(2, 3)
+    old, ref_lp = torch.full((2, 3), -1.0), torch.full((2, 3), -1.2)
+    (old if which == "old" else ref_lp)[1, 1] = float("nan")
+    name = {"old": r"old_log_prob \(the actor's old log-probs\)", "ref": r"ref_log_prob \(the reference log-probs\)"}
+    with pytest.raises(DataError, match=rf"{name[which]}: non-finite values in 1 sample\(s\): sample 1: nan at "
+                                        r"position 1\..*not from the reward function"):
+        apply_kl_penalty(scores, old, ref_lp, torch.ones(2, 3), kl_coef=0.1, kl_type="kl")
+    masked = torch.tensor([[1, 1, 1], [1, 0, 1]])  # the NaN on a padding token: no KL there, no error
+    rewards, current_kl = apply_kl_penalty(scores, old, ref_lp, masked, kl_coef=0.1, kl_type="kl")
+    assert bool(torch.isfinite(rewards).all()) and math.isfinite(current_kl)
+
+
+def test_k3_keeps_its_clamp_for_an_impossible_reference_token() -> None:
+    """k3 clamps the log-ratio (verl): a -inf reference log-prob gives a finite KL, as before."""
+    ref_lp = torch.tensor([[-float("inf"), -1.0]])
+    rewards, current_kl = apply_kl_penalty(torch.zeros(1, 2), torch.full((1, 2), -1.0), ref_lp, torch.ones(1, 2),
+                                           kl_coef=0.1, kl_type="k3")
+    assert bool(torch.isfinite(rewards).all()) and math.isfinite(current_kl)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_adaptive_controller_refuses_a_non_finite_kl(bad: float) -> None:
+    ctrl = AdaptiveKLController(0.1, 0.1, 100)
+    with pytest.raises(DataError, match=r"mean KL .* is (nan|inf).*log-probs"):
+        ctrl.update(bad, 1)
+    assert ctrl.value == 0.1  # the coefficient is untouched
 
 
 def test_fixed_controller() -> None:

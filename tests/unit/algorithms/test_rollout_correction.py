@@ -152,7 +152,42 @@ def test_logprob_gap_metrics_and_the_loud_threshold() -> None:
     with pytest.raises(RolloutMismatchError, match=r"step 7: .* 0\.25 nats, above rollout\.max_logprob_gap = 0\.1\b"):
         check_logprob_gap(7, 0.25, 0.1)
     with pytest.raises(RolloutMismatchError, match="weight sync"):
-        check_logprob_gap(7, float("inf"), 0.1)
+        check_logprob_gap(7, 1e6, 0.1)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_gap_stops_the_run(bad: float) -> None:
+    """A NaN gap fails every comparison: it must stop the run, not pass as a small gap (a NaN rollout
+    log-prob makes the correction weights, then the loss, NaN)."""
+    with pytest.raises(RolloutMismatchError, match=r"step 7: .* rollout log-probs contained non-finite values"):
+        check_logprob_gap(7, bad, 0.1)
+    with pytest.raises(RolloutMismatchError, match=r"non-finite values \(NaN or inf\) on 3 response tokens"):
+        check_logprob_gap(7, bad, 0.1, nonfinite_tokens=3)
+    check_logprob_gap(7, bad, None)  # rollout.max_logprob_gap = null: no check
+
+
+def test_non_finite_rollout_log_probs_are_counted_and_stop_the_run() -> None:
+    trainer, rollout, mask = hand_example()
+    broken = rollout.clone()
+    broken[0, 1] = float("nan")
+    broken[1, 0] = -float("inf")
+    broken[1, 2] = float("nan")  # padding: not a response token, not counted
+    got = rollout_mismatch_metrics(trainer, broken, mask, RolloutCorrectionSettings(mode="tis"))
+    assert got["training/rollout_logprob_num_nonfinite"] == 2
+    assert math.isnan(got["training/rollout_logprob_abs_diff_mean"])
+    with pytest.raises(RolloutMismatchError, match="non-finite values"):
+        check_logprob_gap(4, got["training/rollout_logprob_abs_diff_mean"], 0.1)
+    clean = rollout_mismatch_metrics(trainer, rollout, mask, RolloutCorrectionSettings(mode="tis"))
+    assert clean["training/rollout_logprob_num_nonfinite"] == 0
+
+
+def test_kl_k1_is_not_clamped() -> None:
+    """The +-20 clamp guards exp() (weights, k3); k1 takes no exp: it is the plain mean of rollout - trainer."""
+    rollout = torch.tensor([[-30.0, -1.0]], dtype=torch.float64)
+    trainer = torch.tensor([[-0.5, -1.0]], dtype=torch.float64)  # trainer - rollout = 29.5, then 0
+    m = mismatch_metrics(trainer, rollout, torch.ones(1, 2), RolloutCorrectionSettings())
+    assert m["rollout_corr/kl_k1"] == pytest.approx((-29.5 + 0.0) / 2)  # = -14.75
+    assert m["rollout_corr/kl_k3"] == pytest.approx((math.exp(20.0) - 20.0 - 1.0) / 2)  # clamped: 29.5 -> 20
 
 
 def test_bad_settings_are_refused_by_name() -> None:
@@ -259,8 +294,8 @@ def test_rows_the_trainer_did_not_score_are_left_out() -> None:
     partial[1] = float("nan")
     got = rollout_mismatch_metrics(partial, rollout, mask, RolloutCorrectionSettings())
     first_row = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
-    want = {**logprob_gap(trainer, rollout, first_row), **mismatch_metrics(trainer, rollout, first_row,
-                                                                           RolloutCorrectionSettings())}
+    want = {**logprob_gap(trainer, rollout, first_row), "training/rollout_logprob_num_nonfinite": 0.0,
+            **mismatch_metrics(trainer, rollout, first_row, RolloutCorrectionSettings())}
     assert got.keys() == want.keys() and all(got[k] == pytest.approx(want[k]) for k in want)
     assert got["training/rollout_logprob_abs_diff_mean"] == pytest.approx((LN2 + LN4) / 3)
 

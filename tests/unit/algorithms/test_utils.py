@@ -56,6 +56,11 @@ def test_check_finite() -> None:
     bad[[1, 2, 3, 4, 5, 7], 1] = float("inf")
     with pytest.raises(DataError, match=r"non-finite values in 6 sample\(s\): sample 1: inf at position 1.*and 1 more"):
         check_finite("x", bad)
+    with pytest.raises(DataError, match=r"sample 1: inf at position 1; .*and 1 more\. Look here\.$"):
+        check_finite("x", bad, hint="Look here.")
+    with pytest.raises(DataError) as caught:  # no hint: no guess at where the values came from
+        check_finite("x", bad)
+    assert str(caught.value).endswith("and 1 more")
 
 
 def test_group_helpers() -> None:
