@@ -8,7 +8,6 @@ that needs them (a reward model's checkpoint and tokenizer) runs only once every
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -16,11 +15,10 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from megarl.config.inert_keys import changed_keys, inert_key_errors
 from megarl.config.model_files import family_specs
 from megarl.config.plugins import import_modules
-from megarl.config.schema import (ActorConfig, AlgorithmConfig, CriticConfig, CustomRewardFunctionConfig,
-                                  FilterGroupsConfig, KLControlConfig, OverlongBufferConfig, RewardConfig,
-                                  RewardModelConfig, TrainerConfig)
+from megarl.config.schema import AlgorithmConfig, FilterGroupsConfig, KLControlConfig, TrainerConfig
 from megarl.errors import ConfigError
 from megarl.rewards.scorers import check_scorer_options  # standard library only, like these rules
 
@@ -51,6 +49,7 @@ ENUMS: dict[str, set[str]] = {
     "critic.loss_agg_mode": LOSS_AGG_MODES,
 }
 TRACKING_BACKENDS = {"console", "jsonl", "mlflow"}
+MIN_SAMPLING_TEMPERATURE = 1e-5  # vllm.sampling_params: below it a request is greedy
 # megarl.rewards.model_scores.COMBINES, which imports torch (a test keeps them equal).
 REWARD_MODEL_COMBINES = ("by_style", "weighted_sum")
 # HF config keys that change weight shapes: model.override_config cannot set them over a checkpoint.
@@ -530,81 +529,6 @@ def _check_reward_kwargs(r: _Rules, cfg: DictConfig) -> None:
         r.err(f"reward.{msg}" if msg.startswith("reward_kwargs") else f"reward.reward_kwargs: {msg}")
 
 
-def changed_keys(section: str, current: Any, default: Any, skip: tuple[str, ...] = (),
-                 only: Optional[tuple[str, ...]] = None) -> list[str]:
-    """`key = value` for each key of `section` (`only` those named, when given) whose value differs from
-    the schema's default; `current` and `default` are dicts or, for the section's config and its
-    dataclass, anything `_as_dict` / `dataclasses.asdict` turn into one (a section that is null by
-    default counts as one key when set)."""
-    current = current if isinstance(current, dict) else _as_dict(current)
-    default = default if isinstance(default, dict) else dataclasses.asdict(default())
-    out = []
-    for name, value in current.items():
-        if name in skip or (only is not None and name not in only):
-            continue
-        base, key = default.get(name), f"{section}.{name}"
-        if isinstance(value, dict) and isinstance(base, dict):
-            out += changed_keys(key, value, base)
-        elif value != base:
-            out.append(f"{key} = {value!r}")
-    return out
-
-
-DUAL_CLIP_LOSSES = {"vanilla"}  # megarl.algorithms.policy_loss: the built-in losses that read clip_ratio_c
-# reward.* keys that configure the worker pool of a custom reward function (megarl.rewards.manager:
-# built-in scorers run in the driver process).
-POOL_KEYS = ("num_workers", "timeout_s", "batch_timeout_s", "worker_memory_mb")
-
-
-def _check_inert_keys(r: _Rules, cfg: DictConfig) -> None:
-    """Keys set (to other than their default) where this config never reads them."""
-    actor, rm, reward = cfg.actor, cfg.reward_model, cfg.reward
-    if not actor.use_kl_loss:
-        changed = changed_keys("actor", actor, ActorConfig, only=("kl_loss_coef", "kl_loss_type"))
-        if changed:
-            r.err(f"{', '.join(changed)} without actor.use_kl_loss: only the KL loss reads them (the KL penalty in "
-                  "the reward takes algorithm.kl_ctrl.kl_coef and algorithm.kl_penalty); set actor.use_kl_loss: "
-                  "true or remove them")
-    loss_mode = actor.policy_loss.loss_mode
-    if actor.clip_ratio_c != ActorConfig.clip_ratio_c and loss_mode in _BUILTIN_POLICY_LOSSES - DUAL_CLIP_LOSSES:
-        r.err(f"actor.clip_ratio_c = {actor.clip_ratio_c} with actor.policy_loss.loss_mode = {loss_mode!r}: only "
-              f"the dual-clip PPO loss ({', '.join(sorted(DUAL_CLIP_LOSSES))}) reads it; remove it or set loss_mode "
-              "vanilla")
-    if not critic_enabled(cfg):
-        changed = changed_keys("critic", cfg.critic, CriticConfig, skip=("enable",))
-        if changed:
-            why = ("critic.enable = false" if cfg.critic.enable is False
-                   else f"critic.enable = null and algorithm.adv_estimator = {cfg.algorithm.adv_estimator!r}")
-            r.err(f"{', '.join(changed)} with no critic ({why}): only a critic reads them; remove them or set "
-                  "critic.enable: true")
-    if not rm.enable:
-        changed = changed_keys("reward_model", rm, RewardModelConfig, skip=("enable",))
-        if changed:
-            r.err(f"{', '.join(changed)} with reward_model.enable = false: only a reward model reads them; remove "
-                  "them or set reward_model.enable: true")
-    elif rm.combine == "by_style":
-        changed = changed_keys("reward_model", rm, RewardModelConfig, only=("rule_weight", "model_weight"))
-        if changed:
-            r.err(f"{', '.join(changed)} with reward_model.combine = 'by_style': each row takes its rule or its model "
-                  "score as it is, unweighted; remove them or set combine: weighted_sum")
-    overlong = reward.overlong_buffer
-    if not overlong.enable:
-        changed = changed_keys("reward.overlong_buffer", overlong, OverlongBufferConfig, only=("len", "penalty_factor"))
-        if changed:
-            r.err(f"{', '.join(changed)} without reward.overlong_buffer.enable: no overlong penalty is computed; "
-                  "set reward.overlong_buffer.enable: true or remove them")
-    if not reward.custom_reward_function.path:
-        changed = changed_keys("reward", reward, RewardConfig, only=POOL_KEYS)
-        if changed:
-            r.err(f"{', '.join(changed)} with the built-in scorers only (reward.custom_reward_function.path unset): "
-                  "these configure the worker pool of a custom reward function, the built-in scorers run in the "
-                  "driver; remove them or set reward.custom_reward_function.path")
-        name = reward.custom_reward_function.name
-        if name != CustomRewardFunctionConfig.name:
-            r.err(f"reward.custom_reward_function.name = {name!r} without reward.custom_reward_function.path: "
-                  "the built-in scorers score the rows; set the path of the file that defines it or remove the name")
-
-
 def validate_config(cfg: DictConfig) -> None:
     """Raise ConfigError listing every rule ``cfg`` breaks."""
     r = _Rules(cfg)
@@ -661,6 +585,13 @@ def validate_config(cfg: DictConfig) -> None:
     if val.do_sample and not val.temperature > 0:
         r.err(f"rollout.val_kwargs.temperature = {val.temperature} with do_sample: true: sampling needs a "
               "temperature > 0; for argmax decoding set do_sample: false")
+    # vLLM decodes greedily below this temperature (and then refuses n > 1); the HF engine would sample.
+    for key, value in (("rollout.temperature", rollout.temperature),
+                       ("rollout.val_kwargs.temperature", val.temperature if val.do_sample else None)):
+        if value is not None and 0 < value < MIN_SAMPLING_TEMPERATURE:
+            r.err(f"{key} = {value}: below {MIN_SAMPLING_TEMPERATURE:g} vLLM decodes greedily (and refuses n > 1) "
+                  "where the HF engine samples; use a temperature >= 1e-5, or argmax decoding (validation: "
+                  "val_kwargs.do_sample: false)")
     if not val.do_sample and val.n > 1:
         r.err(f"rollout.val_kwargs.n = {val.n} with do_sample: false: argmax decoding gives n identical responses "
               "(and vLLM refuses n > 1 for greedy requests); set do_sample: true or n: 1")
@@ -735,7 +666,9 @@ def validate_config(cfg: DictConfig) -> None:
               "reference policy's log-probs; set ref.enable: true (or null: on when a KL term needs it) or turn "
               "the KL term off")
     _check_reward_kl_keys(r, cfg.algorithm)
-    _check_inert_keys(r, cfg)
+    for message in inert_key_errors(cfg, critic_on=critic_enabled(cfg), builtin_estimators=_BUILTIN_ADV,
+                                    builtin_losses=_BUILTIN_POLICY_LOSSES):
+        r.err(message)
     _check_filter_metric(r, cfg)
     _check_reward_kwargs(r, cfg)
     if cfg.trainer.resume_fallback and cfg.trainer.resume_mode != "auto":

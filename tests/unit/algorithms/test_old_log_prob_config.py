@@ -67,11 +67,13 @@ def test_auto_takes_the_shortcut_only_on_policy(tmp_path: Path, overrides: tuple
 
 def test_correction_keys_and_gap_threshold_reach_the_specs(tmp_path: Path) -> None:
     spec = resolve(tmp_path, "algorithm.rollout_correction.mode=mis", "algorithm.rollout_correction.level=geometric",
-                   "algorithm.rollout_correction.threshold=3.0", "algorithm.rollout_correction.lower=0.8",
-                   "algorithm.rollout_correction.upper=1.25", "rollout.max_logprob_gap=0.02")
+                   "algorithm.rollout_correction.lower=0.8", "algorithm.rollout_correction.upper=1.25",
+                   "rollout.max_logprob_gap=0.02")
     assert spec.actor.loss.rollout_correction == RolloutCorrectionSettings(
-        mode="mis", level="geometric", threshold=3.0, lower=0.8, upper=1.25)
+        mode="mis", level="geometric", lower=0.8, upper=1.25)
     assert spec.max_logprob_gap == 0.02
+    spec = resolve(tmp_path, "algorithm.rollout_correction.mode=tis", "algorithm.rollout_correction.threshold=3.0")
+    assert spec.actor.loss.rollout_correction == RolloutCorrectionSettings(mode="tis", threshold=3.0)
     default = resolve(tmp_path)
     assert default.actor.loss.rollout_correction == RolloutCorrectionSettings() and default.max_logprob_gap == 0.1
     assert resolve(tmp_path, "rollout.max_logprob_gap=null").max_logprob_gap is None

@@ -166,6 +166,46 @@ def test_dual_clip_bound_needs_the_vanilla_loss(valid_file: Path) -> None:
     load_config(valid_file, ["actor.policy_loss.loss_mode=gspo"])
 
 
+def test_estimator_settings_need_an_estimator_that_reads_them(valid_file: Path) -> None:
+    # GRPO (the default) neither discounts nor bootstraps: gamma and lam would change nothing.
+    msg = errors_of(valid_file, "algorithm.gamma=0.9", "algorithm.lam=0.95")
+    assert ("algorithm.gamma = 0.9, algorithm.lam = 0.95 with algorithm.adv_estimator = 'grpo': that estimator does "
+            "not read them (read by gamma: gae, reinforce_plus_plus; lam: gae)") in msg
+    msg = errors_of(valid_file, "algorithm.adv_estimator=rloo", "algorithm.norm_adv_by_std_in_grpo=false")
+    assert ("algorithm.norm_adv_by_std_in_grpo = False with algorithm.adv_estimator = 'rloo': that estimator does not "
+            "read them (read by norm_adv_by_std_in_grpo: grpo, grpo_passk)") in msg
+    assert "algorithm.gamma" in errors_of(valid_file, "algorithm.adv_estimator=remax", "algorithm.gamma=0.99")
+    load_config(valid_file, ["algorithm.adv_estimator=gae", "algorithm.gamma=0.99", "algorithm.lam=0.95"])
+    load_config(valid_file, ["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.gamma=0.99"])
+    load_config(valid_file, ["algorithm.norm_adv_by_std_in_grpo=false"])  # Dr.GRPO
+    load_config(valid_file, ["algorithm.gamma=1.0", "algorithm.lam=1.0"])  # the defaults: not a setting
+
+
+def test_clipping_keys_need_a_loss_that_clips(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "actor.policy_loss.loss_mode=gpg", "actor.clip_ratio_high=0.28")
+    assert ("actor.clip_ratio_high = 0.28 with actor.policy_loss.loss_mode = 'gpg': that loss takes no ratio to "
+            "clip; remove them or set a clipping loss (cispo, gspo, vanilla)") in msg
+    msg = errors_of(valid_file, "actor.policy_loss.loss_mode=reinforce", "actor.clip_ratio=0.3", "actor.clip_ratio_c=10")
+    assert "actor.clip_ratio = 0.3, actor.clip_ratio_c = 10.0 with actor.policy_loss.loss_mode = 'reinforce'" in msg
+    load_config(valid_file, ["actor.policy_loss.loss_mode=cispo", "actor.clip_ratio_high=0.28"])
+    load_config(valid_file, ["actor.policy_loss.loss_mode=gpg"])
+
+
+def test_correction_keys_need_the_mode_that_reads_them(valid_file: Path) -> None:
+    logprobs = "rollout.calculate_log_probs=true"
+    msg = errors_of(valid_file, logprobs, "algorithm.rollout_correction.mode=mis",
+                    "algorithm.rollout_correction.threshold=5")
+    assert ("algorithm.rollout_correction.threshold = 5.0 with algorithm.rollout_correction.mode = 'mis': that mode "
+            "does not read them") in msg
+    msg = errors_of(valid_file, logprobs, "algorithm.rollout_correction.mode=tis", "algorithm.rollout_correction.upper=5")
+    assert "algorithm.rollout_correction.upper = 5.0 with algorithm.rollout_correction.mode = 'tis'" in msg
+    msg = errors_of(valid_file, "algorithm.rollout_correction.level=sequence")
+    assert "algorithm.rollout_correction.level = 'sequence' with algorithm.rollout_correction.mode = 'none'" in msg
+    load_config(valid_file, [logprobs, "algorithm.rollout_correction.mode=tis", "algorithm.rollout_correction.threshold=5"])
+    load_config(valid_file, [logprobs, "algorithm.rollout_correction.mode=mis", "algorithm.rollout_correction.level=sequence",
+                             "algorithm.rollout_correction.lower=0.8", "algorithm.rollout_correction.upper=1.25"])
+
+
 def test_critic_keys_need_a_critic(valid_file: Path) -> None:
     msg = errors_of(valid_file, "critic.ppo_epochs=2", "critic.optim.lr=1e-4")
     assert ("critic.optim.lr = 0.0001, critic.ppo_epochs = 2 with no critic (critic.enable = null and "
@@ -248,3 +288,13 @@ def test_critic_positions_are_checked_against_its_own_model(tmp_path: Path, vali
             f"(critic.model_path: {short})") in msg
     fits = model_dir(tmp_path / "fits", max_position_embeddings=48)
     assert load_config(valid_file, ["algorithm.adv_estimator=gae", f"critic.model_path={fits}"]).critic.model_path
+
+
+def test_a_temperature_vllm_would_take_as_greedy_is_refused(valid_file: Path) -> None:
+    # vllm.sampling_params: a request below 1e-5 decodes greedily, where the HF engine would sample.
+    msg = errors_of(valid_file, "rollout.temperature=1e-6")
+    assert "rollout.temperature = 1e-06: below 1e-05 vLLM decodes greedily (and refuses n > 1)" in msg
+    msg = errors_of(valid_file, "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=5e-6")
+    assert "rollout.val_kwargs.temperature = 5e-06: below 1e-05" in msg
+    load_config(valid_file, ["rollout.temperature=1e-5"])
+    load_config(valid_file, ["rollout.val_kwargs.temperature=1e-6"])  # argmax decoding: the temperature is unused

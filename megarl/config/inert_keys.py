@@ -1,0 +1,138 @@
+"""Keys set where the config never reads them: a value the run would silently ignore is refused.
+
+verl accepts, say, `algorithm.gamma: 0.99` beside GRPO and trains without discounting; here each
+rule names the keys set to other than their default, why nothing reads them in this config, and
+what to set instead. The rules know which built-in algorithm reads which key; a user-registered
+estimator or loss receives every setting, so its config is never refused for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from megarl.config.schema import (ActorConfig, AlgorithmConfig, CriticConfig, CustomRewardFunctionConfig,
+                                  OverlongBufferConfig, RewardConfig, RewardModelConfig, RolloutCorrectionConfig)
+
+# megarl.algorithms.policy_loss: the built-in losses that read each clipping key (clip_ratio is the
+# default of clip_ratio_low and clip_ratio_high).
+DUAL_CLIP_LOSSES = {"vanilla"}
+CLIPPING_LOSSES = {"vanilla", "gspo", "cispo"}
+# megarl.algorithms.advantages: the built-in estimators that read each algorithm.* setting.
+ESTIMATOR_KEYS = {
+    "gamma": {"gae", "reinforce_plus_plus"},
+    "lam": {"gae"},
+    "norm_adv_by_std_in_grpo": {"grpo", "grpo_passk"},
+}
+# megarl.algorithms.rollout_correction: the modes that read each band key.
+CORRECTION_KEYS = {"threshold": {"tis"}, "lower": {"mis", "icepop", "reject"}, "upper": {"mis", "icepop", "reject"}}
+# reward.* keys that configure the worker pool of a custom reward function (megarl.rewards.manager:
+# built-in scorers run in the driver process).
+POOL_KEYS = ("num_workers", "timeout_s", "batch_timeout_s", "worker_memory_mb")
+
+
+def changed_keys(section: str, current: Any, default: Any, skip: tuple[str, ...] = (),
+                 only: Optional[tuple[str, ...]] = None) -> list[str]:
+    """`key = value` for each key of `section` (`only` those named, when given) whose value differs from
+    the schema's default; `current` and `default` are dicts or, for the section's config and its
+    dataclass, anything `OmegaConf.to_container` / `dataclasses.asdict` turn into one (a section that
+    is null by default counts as one key when set)."""
+    if not isinstance(current, dict):
+        current = OmegaConf.to_container(current, resolve=True) if current is not None else {}
+    default = default if isinstance(default, dict) else dataclasses.asdict(default())
+    out = []
+    for name, value in current.items():
+        if name in skip or (only is not None and name not in only):
+            continue
+        base, key = default.get(name), f"{section}.{name}"
+        if isinstance(value, dict) and isinstance(base, dict):
+            out += changed_keys(key, value, base)
+        elif value != base:
+            out.append(f"{key} = {value!r}")
+    return out
+
+
+def inert_key_errors(cfg: DictConfig, *, critic_on: bool, builtin_estimators: set[str],
+                     builtin_losses: set[str]) -> list[str]:
+    """A message for each group of keys set (to other than their default) where `cfg` never reads them."""
+    errors = _algorithm_errors(cfg, builtin_estimators, builtin_losses)
+    actor, rm, reward = cfg.actor, cfg.reward_model, cfg.reward
+    if not actor.use_kl_loss:
+        changed = changed_keys("actor", actor, ActorConfig, only=("kl_loss_coef", "kl_loss_type"))
+        if changed:
+            errors.append(f"{', '.join(changed)} without actor.use_kl_loss: only the KL loss reads them (the KL "
+                          "penalty in the reward takes algorithm.kl_ctrl.kl_coef and algorithm.kl_penalty); set "
+                          "actor.use_kl_loss: true or remove them")
+    if not critic_on:
+        changed = changed_keys("critic", cfg.critic, CriticConfig, skip=("enable",))
+        if changed:
+            why = ("critic.enable = false" if cfg.critic.enable is False
+                   else f"critic.enable = null and algorithm.adv_estimator = {cfg.algorithm.adv_estimator!r}")
+            errors.append(f"{', '.join(changed)} with no critic ({why}): only a critic reads them; remove them or "
+                          "set critic.enable: true")
+    if not rm.enable:
+        changed = changed_keys("reward_model", rm, RewardModelConfig, skip=("enable",))
+        if changed:
+            errors.append(f"{', '.join(changed)} with reward_model.enable = false: only a reward model reads them; "
+                          "remove them or set reward_model.enable: true")
+    elif rm.combine == "by_style":
+        changed = changed_keys("reward_model", rm, RewardModelConfig, only=("rule_weight", "model_weight"))
+        if changed:
+            errors.append(f"{', '.join(changed)} with reward_model.combine = 'by_style': each row takes its rule or "
+                          "its model score as it is, unweighted; remove them or set combine: weighted_sum")
+    overlong = reward.overlong_buffer
+    if not overlong.enable:
+        changed = changed_keys("reward.overlong_buffer", overlong, OverlongBufferConfig, only=("len", "penalty_factor"))
+        if changed:
+            errors.append(f"{', '.join(changed)} without reward.overlong_buffer.enable: no overlong penalty is "
+                          "computed; set reward.overlong_buffer.enable: true or remove them")
+    if not reward.custom_reward_function.path:
+        changed = changed_keys("reward", reward, RewardConfig, only=POOL_KEYS)
+        if changed:
+            errors.append(f"{', '.join(changed)} with the built-in scorers only (reward.custom_reward_function.path "
+                          "unset): these configure the worker pool of a custom reward function, the built-in scorers "
+                          "run in the driver; remove them or set reward.custom_reward_function.path")
+        name = reward.custom_reward_function.name
+        if name != CustomRewardFunctionConfig.name:
+            errors.append(f"reward.custom_reward_function.name = {name!r} without reward.custom_reward_function.path: "
+                          "the built-in scorers score the rows; set the path of the file that defines it or remove "
+                          "the name")
+    return errors
+
+
+def _algorithm_errors(cfg: DictConfig, builtin_estimators: set[str], builtin_losses: set[str]) -> list[str]:
+    """The advantage estimator's, the policy loss's and the rollout correction's settings."""
+    errors = []
+    alg, actor = cfg.algorithm, cfg.actor
+    estimator = alg.adv_estimator
+    if estimator in builtin_estimators:
+        unread = [key for key, readers in ESTIMATOR_KEYS.items() if estimator not in readers]
+        changed = changed_keys("algorithm", alg, AlgorithmConfig, only=tuple(unread))
+        if changed:
+            readers = "; ".join(f"{key}: {', '.join(sorted(ESTIMATOR_KEYS[key]))}"
+                                for key in unread if any(c.startswith(f"algorithm.{key} ") for c in changed))
+            errors.append(f"{', '.join(changed)} with algorithm.adv_estimator = {estimator!r}: that estimator does "
+                          f"not read them (read by {readers}); remove them or choose an estimator that does")
+    loss_mode = actor.policy_loss.loss_mode
+    if loss_mode in builtin_losses - CLIPPING_LOSSES:
+        changed = changed_keys("actor", actor, ActorConfig,
+                               only=("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c"))
+        if changed:
+            errors.append(f"{', '.join(changed)} with actor.policy_loss.loss_mode = {loss_mode!r}: that loss takes "
+                          f"no ratio to clip; remove them or set a clipping loss ({', '.join(sorted(CLIPPING_LOSSES))})")
+    elif loss_mode in builtin_losses - DUAL_CLIP_LOSSES and actor.clip_ratio_c != ActorConfig.clip_ratio_c:
+        errors.append(f"actor.clip_ratio_c = {actor.clip_ratio_c} with actor.policy_loss.loss_mode = {loss_mode!r}: "
+                      f"only the dual-clip PPO loss ({', '.join(sorted(DUAL_CLIP_LOSSES))}) reads it; remove it or "
+                      "set loss_mode vanilla")
+    corr = alg.rollout_correction
+    unread = [key for key, modes in CORRECTION_KEYS.items() if corr.mode not in modes]
+    if corr.mode == "none":
+        unread.append("level")
+    changed = changed_keys("algorithm.rollout_correction", corr, RolloutCorrectionConfig, only=tuple(unread))
+    if changed:
+        errors.append(f"{', '.join(changed)} with algorithm.rollout_correction.mode = {corr.mode!r}: that mode does "
+                      "not read them (threshold: tis; lower and upper: mis, icepop, reject; level: every mode but "
+                      "none); remove them or set the mode that uses them")
+    return errors
