@@ -11,7 +11,9 @@ every running call first, so which requests share a round, and so the sampled to
 how fast a tool answered: a run with a fixed seed is reproducible. Without it, requests whose tools
 answered generate their next turns meanwhile and the loop waits for tools only when no request is
 ready to generate (faster with slow tools; rounds then depend on timing). Limits: `max_turns` assistant turns, a
-response budget of `max_response_length` tokens over all turns (model and tool tokens), and a
+response budget of `max_response_length` tokens over all turns (model and tool tokens),
+`max_parallel_calls` calls run per turn (as verl's key; each later call of the turn is answered that it
+was not run, so every call gets its answer in the order written), and a
 timeout per tool call (a call past it answers the model with a timeout error; its thread is left to
 finish, and the sandboxed interpreter has its own wall-clock limit).
 
@@ -35,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 from megarl.agent.chat import ToolTurnEncoder
-from megarl.agent.parsers import ToolCall, get_parser
+from megarl.agent.parsers import ParseError, ToolCall, get_parser
 from megarl.agent.tools import ToolResult, ToolSet
 from megarl.errors import DataError
 from megarl.rollout.base import SamplingParams, TokenContinuation
@@ -81,18 +83,19 @@ class AgentSettings:
     max_turns: int = 4  # assistant turns
     max_response_length: int = 64  # model and tool tokens together, over all turns
     tool_timeout_s: float = 10.0  # per call
-    max_parallel_calls: int = 8  # threads running tool calls
+    max_parallel_calls: int = 8  # calls of one turn that run (together); later ones are answered "not run"
     max_tool_response_chars: int = 256  # a longer tool output is cut (`cut_tool_output`)
     tool_response_truncate_side: str = "middle"  # left | middle | right: the part of a cut output kept
     format: str = "hermes"  # tool-call parser
     tools: tuple[str, ...] = ()  # tool names for `ToolSet.from_names` (the roles build the set)
     wait_for_tools: bool = True  # each round waits for every running tool call (reproducible rounds)
+    tool_threads: int = 16  # threads running the tool calls of all requests (not a config key)
 
 
 @dataclass
 class _Call:
     name: str
-    future: Optional[concurrent.futures.Future]  # None: answered already (a malformed call)
+    future: Optional[concurrent.futures.Future]  # None: answered already (a malformed call, one not run)
     submitted: float  # time.monotonic() when the call was queued
     answer: Optional[ToolResult] = None
     started: Optional[float] = None  # when a thread began running it (set by that thread)
@@ -158,7 +161,7 @@ class AgentLoop:
         self.settings = settings
         self.encoder = encoder if encoder is not None else ToolTurnEncoder(tokenizer)
         self.parser = get_parser(settings.format)
-        self._pool = concurrent.futures.ThreadPoolExecutor(settings.max_parallel_calls, thread_name_prefix="tool")
+        self._pool = concurrent.futures.ThreadPoolExecutor(settings.tool_threads, thread_name_prefix="tool")
         self._last_start = 0.0  # time.monotonic() when a tool call last began running (any thread)
         self.engine_calls = 0  # batched generate_tokens calls made (for tests and profiling)
 
@@ -237,9 +240,22 @@ class AgentLoop:
             return self._done(ep, "max_turns")
         if len(ep.response_ids) >= self.settings.max_response_length:
             return self._done(ep, "length")
-        now = time.monotonic()
-        ep.calls = [self._submit(ep, call, now) for call in turn.calls]
-        ep.calls += [_Call("", None, now, ToolResult(f"error: {err.message}", error="parse")) for err in turn.errors]
+        # One answer per call, in the order the calls were written: the answers carry no call id
+        # (Hermes/Qwen tool responses), the model pairs them with its calls by position. At most
+        # `max_parallel_calls` well-formed calls of the turn run (verl's meaning of the key); each later
+        # one is answered that it was not run (verl drops them, which would shift the pairing).
+        now, cap, ran = time.monotonic(), self.settings.max_parallel_calls, 0
+        ep.calls = []
+        for item in turn.in_order():
+            if isinstance(item, ParseError):
+                ep.calls.append(_Call("", None, now, ToolResult(f"error: {item.message}", error="parse")))
+            elif ran >= cap:
+                ep.calls.append(_Call(item.name, None, now, ToolResult(
+                    f"error: {item.name} was not run: a turn runs at most {cap} tool call{'s' * (cap != 1)} "
+                    "(rollout.multi_turn.max_parallel_calls)", error="not_run")))
+            else:
+                ep.calls.append(self._submit(ep, item, now))
+                ran += 1
         ep.phase = Phase.CALLING_TOOLS
         self._collect(ep)
 
@@ -256,7 +272,7 @@ class AgentLoop:
 
     def _deadline(self, call: _Call) -> float:
         """When `call` is answered with a timeout error: `tool_timeout_s` after it began running (the wait
-        for one of `max_parallel_calls` threads does not count); a call still queued, when no call has
+        for one of `tool_threads` threads does not count); a call still queued, when no call has
         begun running for `tool_timeout_s` since it was queued (every thread is then held by a call
         past its timeout)."""
         if call.started is not None:

@@ -27,11 +27,28 @@ class ParseError:
 
 @dataclass
 class ParsedTurn:
-    """The calls of one turn in the order written, the malformed ones, and the text around them."""
+    """The calls of one turn in the order written, the malformed ones, and the text around them.
+
+    `written` holds both kinds in the order the model wrote them (`add` keeps it and the two lists):
+    tool answers are matched to calls by position (Hermes/Qwen `<tool_response>` blocks carry no id),
+    so they are given in that order. A parser that fills `calls` and `errors` itself, without `add`,
+    gets its calls answered first and its errors after them."""
 
     calls: list[ToolCall] = field(default_factory=list)
     errors: list[ParseError] = field(default_factory=list)
     content: str = ""
+    written: list[ToolCall | ParseError] = field(default_factory=list)
+
+    def add(self, item: ToolCall | ParseError) -> None:
+        """A call or a malformed call, the next one in the turn's text."""
+        (self.calls if isinstance(item, ToolCall) else self.errors).append(item)
+        self.written.append(item)
+
+    def in_order(self) -> list[ToolCall | ParseError]:
+        """Every call and malformed call of the turn in the order written (see the class doc)."""
+        if len(self.written) == len(self.calls) + len(self.errors):
+            return list(self.written)
+        return [*self.calls, *self.errors]
 
     @property
     def has_calls(self) -> bool:
@@ -61,15 +78,15 @@ class HermesParser:
             end = text.find(self.close_tag, body_start)
             if end < 0:
                 raw = text[start:]
-                turn.errors.append(ParseError(f"unclosed {self.open_tag}: end the call with {self.close_tag}", raw))
+                turn.add(ParseError(f"unclosed {self.open_tag}: end the call with {self.close_tag}", raw))
                 break
             raw = text[body_start:end]
             call = self._call(raw.strip())
-            (turn.calls if isinstance(call, ToolCall) else turn.errors).append(call)
+            turn.add(call)
             pos = end + len(self.close_tag)
         stray = text.count(self.close_tag) - text.count(self.open_tag)
         if stray > 0:
-            turn.errors.append(ParseError(f"{self.close_tag} without {self.open_tag}", self.close_tag))
+            turn.add(ParseError(f"{self.close_tag} without {self.open_tag}", self.close_tag))
         turn.content = "".join(content).replace(self.close_tag, "").strip()
         return turn
 

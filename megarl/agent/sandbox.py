@@ -3,7 +3,8 @@
 What each run gets:
 - its own process (a new session, so the whole group is killed on timeout), started with `python -I`
   (no user site, no PYTHON* variables) and an empty environment;
-- a fresh scratch directory as its working directory, deleted afterwards;
+- a fresh scratch directory as its working directory, deleted afterwards; the code is its `main.py`,
+  and tracebacks name it so, not by the directory's random path (identical runs read alike);
 - resource limits set in the child before it executes the interpreter (by a launcher, not in the
   calling process, which may be threaded): CPU seconds (RLIMIT_CPU), address space
   (RLIMIT_AS), size of any file it writes (RLIMIT_FSIZE), number of processes (RLIMIT_NPROC: no
@@ -33,6 +34,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -111,6 +113,23 @@ except BaseException as exc:
 """
 
 
+# The code's script is `main.py` in its scratch directory. Python (3.9+) runs a script by its absolute
+# path, so a traceback would name the random scratch directory and identical runs would read differently
+# (a seeded multi-turn run is meant to reproduce). This runner, given to `python -c`, compiles the file
+# under the name "main.py" and runs it as `__main__` (its own names deleted first), and leaves its own
+# frame out of an uncaught exception's traceback: the code reads as if run by `python main.py`.
+_RUNNER = r"""
+import sys
+def _shown_without_runner(kind, value, tb, shown=sys.excepthook):
+    tb = tb.tb_next if tb is not None else None
+    shown(kind, value.with_traceback(tb) if isinstance(value, BaseException) else value, tb)
+sys.excepthook = _shown_without_runner
+sys.argv[0] = __file__ = "main.py"
+del sys, _shown_without_runner
+exec(compile(open(__file__, "rb").read(), __file__, "exec"))
+"""
+
+
 def _launch(command: list[str], limits: SandboxLimits, drop_to: Optional[tuple[int, int]], unshare_net: bool,
             **popen: Any) -> tuple[subprocess.Popen, int]:
     """Start `command` under `limits` through the launcher; returns the process and the read end of
@@ -140,29 +159,38 @@ def _launch_failure(read_fd: int) -> Optional[str]:
 def _interpreter(drop_to: Optional[tuple[int, int]]) -> tuple[str, Optional[tuple[int, int]]]:
     """The Python that runs the code, and the user to drop to. As `nobody` the interpreter and its
     standard library must be readable by every user: this one often is not (a virtual environment
-    under a private home), the system's may be. When none is, the child keeps this user."""
+    under a private home), the system's may be. When none is, the child keeps this user.
+
+    The lookup runs once per user, under a lock: tool calls run on a thread pool, and a thread that
+    read an unfinished lookup as "none found" would run the code as root without a process limit."""
     if drop_to is None:
         return sys.executable, None
     key = drop_to
-    if key not in _INTERPRETERS:
-        _INTERPRETERS[key] = None
-        for candidate in dict.fromkeys([sys.executable, getattr(sys, "_base_executable", sys.executable),
-                                        "/usr/local/bin/python3", "/usr/bin/python3"]):
-            if not os.path.exists(candidate):
-                continue
-            try:
-                probe = subprocess.run([candidate, "-I", "-c", "import json, math, re"], capture_output=True, env={},
-                                       timeout=30, user=key[0], group=key[1], extra_groups=[])
-            except (OSError, subprocess.SubprocessError):
-                continue
-            if probe.returncode == 0:
-                _INTERPRETERS[key] = candidate
-                break
-    found = _INTERPRETERS[key]
+    with _INTERPRETERS_LOCK:
+        if key not in _INTERPRETERS:
+            _INTERPRETERS[key] = _interpreter_for(key)
+        found = _INTERPRETERS[key]
     return (found, drop_to) if found is not None else (sys.executable, None)
 
 
-_INTERPRETERS: dict[tuple[int, int], Optional[str]] = {}
+def _interpreter_for(user: tuple[int, int]) -> Optional[str]:
+    """The first Python that `user` may run with its standard library, or None."""
+    for candidate in dict.fromkeys([sys.executable, getattr(sys, "_base_executable", sys.executable),
+                                    "/usr/local/bin/python3", "/usr/bin/python3"]):
+        if not os.path.exists(candidate):
+            continue
+        try:
+            probe = subprocess.run([candidate, "-I", "-c", "import json, math, re"], capture_output=True, env={},
+                                   timeout=30, user=user[0], group=user[1], extra_groups=[])
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if probe.returncode == 0:
+            return candidate
+    return None
+
+
+_INTERPRETERS: dict[tuple[int, int], Optional[str]] = {}  # user -> its Python (None: none found); under the lock
+_INTERPRETERS_LOCK = threading.Lock()
 
 
 def _can_unshare_net() -> bool:
@@ -241,8 +269,8 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
         # Output goes to files the parent opened (the file-size limit applies to them too), so a
         # chatty call cannot fill a pipe and block.
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc, report = _launch([python, "-I", "-B", script], limits, drop_to, unshare_net, cwd=scratch, env={},
-                                   stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
+            proc, report = _launch([python, "-I", "-B", "-c", _RUNNER], limits, drop_to, unshare_net, cwd=scratch,
+                                   env={}, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
             try:
                 proc.wait(timeout=limits.wall_seconds)
             except subprocess.TimeoutExpired:

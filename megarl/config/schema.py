@@ -280,7 +280,9 @@ class MultiTurnConfig:
     tools: list[str] = field(default_factory=list)
     max_turns: int = 4  # assistant turns per episode; rollout.response_length caps model + tool tokens over all turns
     tool_timeout_s: float = 10.0  # per tool call, from when it begins running; past it the model reads a timeout error
-    max_parallel_calls: int = 8  # threads running tool calls (with wait_for_tools false, while the engine generates)
+    # tool calls of one assistant turn that run (together), as verl's key; unlike verl, which drops them,
+    # each later call of the turn is answered with an error saying it was not run (answers pair by position)
+    max_parallel_calls: int = 8
     max_tool_response_chars: int = 256  # a longer tool output is cut before it is tokenised, marked "(truncated)"
     tool_response_truncate_side: str = "middle"  # what of a cut output is kept: left (its start) | middle | right (its end)
     format: str = "hermes"  # tool-call format of the model's turns (megarl.agent.parsers)

@@ -374,11 +374,12 @@ class RolloutRole:
 
     def _rows_of_shard(self, shard: Batch, sampling: SamplingParams, per_row: int = 1) -> SamplingParams:
         """`sampling` for this rank's DP shard: its rows counted from the shard's first row in the whole
-        batch (`SamplingParams.row_offset`, in units of `per_row` engine requests a shard row). `call_dp`
-        gives every rank an equal run of consecutive rows, so the shard of DP rank d starts at row
-        d x len(shard): a seeded row then samples from streams of its own on whichever rank it lands,
-        and (one engine call per shard) the same streams whatever the split."""
-        offset = sampling.row_offset + self.dp_rank * len(shard) * per_row
+        batch (`SamplingParams.row_offset`: given in prompts, returned in units of `per_row` engine
+        requests a shard row, so a multi-turn episode j of prompt i is request (row_offset + i) x n + j,
+        as a single-turn row). `call_dp` gives every rank an equal run of consecutive rows, so the shard
+        of DP rank d starts at row d x len(shard): a seeded row then samples from streams of its own on
+        whichever rank it lands, and (one engine call per shard) the same streams whatever the split."""
+        offset = (sampling.row_offset + self.dp_rank * len(shard)) * per_row
         return dataclasses.replace(sampling, row_offset=offset)
 
     def _agent_loop(self) -> AgentLoop:

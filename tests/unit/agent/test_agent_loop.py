@@ -9,10 +9,12 @@ tests/integration/trainer/test_multi_turn_e2e.py runs the loop with a real model
 from __future__ import annotations
 
 import copy
+import dataclasses
 import string
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -209,6 +211,113 @@ def test_malformed_call_is_answered_as_a_tool_error(tokenizer: Any) -> None:
     assert out["agent/tool_errors"].tolist() == [1.0]
 
 
+def tool_answers(tokenizer: Any, out: Batch, row: int = 0) -> list[str]:
+    """The tool messages of a response, in order (its mask-0 tokens split at each tool turn)."""
+    tool_ids = [t for t, m in zip(out["responses"][row].tolist(), out["response_mask"][row].tolist()) if m == 0 and t]
+    text = tokenizer.decode(tool_ids, skip_special_tokens=False)
+    return [part.split("<|im_end|>")[0] for part in text.split("<|im_start|>tool\n")[1:]]
+
+
+def one_turn_of(turn: str) -> Any:
+    """A model that writes `turn` first and "done" once it has read tool answers."""
+    return lambda text: "done<|im_end|>" if "<|im_start|>tool\n" in text else turn
+
+
+def test_tool_answers_follow_the_order_the_calls_were_written(tokenizer: Any) -> None:
+    """Tool responses carry no call id (Hermes/Qwen): the model pairs them with its calls by position,
+    so a malformed call between two good ones is answered in its own slot, not after them."""
+    call = lambda expr: CALL.replace("EXPR", expr).replace("<|im_end|>", "")  # noqa: E731
+    turn = call("1+1") + '<tool_call>{"name": oops}</tool_call>' + call("3+3") + "<|im_end|>"
+    loop, _ = make_loop(tokenizer, one_turn_of(turn), max_response_length=600)
+    out = multi_turn_generate(loop, prompt_batch(tokenizer, ["q"]), SamplingParams(max_new_tokens=600))
+    answers = tool_answers(tokenizer, out)
+    assert len(answers) == 3 and answers[0] == "2" and answers[2] == "6", answers
+    assert answers[1].startswith("error: the tool call is not valid JSON"), answers
+    assert out["agent/tool_calls"].tolist() == [3.0] and out["agent/tool_errors"].tolist() == [1.0]
+
+
+class CountingCalculator(CalculatorTool):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ran: list[str] = []
+
+    def execute(self, episode: str, arguments: dict[str, Any], **kwargs: Any) -> ToolResult:
+        self.ran.append(arguments["expression"])
+        return super().execute(episode, arguments, **kwargs)
+
+
+def test_max_parallel_calls_caps_the_calls_a_turn_runs_and_answers_the_rest_in_order(tokenizer: Any) -> None:
+    """verl's meaning of the key: at most max_parallel_calls calls of a turn run. Each later call is
+    answered, in its slot, that it was not run (verl drops them; answers pair with calls by position)."""
+    call = lambda expr: CALL.replace("EXPR", expr).replace("<|im_end|>", "")  # noqa: E731
+    tool = CountingCalculator()
+    loop, _ = make_loop(tokenizer, one_turn_of(call("1+1") + call("2+2") + call("3+3") + "<|im_end|>"),
+                        ToolSet({"calculator": tool}), max_parallel_calls=1, max_response_length=600)
+    out = multi_turn_generate(loop, prompt_batch(tokenizer, ["q"]), SamplingParams(max_new_tokens=600))
+    not_run = "error: calculator was not run: a turn runs at most 1 tool call (rollout.multi_turn.max_parallel_calls)"
+    assert tool.ran == ["1+1"]
+    assert tool_answers(tokenizer, out) == ["2", not_run, not_run]
+    assert out["agent/tool_calls"].tolist() == [3.0] and out["agent/tool_errors"].tolist() == [2.0]
+    # A malformed call takes no place among those that run, and keeps its own slot.
+    tool = CountingCalculator()
+    turn = call("1+1") + "<tool_call>{oops</tool_call>" + call("3+3") + call("4+4") + "<|im_end|>"
+    loop, _ = make_loop(tokenizer, one_turn_of(turn), ToolSet({"calculator": tool}), max_parallel_calls=2,
+                        max_response_length=800)
+    out = multi_turn_generate(loop, prompt_batch(tokenizer, ["q"]), SamplingParams(max_new_tokens=800))
+    answers = tool_answers(tokenizer, out)
+    assert sorted(tool.ran) == ["1+1", "3+3"] and answers[0] == "2" and answers[2] == "6", answers
+    assert "not valid JSON" in answers[1] and answers[3] == not_run.replace("1 tool call", "2 tool calls")
+
+
+def test_multi_turn_validation_batches_draw_streams_of_their_own(tokenizer: Any) -> None:
+    """Validation passes `row_offset` counted in prompts (a batch starts at prompt `first`); the agent
+    loop calls the engine with n=1, one request per episode, so episode j of prompt i is request
+    (first + i) x n + j, as a single-turn row. With n=2, a second batch of the same prompts must not
+    reuse the first batch's random streams (nor a DP rank's shard its neighbour's)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from megarl.rollout.hf_engine import HFRolloutEngine
+    from megarl.workers.roles import RolloutRole
+    from megarl.workers.specs import RolloutSpec
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         initializer_range=0.5, tie_word_embeddings=False)
+    options = EngineOptions(pad_token_id=0, eos_token_ids=(tokenizer.eos_token_id,), sleep_level=1)
+    engine = HFRolloutEngine(AutoModelForCausalLM.from_config(config), options)
+    first_round: list[list[int]] = []  # the requests (stream rows) of each generate call's first round
+    generate_tokens = engine.generate_tokens
+
+    def recording(contexts: Any, params: SamplingParams, max_new_tokens: Any = None) -> list[TokenContinuation]:
+        if recording.fresh:
+            first_round.append([params.row_offset + k for k in range(len(contexts))])
+            recording.fresh = False
+        return generate_tokens(contexts, params, max_new_tokens)
+
+    engine.generate_tokens = recording
+    settings = AgentSettings(max_response_length=12, tools=("calculator",))
+
+    def role_of(rank: int) -> RolloutRole:
+        role = RolloutRole(SimpleNamespace(rank=rank), RolloutSpec(model_dir="unused", engine="hf", options=options,
+                                                                   multi_turn=settings))
+        role.engine, role.agent = engine, AgentLoop(engine, tokenizer, ToolSet({"calculator": CalculatorTool()}),
+                                                    settings)
+        return role
+
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=123)
+    prompts = prompt_batch(tokenizer, ["1+2", "1+2"])
+
+    def generate(rank: int, first: int) -> list[list[int]]:
+        recording.fresh = True
+        return role_of(rank).generate(prompts, dataclasses.replace(sampling, row_offset=first))["responses"].tolist()
+
+    batch0, batch1 = generate(0, first=0), generate(0, first=2)  # validate(): batches of 2 prompts
+    assert first_round == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert len({tuple(r) for r in batch0 + batch1}) == 8, "a validation batch reused another's random streams"
+    assert generate(1, first=0) == batch1 and first_round[-1] == [4, 5, 6, 7]  # DP rank 1's shard: prompts 2, 3
+
+
 class SleepyTool(Tool):
     """Sleeps `seconds` (from execute_kwargs) and answers 'slept'; records when it ran."""
 
@@ -274,7 +383,7 @@ def test_the_timeout_counts_from_when_a_call_runs_not_from_its_wait_for_a_thread
     # One thread, four episodes calling a 0.3 s tool with a 0.6 s timeout: the last waits 0.9 s for
     # the thread and must still run (the last two timed out without running when the wait counted).
     loop, _ = make_loop(tokenizer, sleepy_script, ToolSet({"sleep": SleepyTool()}), tool_timeout_s=0.6,
-                        max_turns=2, max_parallel_calls=1)
+                        max_turns=2, tool_threads=1)
     kw = {"tools_kwargs": {"sleep": {"execute_kwargs": {"seconds": 0.3}}}}
     out = multi_turn_generate(loop, prompt_batch(tokenizer, ["1", "2", "3", "4"], [kw] * 4),
                               SamplingParams(max_new_tokens=200))
@@ -282,7 +391,7 @@ def test_the_timeout_counts_from_when_a_call_runs_not_from_its_wait_for_a_thread
     # A thread held by a call past its timeout: the call behind it is answered once no call has begun
     # running for a timeout, without running.
     loop, _ = make_loop(tokenizer, sleepy_script, ToolSet({"sleep": SleepyTool()}), tool_timeout_s=0.2,
-                        max_turns=2, max_parallel_calls=1)
+                        max_turns=2, tool_threads=1)
     kw = {"tools_kwargs": {"sleep": {"execute_kwargs": {"seconds": 1.5}}}}
     out = multi_turn_generate(loop, prompt_batch(tokenizer, ["1", "2"], [kw] * 2), SamplingParams(max_new_tokens=200))
     assert out["agent/tool_timeouts"].tolist() == [1.0, 1.0]
@@ -316,18 +425,6 @@ def test_retokenize_mismatch_is_detected(tokenizer: Any) -> None:
     # "<|im_end|>" spelled with character tokens decodes to the text of the special token
     spelled = tokenizer.encode("<", add_special_tokens=False) + tokenizer.encode("|im_end|>", add_special_tokens=False)
     assert retokenize_mismatch(tokenizer, ids + spelled)
-
-
-def test_a_template_that_renders_earlier_turns_otherwise_is_refused_when_built(tokenizer: Any) -> None:
-    # As Qwen3's: the last assistant message gets an empty think block, an earlier one none; the tool
-    # turn then cannot be appended to what the model produced. Refused at construction (the driver
-    # builds one before any worker starts), not at the first tool call.
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and "
-                         "loop.last %}<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    with pytest.raises(ConfigError, match="renders an earlier turn differently once tool messages follow"):
-        ToolTurnEncoder(tok)
 
 
 def test_no_chat_template_is_refused(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.agent.parsers import HermesParser, ToolCall, format_hermes, get_parser, register_parser
+from megarl.agent.parsers import (HermesParser, ParsedTurn, ParseError, ToolCall, format_hermes, get_parser,
+                                  register_parser)
 
 pytestmark = pytest.mark.unit
 
@@ -45,6 +46,18 @@ def test_malformed_calls_become_messages_for_the_model(body: str, message: str) 
     turn = HermesParser().parse(f"<tool_call>{body}</tool_call><tool_call>{{\"name\": \"ok\"}}</tool_call>")
     assert turn.calls == [ToolCall("ok", {})]  # the good call after the bad one still counts
     assert len(turn.errors) == 1 and message in turn.errors[0].message and turn.errors[0].text == body
+
+
+def test_calls_and_malformed_calls_keep_the_order_written() -> None:
+    """Tool answers pair with calls by position, so the turn keeps good and bad calls in one order."""
+    turn = HermesParser().parse('<tool_call>{"name": "a"}</tool_call><tool_call>{oops</tool_call>'
+                                '<tool_call>{"name": "b"}</tool_call>')
+    written = turn.in_order()
+    assert written[0] == ToolCall("a", {}) and written[2] == ToolCall("b", {})
+    assert written[1] == turn.errors[0] and "not valid JSON" in written[1].message
+    # A parser that fills the lists itself (no `add`): its calls first, then its errors.
+    by_hand = ParsedTurn(calls=[ToolCall("x", {})], errors=[ParseError("bad", "?")])
+    assert by_hand.in_order() == [ToolCall("x", {}), ParseError("bad", "?")]
 
 
 def test_unclosed_and_stray_tags() -> None:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from megarl.agent import sandbox
 from megarl.agent.sandbox import SandboxLimits, network_isolation_supported, process_limit_supported, run_python
+from megarl.agent.tools import PythonTool
 
 pytestmark = pytest.mark.unit
 
@@ -89,3 +93,47 @@ def test_a_run_that_cannot_start_says_why(monkeypatch) -> None:
     monkeypatch.setattr(sandbox, "_interpreter", lambda drop_to: ("/nonexistent/python3", None))
     with pytest.raises(OSError, match="sandbox: the run could not start .*FileNotFoundError"):
         run_python("print(1)", LIMITS)
+
+
+# A fresh process (the interpreter lookup is cached per process): the first runs, started together from
+# a thread pool as the agent loop's tool calls are, must each wait for the lookup, not read an unfinished
+# one as "no Python for nobody" and run the code as root without a process limit.
+_FIRST_RUNS_TOGETHER = """
+import concurrent.futures, json
+from megarl.agent import sandbox
+from megarl.agent.sandbox import SandboxLimits, run_python
+limits = SandboxLimits(wall_seconds=30)
+with concurrent.futures.ThreadPoolExecutor(6) as pool:
+    runs = list(pool.map(lambda _: run_python("import os;print(os.getuid())", limits), range(6)))
+print(json.dumps({"uids": [r.stdout.strip() for r in runs], "isolation": [r.isolation for r in runs],
+                  "nobody_python": sandbox._interpreter(sandbox._nobody())[1] is not None}))
+"""
+
+
+def test_the_first_concurrent_runs_as_root_all_drop_to_nobody() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("not running as root: the code runs as this user, there is no drop to nobody to race on")
+    nobody = sandbox._nobody()
+    if nobody is None:
+        pytest.skip("no nobody user on this machine")
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.run([sys.executable, "-c", _FIRST_RUNS_TOGETHER], capture_output=True, text=True, env=env,
+                           cwd=root, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    seen = json.loads(child.stdout.strip().splitlines()[-1])
+    if not seen["nobody_python"]:
+        pytest.skip("no Python here that the nobody user may run: the code stays root (isolation says so)")
+    assert seen["uids"] == [str(nobody[0])] * 6, seen
+    assert all(i["unprivileged_user"] and i["process_limit"] for i in seen["isolation"]), seen["isolation"]
+
+
+def test_identical_code_reads_identically_its_traceback_names_main_py() -> None:
+    """Tracebacks name the script `main.py`, not its random scratch directory: a seeded run reproduces."""
+    tool = PythonTool(timeout_s=5)
+    first, second = (tool.call("e", {"code": "x = 1\nprint(1/0)"}) for _ in range(2))
+    assert first.error == "exit_code" and first.text == second.text
+    assert first.text.startswith('Traceback (most recent call last):\n  File "main.py", line 2, in <module>\n'), first.text
+    assert "megarl_sandbox" not in first.text and first.text.endswith("ZeroDivisionError: division by zero")
+    syntax = run_python("print(1/", LIMITS)
+    assert syntax.stderr.startswith('  File "main.py", line 1\n') and "SyntaxError" in syntax.stderr, syntax.stderr
