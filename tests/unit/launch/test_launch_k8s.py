@@ -270,3 +270,41 @@ def test_dockerfile_user_step_succeeds_on_either_base(tmp_path: Path, base_users
     holders = [line.split(":")[0] for line in passwd.read_text().splitlines() if line.split(":")[2] == "1000"]
     assert holders == ["ray"], passwd.read_text()
     assert [w for w, _ in steps].index("USER") > steps.index(("RUN", user_steps[0]))
+
+
+def recipe_paths(config: Path) -> list[str]:
+    """The absolute paths a recipe reads: data files, tokenizer, model and critic/reward-model checkpoints."""
+    from megarl.config import load_config
+
+    cfg = load_config(config, validate=False)
+    paths = [*cfg.data.train_files, *(cfg.data.val_files or []), cfg.data.tokenizer, cfg.model.path,
+             cfg.critic.model_path, cfg.reward_model.model_path]
+    return [str(p) for p in paths if p and str(p).startswith("/")]
+
+
+@pytest.mark.parametrize("name", ["rayjob.yaml", "raycluster.yaml"])
+def test_every_pod_mounts_what_the_gpu_recipes_read(name: str) -> None:
+    doc = load(name)
+    spec = doc["spec"] if doc["kind"] == "RayCluster" else doc["spec"]["rayClusterSpec"]
+    templates = [spec["headGroupSpec"]["template"], *(g["template"] for g in spec["workerGroupSpecs"])]
+    claim = load("pvc.yaml")["metadata"]["name"]
+    recipes = [p for p in sorted((REPO / "configs").glob("*.yaml")) if recipe_paths(p)]
+    assert len(recipes) >= 4, recipes  # the GPU recipes name absolute paths; the CPU ones relative ones
+    for template in templates:
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        mounts = [m["mountPath"] for m in template["spec"]["containers"][0]["volumeMounts"]
+                  if volumes[m["name"]].get("persistentVolumeClaim", {}).get("claimName") == claim]
+        for recipe in recipes:
+            for path in recipe_paths(recipe):
+                assert any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounts), (
+                    f"{name}: {recipe.name} reads {path}, which no mount of the shared volume ({mounts}) holds")
+
+
+def test_ray_job_stop_gives_the_trainer_time_to_checkpoint() -> None:
+    """`ray job stop` is the graceful stop on Kubernetes (tests/integration/launch/test_launch_ray_job_stop.py):
+    the job supervisor on the head sends SIGTERM, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S (3 s by default)."""
+    for name in ("rayjob.yaml", "raycluster.yaml"):
+        doc = load(name)
+        spec = doc["spec"] if doc["kind"] == "RayCluster" else doc["spec"]["rayClusterSpec"]
+        env = {e["name"]: e["value"] for e in spec["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]}
+        assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) >= 300, name
