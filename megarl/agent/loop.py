@@ -90,6 +90,8 @@ class AgentSettings:
     tools: tuple[str, ...] = ()  # tool names for `ToolSet.from_names` (the roles build the set)
     wait_for_tools: bool = True  # each round waits for every running tool call (reproducible rounds)
     tool_threads: int = 16  # threads running the tool calls of all requests (not a config key)
+    # data.apply_chat_template_kwargs: the tool turn is rendered with them, as the prompt was
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 @dataclass
@@ -159,7 +161,7 @@ class AgentLoop:
         self.tokenizer = tokenizer
         self.tools = tools
         self.settings = settings
-        self.encoder = encoder if encoder is not None else ToolTurnEncoder(tokenizer)
+        self.encoder = encoder if encoder is not None else ToolTurnEncoder(tokenizer, settings.chat_template_kwargs)
         self.parser = get_parser(settings.format)
         self._pool = concurrent.futures.ThreadPoolExecutor(settings.tool_threads, thread_name_prefix="tool")
         self._last_start = 0.0  # time.monotonic() when a tool call last began running (any thread)

@@ -273,7 +273,7 @@ def prepare_run(cfg: DictConfig) -> RunContext:
     run_dir = Path(cfg.trainer.default_local_dir).absolute()
     tokenizer = load_run_tokenizer(cfg)
     if cfg.rollout.multi_turn.enable:  # a chat template that cannot render tool turns: refused now, not at a tool call
-        ToolTurnEncoder(tokenizer)
+        ToolTurnEncoder(tokenizer, OmegaConf.to_container(cfg.data.apply_chat_template_kwargs, resolve=True))
     train_loader, val_dataset = build_datasets(cfg, tokenizer)
     reward_manager = RewardManager.from_config(cfg.reward, response_length(cfg))
     reward_manager.check_data_sources(train_loader.dataset.rule_data_sources())

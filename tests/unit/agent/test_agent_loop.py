@@ -25,7 +25,7 @@ from megarl.agent.loop import AgentLoop, AgentSettings, cut_tool_output
 from megarl.agent.rollout import agent_metrics, multi_turn_generate
 from megarl.agent.tools import CalculatorTool, Tool, ToolResult, ToolSet
 from megarl.data.tokenizer import CHATML_SPECIAL_TOKENS, CHATML_TEMPLATE, build_char_tokenizer
-from megarl.errors import ConfigError, DataError
+from megarl.errors import DataError
 from megarl.protocol import Batch
 from megarl.rollout.base import EngineOptions, SamplingParams, TokenContinuation
 
@@ -96,6 +96,12 @@ def test_tool_turn_text_is_the_chat_templates_tool_role_turn(tokenizer: Any) -> 
     assert ToolTurnEncoder(tokenizer).text(["42"]) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
     assert ToolTurnEncoder(tokenizer).text(["1", "2"]) == (
         "\n<|im_start|>tool\n1<|im_end|>\n<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_loop_renders_tool_turns_with_the_prompts_chat_template_kwargs(tokenizer: Any) -> None:
+    loop, _ = make_loop(tokenizer, [], chat_template_kwargs={"enable_thinking": False})
+    assert loop.encoder.chat_template_kwargs == {"enable_thinking": False}
+    assert make_loop(tokenizer, [])[0].encoder.chat_template_kwargs == {}
 
 
 def test_the_end_of_turn_token_is_there_once_whatever_ended_the_turn(tokenizer: Any) -> None:
