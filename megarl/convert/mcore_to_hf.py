@@ -120,6 +120,17 @@ def find_hf_source(ckpt_dir: Path, hf_config: str | Path | None, info: dict[str,
     return next((path for path in candidates if _same_model(path, info)), None)
 
 
+def checkpoint_model_spec(ckpt_dir: Path, info: dict[str, Any], source: Path | None,
+                          config: dict[str, Any]) -> ModelSpec:
+    """The model spec of a checkpoint's HF config (`checkpoint_hf_config`), for the family it was
+    saved for; its `config_file` names where the config came from, so that errors say it."""
+    if source is not None:
+        return ModelSpec.from_hf_config(source / "config.json", family=info.get("family"))
+    spec = ModelSpec.from_hf_config(config, family=info.get("family"))
+    spec.config_file = f"the HF config stored in {ckpt_dir / 'common.pt'}"
+    return spec
+
+
 def checkpoint_hf_config(ckpt_dir: Path, info: dict[str, Any],
                          hf_config: str | Path | None) -> tuple[Path | None, dict[str, Any] | None]:
     """The HF directory (`find_hf_source`, None when there is none) and the HF config of a Megatron
@@ -217,8 +228,7 @@ def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: st
             f"{ckpt}: cannot find the HF config: pass --hf-config DIR (tried {ckpt / HF_FILES_DIR} and "
             f"initial_model/ in the run directories above it)"
         )
-    # The family the checkpoint was saved for; the config from its file, so that errors name it.
-    spec = ModelSpec.from_hf_config(config if source is None else source / "config.json", family=info.get("family"))
+    spec = checkpoint_model_spec(ckpt, info, source, config)
     role = info.get("role", "policy")
     if role not in ("policy", "value"):
         raise CheckpointError(f"{ckpt}: role {role!r} cannot be exported (policy or value)")
@@ -226,7 +236,7 @@ def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: st
     expected = expected_hf_shapes(out_config)
     plan = plan_checkpoint(spec, role, expected, tp=1)
     _check_shapes(reader, plan, spec.vocab_size)
-    _check_all_read(reader, plan, spec.config_file or f"the HF config stored in {ckpt / 'common.pt'}")
+    _check_all_read(reader, plan, spec.config_file)
     out_dtype = parse_dtype(dtype)
     role_spec = spec.for_role(role)
 

@@ -1,23 +1,35 @@
 """Engine checkpoints with Megatron distributed checkpointing (torch_dist), reshardable on load.
 
-Model and distributed-optimizer state are saved as sharded tensors in the canonical (unsplit)
-layout, so a checkpoint saved at one TP/PP/DP layout loads at another. The optimizer uses
-`fully_reshardable` sharding (the default format fails at save in megatron-core 0.16.1).
+Model and optimizer state are saved as sharded tensors in the canonical (unsplit) layout, so a
+checkpoint saved at one TP/PP/DP layout loads at another. Two optimizer kinds, as
+`optim.build_optimizer` makes them (`use_distributed_optimizer`), each part of Megatron's
+`ChainedOptimizer` (one for a dense model, two with experts):
+- the distributed optimizer (`DistributedOptimizer`, Adam state sharded over DP) uses
+  `fully_reshardable` sharding (the default format fails at save in megatron-core 0.16.1): tensors
+  `optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`, `param` the fp32 main parameter;
+- the plain optimizer (`FP32Optimizer`, or `Float16OptimizerWithFloat16Params` for bf16; Adam state
+  replicated over DP) uses Megatron's own `sharded_state_dict`, which lays each state out like its
+  model parameter: `optimizer.state.{exp_avg,exp_avg_sq}.<model key>`, with bf16 also
+  `optimizer.state.fp32_param.<model key>` (fp32 training: the model's parameters are the main
+  parameters). Adam's step is kept as `common_step` in the common state.
+The kind is recorded (`optimizer_kind`); a checkpoint loads into an optimizer of its own kind only
+(the tensors differ), at any layout.
 
-Work-arounds for the native (no Apex/TE) distributed Adam of megatron-core 0.16.1, all done here
+Work-arounds for the native (no Apex/TE) Adam of megatron-core 0.16.1, all done here
 with public methods rather than by patching Megatron:
-- a fresh optimizer has no Adam state, and cannot describe what it wants to load: its state is
-  initialised (zeros, step 0) first;
-- its `load_state_dict` makes every parameter share one `step` tensor (Adam's step would advance by
-  the parameter count per update) and the fully-reshardable loader fails on `step`: the parameter
-  state is loaded with `step` held aside, then each parameter gets its own step, read from the
-  checkpoint's common state.
+- a fresh optimizer has no Adam state, and cannot describe what it wants to save or load (the
+  plain optimizer would save no moments at all): its state is initialised (zeros, step 0) first;
+- the distributed optimizer's `load_state_dict` makes every parameter share one `step` tensor
+  (Adam's step would advance by the parameter count per update) and the fully-reshardable loader
+  fails on `step`: the parameter state is loaded with `step` held aside, then each parameter (of
+  either kind) gets its own step, read from the checkpoint's common state.
 The directory is written under a temporary name and renamed when complete; `metadata.json`,
 written last by Megatron, marks a complete checkpoint.
 
 A load is checked, not trusted: the save records a fingerprint of the optimizer state (element
-count and float64 sums of the main parameters, |first moments| and second moments over every
-element once, whatever the layout), the Adam step and the LR schedule's step; after a load the
+count and float64 sums of the fp32 main parameters (with the plain fp32 optimizer: the model's
+parameters), |first moments| and second moments over every element once, whatever the layout),
+the Adam step and the LR schedule's step; after a load the
 same fingerprint is taken from what was loaded and must match (up to summation order), and the
 Adam step and the schedule must continue from the saved step. Any difference is a
 `CheckpointError` naming the quantity. (Zero moments alone are not an error: a run whose
@@ -46,7 +58,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megarl.errors import CheckpointError
-from megarl.megatron.checkpoint_format import FORMAT_VERSION
+from megarl.megatron.checkpoint_format import (
+    DISTRIBUTED, FORMAT_VERSION, MAIN_PARAM_STATE, OPTIMIZER_KINDS, PLAIN_FLOAT16, PLAIN_FP32, saved_optimizer_kind,
+)
 from megarl.megatron.model import unwrap
 
 logger = logging.getLogger(__name__)
@@ -75,10 +89,32 @@ _ADAM_SETTINGS = (("betas", "optim.betas"), ("eps", "optim.eps"))
 
 
 def _dist_optimizers(optimizer: Any) -> list[Any]:
-    """The Megatron distributed optimizers inside `optimizer`: one for a dense model, two for a
-    mixture-of-experts model (dense parameters, then expert parameters with their own DP group)."""
+    """The Megatron optimizers inside `optimizer` (distributed or plain): one for a dense model, two
+    for a mixture-of-experts model (dense parameters, then expert parameters with their own DP group)."""
     chained = getattr(optimizer, "chained_optimizers", None)
     return [optimizer] if chained is None else list(chained)
+
+
+def _part_kind(part: Any) -> str:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
+
+    if isinstance(part, DistributedOptimizer):
+        return DISTRIBUTED
+    if isinstance(part, Float16OptimizerWithFloat16Params):
+        return PLAIN_FLOAT16
+    if isinstance(part, FP32Optimizer):
+        return PLAIN_FP32
+    raise CheckpointError(f"cannot checkpoint a {type(part).__name__} (supported: DistributedOptimizer, "
+                          "FP32Optimizer, Float16OptimizerWithFloat16Params)")
+
+
+def optimizer_kind(optimizer: Any) -> str:
+    """DISTRIBUTED, PLAIN_FP32 or PLAIN_FLOAT16: the kind of every part of `optimizer`."""
+    kinds = {_part_kind(part) for part in _dist_optimizers(optimizer)}
+    if len(kinds) != 1:
+        raise CheckpointError(f"the optimizer's parts are of different kinds: {sorted(kinds)}")
+    return kinds.pop()
 
 
 def _inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -117,7 +153,8 @@ def _set_adam_step(optimizer: Any, step: int) -> None:
 
 def _sharded_state(engine: Any, is_loading: bool) -> dict[str, Any]:
     model_sd = unwrap(engine.ddp).sharded_state_dict()  # standard keys: decoder.layers..., no wrapper prefix
-    # One entry per distributed optimizer; their sharded keys name disjoint parameters.
+    # One entry per optimizer part; their sharded keys name disjoint parameters. (A plain optimizer
+    # ignores the metadata, which only selects the distributed optimizer's format.)
     return {
         "model": model_sd,
         "optimizer": {
@@ -127,14 +164,28 @@ def _sharded_state(engine: Any, is_loading: bool) -> dict[str, Any]:
     }
 
 
-def _optimizer_fingerprint(sharded: dict[str, Any], vocab_size: int) -> dict[str, float]:
+def _model_main_params(engine: Any, sharded: dict[str, Any]) -> list[Any]:
+    """The model's sharded tensors of the parameters a plain fp32 optimizer steps (its main
+    parameters); none for the other kinds, whose main parameters are optimizer state."""
+    from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
+
+    return [value for part in _dist_optimizers(engine.optimizer) if _part_kind(part) == PLAIN_FP32
+            for value in get_param_id_to_sharded_param_map(sharded["model"], part.get_parameters()).values()]
+
+
+def _optimizer_fingerprint(sharded: dict[str, Any], engine: Any) -> dict[str, float]:
     """Collective. `FINGERPRINT_FIELDS` of the optimizer state in `sharded` (from `_sharded_state`),
     summed over the world counting each element once: only main replicas contribute, and of
     vocabulary-padded tensors only the rows of the `vocab_size` real tokens (the padding depends on
-    the TP size)."""
+    the TP size). The fp32 main parameters are the optimizer's `param` (distributed) or `fp32_param`
+    (plain bf16) state, or the model's parameters (plain fp32)."""
 
+    vocab_size = engine.spec.vocab_size
+    main_prefixes = tuple(f"optimizer.state.{name}." for name in MAIN_PARAM_STATE.values() if name)
+    model_main = _model_main_params(engine, sharded)
+    model_main_ids = {id(value) for value in model_main}
     sums = torch.zeros(len(FINGERPRINT_FIELDS), dtype=torch.float64)
-    for value in nested_values(sharded["optimizer"]):
+    for value in list(nested_values(sharded["optimizer"])) + model_main:
         # A factory (e.g. SwiGLU's fused gate/up weight) holds this rank's whole local tensor.
         if not isinstance(value, (ShardedTensor, ShardedTensorFactory)) or not is_main_replica(value.replica_id):
             continue
@@ -143,7 +194,7 @@ def _optimizer_fingerprint(sharded: dict[str, Any], vocab_size: int) -> dict[str
             first_row = value.global_offset[value.prepend_axis_num]
             data = data[: max(0, min(data.shape[0], vocab_size - first_row))]
         data = data.to("cpu", torch.float64)
-        if value.key.startswith("optimizer.state.param."):
+        if id(value) in model_main_ids or value.key.startswith(main_prefixes):
             sums[0] += data.numel()
             sums[1] += data.abs().sum()
         elif value.key.startswith("optimizer.state.exp_avg."):
@@ -202,8 +253,13 @@ def check_restored(path: Path, saved: dict[str, Any], engine: Any, loaded: dict[
     docstring). `saved`: the checkpoint's `megarl` entry; `loaded`: the fingerprint after the load."""
     problems = []
     want = saved.get("optimizer_fingerprint")
+    fields = FINGERPRINT_FIELDS
+    if want is not None and "optimizer_kind" not in saved and float(want["elements"]) == 0:
+        # Saved by a plain optimizer before megarl recorded the kind: its fingerprint has no main
+        # parameters (only the distributed optimizer's `param` state was counted then).
+        fields = tuple(f for f in FINGERPRINT_FIELDS if f not in ("elements", "param_abs_sum"))
     if want is not None:
-        for name in FINGERPRINT_FIELDS:
+        for name in fields:
             w, g = float(want[name]), loaded[name]
             if abs(g - w) > FINGERPRINT_RTOL * max(abs(w), 1e-30):
                 problems.append(f"optimizer {name} is {g!r} after the load, {w!r} when saved")
@@ -257,7 +313,8 @@ def save(engine: Any, path: str | os.PathLike[str]) -> None:
         "hf_dir": engine.hf_dir,
         "adam_step": adam_step(engine.optimizer),
         "scheduler": engine.scheduler.state_dict(),
-        "optimizer_fingerprint": _optimizer_fingerprint(state, engine.spec.vocab_size),
+        "optimizer_kind": optimizer_kind(engine.optimizer),
+        "optimizer_fingerprint": _optimizer_fingerprint(state, engine),
     }
     dist_checkpointing.save(state, str(tmp), content_metadata=_OPT_METADATA)
     dist.barrier()
@@ -266,6 +323,16 @@ def save(engine: Any, path: str | os.PathLike[str]) -> None:
             shutil.rmtree(target)
         os.replace(tmp, target)
     dist.barrier()
+
+
+def _saved_kind(path: Path, common: dict[str, Any]) -> str:
+    """The optimizer kind a checkpoint was saved with: recorded since megarl saves plain-optimizer
+    checkpoints that load; before, read from the optimizer's common state."""
+    kind = saved_optimizer_kind(common)
+    if kind is None:
+        raise CheckpointError(f"{path}: the optimizer state's kind cannot be told from common.pt "
+                              f"(optimizer entry: {sorted((common.get('optimizer') or {}).get('part0') or {})})")
+    return kind
 
 
 def load(engine: Any, path: str | os.PathLike[str]) -> None:
@@ -286,6 +353,13 @@ def load(engine: Any, path: str | os.PathLike[str]) -> None:
         found = info.get("format_version") if info else None
         raise CheckpointError(f"{path}: not a megarl engine checkpoint of format {FORMAT_VERSION} "
                               f"(found format {found})")
+    kind = optimizer_kind(engine.optimizer)
+    saved_kind = _saved_kind(path, common)
+    if saved_kind != kind:
+        raise CheckpointError(
+            f"{path}: saved with {OPTIMIZER_KINDS.get(saved_kind, saved_kind)}, but this {engine.role} engine uses "
+            f"{OPTIMIZER_KINDS[kind]}: their optimizer states are stored differently and one does not load into the "
+            "other; resume with the checkpoint's setting (the parallel layout may differ)")
     # This run's settings, which the load must leave in place (see the module docstring).
     config_schedule = engine.scheduler.state_dict()
     config_groups = _param_group_settings(engine.optimizer)
@@ -301,14 +375,19 @@ def load(engine: Any, path: str | os.PathLike[str]) -> None:
     if missing:
         raise CheckpointError(f"{path}: checkpoint lacks model tensors {missing[:5]} (it has {sorted(loaded['model'])[:5]})")
 
-    for i, dist_opt in enumerate(_dist_optimizers(engine.optimizer)):
+    for i, part in enumerate(_dist_optimizers(engine.optimizer)):
         opt_sd = dict(loaded["optimizer"][f"part{i}"])
+        if kind != DISTRIBUTED:
+            # Megatron's own load: Adam's moments (and bf16's fp32 main parameters, copied into the
+            # optimizer's), its param groups, and `common_step` given to every parameter (a copy each).
+            part.load_state_dict(opt_sd)
+            continue
         param_state = opt_sd.pop("param_state")
         opt_sd.pop("param_state_sharding_type", None)
-        dist_opt.load_state_dict(opt_sd)  # param groups (lr, wd, ...) only
-        for state in dist_opt.optimizer.state.values():
+        part.load_state_dict(opt_sd)  # param groups (lr, wd, ...) only
+        for state in part.optimizer.state.values():
             state.pop("step", None)
-        dist_opt.load_parameter_state_from_fully_reshardable(param_state)
+        part.load_parameter_state_from_fully_reshardable(param_state)
     saved_groups = _param_group_settings(engine.optimizer)
     _restore_param_group_settings(engine.optimizer, config_groups)
     _set_adam_step(engine.optimizer, int(info["adam_step"]))
@@ -319,8 +398,8 @@ def load(engine: Any, path: str | os.PathLike[str]) -> None:
         logger.warning("%s: resuming the %s engine with this run's optimizer settings, not the checkpoint's: %s; "
                        "the LR schedule continues from step %d under them (warmup and total in optimizer steps)",
                        path, engine.role, "; ".join(differ), engine.scheduler.num_steps)
-    check_restored(path, info, engine, _optimizer_fingerprint(_sharded_state(engine, is_loading=False),
-                                                             engine.spec.vocab_size))
+    check_restored(path, info, engine, _optimizer_fingerprint(_sharded_state(engine, is_loading=False), engine))
     # Model params were overwritten by the checkpoint; the fp32 main params came from it too
-    # (fully-reshardable state holds them), so nothing else to refresh.
+    # (the fully-reshardable `param` or the plain bf16 `fp32_param` state; with plain fp32 they are
+    # the model params), so nothing else to refresh.
     dist.barrier()

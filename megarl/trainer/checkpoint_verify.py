@@ -12,10 +12,12 @@ What a directory is, is read from what it holds:
 
 Checked: every tensor the model spec expects (every layer and expert, from the HF config the
 checkpoint carries or the run's `initial_model/`) with its shape and every element stored; for a
-trainer's engine, Adam's `param`/`exp_avg`/`exp_avg_sq` for every parameter, its step counter and
-LR-schedule state; every shard file present and as long as the byte ranges the index gives it; the
-size and CRC-32 of every file against the manifest written when the checkpoint was committed; the
-driver state (step, data-loader position, KL controller, RNG). Every problem is reported at once,
+trainer's engine, Adam's `exp_avg`/`exp_avg_sq` and the fp32 main parameter for every parameter (the
+distributed optimizer's `param`, the plain bf16 optimizer's `fp32_param`; with the plain fp32
+optimizer the model tensor is the main parameter), its step counter and LR-schedule state; every
+shard file present and as long as the byte ranges the index gives it; the size and CRC-32 of every
+file against the manifest written when the checkpoint was committed; the driver state (step,
+data-loader position, KL controller, RNG). Every problem is reported at once,
 naming the file and the tensor.
 """
 
@@ -36,15 +38,18 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from megarl.config import critic_enabled
 from megarl.convert.hf_files import INDEX_NAME, SINGLE_NAME, HFCheckpoint, expected_hf_shapes, read_config
 from megarl.convert.layout import CheckpointTensor, head_architecture, plan_checkpoint
-from megarl.convert.mcore_to_hf import checkpoint_hf_config
+from megarl.convert.mcore_to_hf import checkpoint_hf_config, checkpoint_model_spec
 from megarl.errors import CheckpointError, MegarlError
-from megarl.megatron.checkpoint_format import FORMAT_VERSION
-from megarl.models.spec import ModelSpec
+from megarl.megatron.checkpoint_format import FORMAT_VERSION, MAIN_PARAM_STATE, OPTIMIZER_KINDS, PLAIN_FP32, saved_optimizer_kind
 from megarl.trainer.checkpoint_dirs import COMPLETE_MARKER, CheckpointDirs, LATEST_FILE, STATE_FILE, STEP_DIR_PREFIX, crc32_of_file, read_marker
 
 logger = logging.getLogger(__name__)
-ADAM_STATES = ("param", "exp_avg", "exp_avg_sq")
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 ENGINE_DIRS = ("actor", "critic")
+
+def _param_groups(common: dict[str, Any], kind: Optional[str]) -> Any:
+    part = (common.get("optimizer") or {}).get("part0") or {}
+    return (part if kind == PLAIN_FP32 else part.get("optimizer") or {}).get("param_groups")
 
 
 @dataclass
@@ -79,13 +84,13 @@ class VerifyReport:
 def _expected_plan(ckpt: Path, info: dict[str, Any], hf_config: Optional[Path],
                    report: VerifyReport) -> Optional[list[CheckpointTensor]]:
     """The model tensors the spec expects, or None (noted) when no HF config can be found."""
-    _, config = checkpoint_hf_config(ckpt, info, hf_config)
+    source, config = checkpoint_hf_config(ckpt, info, hf_config)
     if config is None:
         report.notes.append(f"{ckpt}: no HF config found (none stored in common.pt, no initial_model/ above, no "
                             "--hf-config): stored tensors checked, not the list the model spec expects")
         return None
     role = info.get("role", "policy")
-    spec = ModelSpec.from_hf_config(config, family=info.get("family"))
+    spec = checkpoint_model_spec(ckpt, info, source, config)
     arch = (config.get("architectures") or [None])[0]
     shapes_config = dict(config)
     if role == "value":  # the value head is a one-label sequence classifier's `score`
@@ -225,8 +230,14 @@ def verify_engine_checkpoint(ckpt: Union[str, Path], hf_config: Optional[Union[s
         report.problems.append(f"{ckpt / 'common.pt'}: megarl format {info.get('format_version')}, expected "
                                f"{FORMAT_VERSION}")
         return report
+    kind = saved_optimizer_kind(common)
+    if kind not in MAIN_PARAM_STATE:
+        report.problems.append(f"{ckpt / 'common.pt'}: optimizer of unknown kind {kind!r} (known: "
+                               f"{sorted(MAIN_PARAM_STATE)}); its state cannot be checked")
+        return report
+    states = ADAM_MOMENTS + ((MAIN_PARAM_STATE[kind],) if MAIN_PARAM_STATE[kind] else ())
     for key, shape, lead, vocab in expected:
-        for state in ADAM_STATES:
+        for state in states:
             _check_tensor(ckpt, metadata, f"optimizer.state.{state}.{key}", shape, lead, vocab, report,
                           what="optimizer state")
     step = info.get("adam_step")
@@ -238,10 +249,11 @@ def verify_engine_checkpoint(ckpt: Union[str, Path], hf_config: Optional[Union[s
     elif isinstance(step, int) and step > 0 and sched["num_steps"] <= 0:
         report.problems.append(f"{ckpt / 'common.pt'}: Adam took {step} steps but the LR schedule is at step "
                                f"{sched['num_steps']}")
-    groups = ((common.get("optimizer") or {}).get("part0") or {}).get("optimizer", {}).get("param_groups")
+    groups = _param_groups(common, kind)
     if not groups:
         report.problems.append(f"{ckpt / 'common.pt'}: optimizer parameter groups missing")
-    report.notes.append(f"{ckpt}: optimizer state for {len(complete_keys)} parameters, Adam step {step}")
+    report.notes.append(f"{ckpt}: optimizer state of {OPTIMIZER_KINDS[kind]} for {len(complete_keys)} "
+                        f"parameters, Adam step {step}")
     return report
 
 

@@ -20,6 +20,7 @@ from megarl.data.dataset import RLDataset
 from megarl.data.loader import RLDataLoader
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import CheckpointError, ConfigError
+from megarl.megatron.checkpoint_format import OPTIMIZER_KINDS, configured_optimizer_kind, saved_optimizer_kind
 from megarl.protocol import Batch
 from megarl.rewards.manager import RewardManager
 from megarl.trainer.checkpoint_dirs import STATE_FILE, CheckpointDirs
@@ -262,6 +263,28 @@ def check_data_kept(checkpoint: Path, loader: RLDataLoader) -> None:
         )
 
 
+def check_optimizer_kept(cfg: DictConfig, checkpoint: Path) -> None:
+    """A trained engine resumes only into an optimizer of the kind it was saved with (their state
+    tensors differ): refuse, before anything is written, a `use_distributed_optimizer` or
+    `model.dtype` that makes another kind than the checkpoint's `common.pt` records. The engine
+    refuses it too when it loads, but only once the workers run."""
+    for engine, optim_key in (("actor", "actor.optim"), ("critic", "critic.optim")):
+        common_file = checkpoint / engine / "common.pt"
+        if not common_file.is_file():
+            continue
+        common = torch.load(common_file, map_location="cpu", weights_only=False) or {}  # the run's own, verified
+        saved = saved_optimizer_kind(common)
+        optim = OmegaConf.select(cfg, optim_key)
+        wanted = configured_optimizer_kind(bool(optim.use_distributed_optimizer), str(cfg.model.dtype))
+        if saved is not None and saved != wanted:
+            raise ConfigError(
+                f"cannot resume {checkpoint}: its {engine} was saved with {OPTIMIZER_KINDS.get(saved, saved)}, this "
+                f"run would build {OPTIMIZER_KINDS[wanted]} ({optim_key}.use_distributed_optimizer = "
+                f"{bool(optim.use_distributed_optimizer)}, model.dtype = {cfg.model.dtype!r}), whose state "
+                f"holds other tensors; nothing was written. Resume with the checkpoint's settings (from "
+                f"{common_file})")
+
+
 def prepare_run(cfg: DictConfig) -> RunContext:
     """Everything the driver needs before starting workers; fails on bad data before Ray starts.
 
@@ -287,6 +310,7 @@ def prepare_run(cfg: DictConfig) -> RunContext:
                            model=OmegaConf.to_container(cfg.model, resolve=True))
     if resume is not None:  # first: other data also changes the number of steps checked next
         check_data_kept(resume[1], train_loader)
+        check_optimizer_kept(cfg, resume[1])
     total_steps = total_training_steps(cfg, len(train_loader))
     if resume is not None:
         if resume[0] > total_steps:

@@ -1,5 +1,6 @@
 """`megarl checkpoint verify` and the trainer's check before it resumes, on real checkpoints: engine
-checkpoints saved by two gloo ranks (dense at TP=2, MoE at DP=2), trainer step directories
+checkpoints saved by two gloo ranks (dense at TP=2, MoE at DP=2, and dense with the plain optimizer,
+use_distributed_optimizer=False, in fp32 and bf16), trainer step directories
 committed by `CheckpointDirs` around them, and converted (mcore and HF) checkpoints. Each damage
 (a shard file removed, truncated or changed, an expert never written, a truncated driver state)
 must be named; good checkpoints must pass."""
@@ -34,16 +35,17 @@ CFG = dict(lr=1e-2, eps=1e-2, weight_decay=0.0, clip_grad=1.0, micro_batch_size=
            total_training_steps=4)
 
 
-def _save_engines(rank: int, world: int, port: int, cases: list[tuple[str, dict, str]]) -> None:
+def _save_engines(rank: int, world: int, port: int, cases: list[tuple[str, dict, str, dict]]) -> None:
     from megarl.layout import ParallelLayout
     from megarl.megatron.engine import MegatronEngine
     from megarl.megatron.optim import EngineConfig
     from megarl.megatron.parallel import init_distributed
     from megarl.models.spec import ModelSpec
 
-    for hf_dir, layout_kw, out in cases:
+    for hf_dir, layout_kw, out, engine_kw in cases:
         layout = init_distributed(rank, world, "127.0.0.1", port, ParallelLayout(**layout_kw))
-        engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), layout, EngineConfig(**CFG, dtype="fp32"))
+        engine = MegatronEngine(ModelSpec.from_hf_config(hf_dir), layout,
+                                EngineConfig(**CFG, **{"dtype": "fp32", **engine_kw}))
         engine.load_hf_weights(hf_dir)
         r = engine.ranks
         batch = {k: v.chunk(r.dp_size)[r.dp_rank] for k, v in make_batch(seed=1, batch=4).items()}
@@ -73,9 +75,13 @@ def _commit(root: Path, step: int, engine_dir: Path) -> Path:
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("verify")
     dense_hf, moe_hf = save_hf_model(make_hf_model("qwen3")), save_hf_model(make_moe_model("qwen3_moe"))
-    cases = [(dense_hf, dict(tp=2), str(base / "dense")), (moe_hf, dict(dp=2), str(base / "moe"))]
+    plain = dict(use_distributed_optimizer=False)
+    cases = [(dense_hf, dict(tp=2), str(base / "dense"), {}), (moe_hf, dict(dp=2), str(base / "moe"), {}),
+             (dense_hf, dict(tp=2), str(base / "plain"), plain),
+             (dense_hf, dict(dp=2), str(base / "plain_bf16"), {**plain, "dtype": "bf16"})]
     run_distributed(_save_engines, 2, cases)
-    return {"dense": base / "dense", "moe": base / "moe", "dense_hf": Path(dense_hf), "moe_hf": Path(moe_hf)}
+    return {"dense": base / "dense", "moe": base / "moe", "plain": base / "plain", "plain_bf16": base / "plain_bf16",
+            "dense_hf": Path(dense_hf), "moe_hf": Path(moe_hf)}
 
 
 def _run_with(tmp_path: Path, saved: dict[str, Path], kind: str = "dense", steps: tuple[int, ...] = (1, 2)) -> Path:
@@ -91,7 +97,7 @@ def _verify_cli(path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> 
     return rc, out.out + out.err
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "plain", "plain_bf16"])
 def test_good_trainer_checkpoints_pass(tmp_path: Path, saved: dict[str, Path], kind: str,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     root = _run_with(tmp_path, saved, kind)
@@ -100,8 +106,43 @@ def test_good_trainer_checkpoints_pass(tmp_path: Path, saved: dict[str, Path], k
     # The expected tensors come from the model spec (HF config stored with the engine checkpoint).
     n_model = 12 if kind == "moe" else 11
     assert f"{n_model} of {n_model} model tensors complete" in out and "is complete" in out
+    optimizer = {"plain": "the plain fp32 optimizer", "plain_bf16": "the plain bf16 optimizer"}.get(
+        kind, "the distributed optimizer")
+    assert f"optimizer state of {optimizer}" in out and f"for {n_model} parameters, Adam step 1" in out, out
     rc, out = _verify_cli(root, capsys)  # the root: the step the tracker file names
     assert rc == 0 and "global_step_2" in out, out
+    # What the trainer runs before it resumes.
+    assert select_resume(CheckpointDirs(root), root.parent, "auto", None, fallback=False) == (2, root / "global_step_2")
+
+
+def _drop_from_index(engine: Path, key: str, chunk: int | None = None) -> None:
+    """As if the save never wrote tensor `key` (chunk None) or its `chunk`-th chunk: the index lists
+    every chunk that was saved."""
+    md_path = engine / ".metadata"
+    metadata = pickle.loads(md_path.read_bytes())
+    if chunk is None:
+        del metadata.state_dict_metadata[key]
+    else:
+        del metadata.state_dict_metadata[key].chunks[chunk]
+    md_path.write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("kind,state", [("plain", "exp_avg_sq"), ("plain_bf16", "fp32_param"),
+                                        ("plain_bf16", "exp_avg")])
+def test_plain_optimizer_state_missing_is_named(tmp_path: Path, saved: dict[str, Path], kind: str, state: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    root = _run_with(tmp_path, saved, kind, steps=(1,))
+    engine = root / "global_step_1" / "actor"
+    key = f"optimizer.state.{state}.decoder.layers.self_attention.linear_qkv.weight"
+    _drop_from_index(engine, key, chunk=None if state == "fp32_param" else 0)
+    rc, out = _verify_cli(engine, capsys)  # the index alone (the manifest would see the changed file)
+    assert rc == 1, out
+    if state == "fp32_param":
+        assert f"optimizer state {key} is missing" in out, out
+    else:  # one chunk (a layer or a TP shard) never written
+        assert f"optimizer state {key} stores" in out, out
+    with pytest.raises(CheckpointError, match="optimizer state"):
+        select_resume(CheckpointDirs(root), root.parent, "auto", None, fallback=False)
 
 
 def test_good_converted_checkpoints_pass(tmp_path: Path, saved: dict[str, Path],

@@ -421,6 +421,39 @@ def test_killed_run_resumes_with_the_same_metrics(tmp_path: Path, task_dir: Path
             assert resumed[step][key] == pytest.approx(expected[step][key], rel=1e-5, abs=1e-7), (step, key)
 
 
+def test_plain_optimizer_run_resumes_with_the_same_metrics(tmp_path: Path, task_dir: Path) -> None:
+    """The quickstart's layout (DP=2, actor.optim.use_distributed_optimizer=false: Adam state on every
+    rank): a run that ended after saving step 2, rerun with one more step, continues from step 2 as
+    if it had never stopped (`make demo` twice)."""
+    sections = {"actor": {"optim": {"use_distributed_optimizer": False}, "megatron": {"tensor_model_parallel_size": 1}}}
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    assert run_train(write_config(straight, task_dir, **sections), "trainer.total_training_steps=3").returncode == 0
+    expected = read_metrics(straight / "run")
+
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    config = write_config(stopped, task_dir, **sections)
+    assert run_train(config, "trainer.total_training_steps=2", "trainer.save_freq=2").returncode == 0
+    assert (stopped / "run" / "checkpoints" / "global_step_2" / "COMPLETE").exists()
+    # The distributed optimizer's state holds other tensors: refused before anything is written.
+    before = sorted(p.relative_to(stopped) for p in stopped.rglob("*"))
+    other = run_train(config, "trainer.total_training_steps=3", "trainer.save_freq=2",
+                      "actor.optim.use_distributed_optimizer=true")
+    assert other.returncode == 1
+    assert ("its actor was saved with the plain fp32 optimizer (use_distributed_optimizer=false, fp32), this run "
+            "would build the distributed optimizer (use_distributed_optimizer=true) "
+            "(actor.optim.use_distributed_optimizer = True, model.dtype = 'fp32')") in other.stderr, other.stderr[-3000:]
+    assert sorted(p.relative_to(stopped) for p in stopped.rglob("*")) == before
+    proc = run_train(config, "trainer.total_training_steps=3", "trainer.save_freq=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "global_step_2 (step 2, verified)" in proc.stdout + proc.stderr
+    resumed = read_metrics(stopped / "run")
+    assert sorted(resumed) == [1, 2, 3]
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean"):
+        assert resumed[3][key] == pytest.approx(expected[3][key], rel=1e-5, abs=1e-7), key
+
+
 def test_grpo_learns_arithmetic_from_scratch(tmp_path: Path, task_dir: Path) -> None:
     """The quickstart recipe on a fixed budget: validation reward must rise well above its start."""
     data = {"train_files": [str(task_dir / "train.parquet")], "val_files": [str(task_dir / "val.parquet")],
