@@ -195,6 +195,8 @@ class CriticConfig:
 class RefConfig:
     enable: Optional[bool] = None  # null: on when a KL term (loss or reward) needs it
     megatron: Optional[ParallelConfig] = None  # null: the actor's layout
+    # sequences per micro-batch of the reference's pass; with actor.use_dynamic_bsz the pass splits by
+    # actor.ppo_max_token_len_per_gpu tokens instead, as the actor's own passes
     log_prob_micro_batch_size_per_gpu: int = 8
     param_offload: bool = False  # host memory except while computing reference log-probs
 

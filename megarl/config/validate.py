@@ -388,9 +388,10 @@ def _check_batches(r: _Rules, role: str, sec: Any, train_bs: int, n: int, dp: in
             )
 
 
-def _check_token_budget(r: _Rules, role: str, sec: Any, par: Any, seq_len: int) -> None:
+def _check_token_budget(r: _Rules, role: str, sec: Any, par: Any, seq_len: int, layout: str = "") -> None:
     """With dynamic micro-batching the budget `ppo_max_token_len_per_gpu` is per rank: under context
-    parallelism a sequence is padded to a multiple of 2*CP and each CP rank computes 1/CP of it."""
+    parallelism a sequence is padded to a multiple of 2*CP and each CP rank computes 1/CP of it.
+    `layout` names another role's layout `par` is (the reference's pass takes the actor's budget)."""
     if not sec.get("use_dynamic_bsz", False):
         return
     cp = max(int(par.context_parallel_size), 1)
@@ -398,6 +399,7 @@ def _check_token_budget(r: _Rules, role: str, sec: Any, par: Any, seq_len: int) 
     budget = sec.ppo_max_token_len_per_gpu
     if budget < per_rank:
         share = f" at context_parallel_size = {cp}, {per_rank} positions per rank" if cp > 1 else ""
+        share += f" in {layout}" if layout else ""
         r.err(
             f"{role}.ppo_max_token_len_per_gpu = {budget}: smaller than the longest sequence "
             f"(max_prompt_length + response length = {seq_len} tokens{share}); set it to at least {per_rank}"
@@ -727,6 +729,8 @@ def validate_config(cfg: DictConfig) -> None:
     seq_len = data.max_prompt_length + (rollout.response_length or data.max_response_length)
     if dp:
         _check_token_budget(r, "actor", actor, actor.megatron, seq_len)
+    if ref_enabled(cfg) and cfg.ref.megatron is not None:  # its pass splits by the actor's budget
+        _check_token_budget(r, "actor", actor, cfg.ref.megatron, seq_len, layout="the reference's layout (ref.megatron)")
 
     if critic_enabled(cfg):
         pool_key = "resources.critic_pool" if cfg.resources.critic_pool is not None else "resources.actor_pool"

@@ -1,4 +1,6 @@
 """MegatronEngine: the model, optimizer and schedule that actor, critic, ref and reward workers wrap.
+The frozen roles (ref, reward model: `EngineConfig.trained=False`) get the model alone: no DDP
+gradient buffer, optimizer or schedule, forward passes only.
 
 Every rank of the layout runs the same calls (SPMD). A batch given to a rank is that rank's DP
 shard; all TP/PP/CP ranks of one DP replica must receive the same rows. Results are returned on every
@@ -38,6 +40,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.module import Float16Module
 
 from megarl.algorithms.aggregation import LossNormalisers, mini_batch_normalisers
 from megarl.errors import CheckpointError, ConfigError, DataError, EngineStateError
@@ -101,8 +104,37 @@ PACKING_WITHOUT_TE = (
     "model.use_remove_padding: false.")
 
 
+class FrozenEngineError(EngineStateError, AttributeError):
+    """A training-only part (optimizer, schedule) of a frozen engine was used."""
+
+
+class FrozenEngineState:
+    """The optimizer or LR scheduler of a frozen engine (`EngineConfig.trained=False`), which has
+    none: any use of it raises `EngineStateError` naming the role, except `reload_model_params`
+    (called after a weight load), which has nothing to refresh. The error is also an
+    AttributeError, so that `getattr(x, name, default)` and `hasattr` see no such attribute."""
+
+    def __init__(self, role: str, what: str) -> None:
+        self._role, self._what = role, what
+
+    def reload_model_params(self) -> None:
+        """No fp32 main parameters to refresh from the model's: the model's are the only copy."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise FrozenEngineError(f"{self._role} engine is frozen (EngineConfig.trained=False, a reference or reward "
+                                f"model): it has no {self._what} (asked for its {name!r}); build the engine with "
+                                f"trained=True to train or checkpoint it")
+
+    def __repr__(self) -> str:
+        return f"FrozenEngineState({self._role!r}, no {self._what})"
+
+
 class MegatronEngine:
-    """One rank's share of a Megatron model in training (policy, value or reward role)."""
+    """One rank's share of a Megatron model: trained (policy or value role, with DDP, optimizer and
+    LR schedule) or frozen (`EngineConfig.trained=False`: reference policy, reward model; the model
+    alone, for forward passes)."""
 
     def __init__(self, spec: ModelSpec, layout: ParallelLayout, engine_config: EngineConfig,
                  use_te: bool | None = None) -> None:
@@ -129,15 +161,28 @@ class MegatronEngine:
                                        ep=self.ranks.ep_size, sequence_parallel=self.cfg.sequence_parallel,
                                        recompute_granularity=self.cfg.recompute_granularity,
                                        etp=self.ranks.etp_size)
-        self.ddp = wrap_for_training(self.model, self.cfg.use_distributed_optimizer)
-        # Bucket groups whose data-parallel sum runs through shared memory (0: gloo's all-reduce).
-        self.host_reduced_buckets = install_host_grad_reduce(self.ddp) if self.cfg.host_grad_reduce else 0
-        self.optimizer = build_optimizer(self.cfg, [self.ddp])
-        self.scheduler = build_scheduler(self.cfg, self.optimizer)
-        config = self.model.config
-        config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = self.ddp.no_sync
-        config.grad_scale_func = self.optimizer.scale_loss
+        self.trained = self.cfg.trained
+        self.ddp: torch.nn.Module  # what the schedule runs; `unwrap(self.ddp)` is the GPTModel
+        self.optimizer: Any
+        self.scheduler: Any
+        if self.trained:
+            self.ddp = wrap_for_training(self.model, self.cfg.use_distributed_optimizer)
+            # Bucket groups whose data-parallel sum runs through shared memory (0: gloo's all-reduce).
+            self.host_reduced_buckets = install_host_grad_reduce(self.ddp) if self.cfg.host_grad_reduce else 0
+            self.optimizer = build_optimizer(self.cfg, [self.ddp])
+            self.scheduler = build_scheduler(self.cfg, self.optimizer)
+            config = self.model.config
+            config.finalize_model_grads_func = finalize_model_grads
+            config.no_sync_func = self.ddp.no_sync
+            config.grad_scale_func = self.optimizer.scale_loss
+        else:
+            # A frozen role (reference policy, reward model): forward passes only. No DDP wrapper
+            # (its gradient buffer is 2x the bf16 weights), no optimizer (its fp32 main copy another
+            # 2x), no schedule: the parameters are all the engine holds on the device.
+            self.ddp = self._frozen_model()
+            self.host_reduced_buckets = 0
+            self.optimizer = FrozenEngineState(self.role, "optimizer")
+            self.scheduler = FrozenEngineState(self.role, "LR scheduler")
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
@@ -171,6 +216,23 @@ class MegatronEngine:
             warnings.warn(PACKING_WITHOUT_TE, stacklevel=2)
         self.offloaded: off.OffloadState | None = None
         self.hf_dir: str | None = None  # the HF directory the weights came from (load_hf_weights)
+
+    def _frozen_model(self) -> torch.nn.Module:
+        """The model of a frozen engine, ready for forward passes: no parameter needs a gradient, and
+        in bf16 it is wrapped in Float16Module as `wrap_for_training` wraps a trained one (fp32
+        outputs on the last stage), so its log-probs are those of a trained engine with the same
+        weights, bit for bit."""
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        config = self.model.config
+        model: torch.nn.Module = Float16Module(config, self.model) if config.bf16 or config.fp16 else self.model
+        return model.eval()
+
+    def _check_trained(self, call: str) -> None:
+        if not self.trained:
+            raise FrozenEngineError(f"{self.role} engine: {call} on a frozen engine (EngineConfig.trained=False, "
+                                    f"a reference or reward model): it has no optimizer, gradient buffer or LR "
+                                    f"schedule; build the engine with trained=True to train it")
 
     # ------------------------------------------------------------------ weights
     def load_hf_weights(self, hf_dir: str) -> None:
@@ -207,7 +269,7 @@ class MegatronEngine:
             etp_rank=self.ranks.etp_rank, etp_size=self.ranks.etp_size,
         )
         load_megatron_state(self.ddp, state, self.role, optional=optional)
-        self.optimizer.reload_model_params()
+        self.optimizer.reload_model_params()  # a frozen engine's: nothing to refresh
 
     def _prompt_sharing_mode(self) -> str:
         """cfg.prompt_sharing where this engine can share prompts, "auto" off a GPU only; "never"
@@ -388,17 +450,21 @@ class MegatronEngine:
                            packed_seq_params=mb.get("packed_seq_params"))
             return output, functools.partial(loss_func, mb)
 
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro),
-            model=[self.ddp],
-            num_microbatches=len(micro),
-            # Global length: Megatron divides it by the CP size for the pipeline's tensor shapes.
-            seq_length=max(int(m["tokens"].shape[1]) for m in micro) * self.ranks.cp_size,
-            micro_batch_size=max(int(m["tokens"].shape[0]) for m in micro),
-            forward_only=forward_only,
-            collect_non_loss_data=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro),
+                model=[self.ddp],
+                num_microbatches=len(micro),
+                # Global length: Megatron divides it by the CP size for the pipeline's tensor shapes.
+                seq_length=max(int(m["tokens"].shape[1]) for m in micro) * self.ranks.cp_size,
+                micro_batch_size=max(int(m["tokens"].shape[0]) for m in micro),
+                forward_only=forward_only,
+                collect_non_loss_data=forward_only,
+            )
+        finally:
+            # The last micro-batch's index tensors (device memory) are not kept past the call.
+            self._head_positions = self._rope_positions = None
 
     @staticmethod
     def _response_positions(mb: dict[str, Any], index: torch.Tensor, seq_first: bool = False
@@ -483,7 +549,8 @@ class MegatronEngine:
         self.ddp.eval()
         with torch.no_grad():
             results = self._run(micro, collect, forward_only=True)
-        self.ddp.train()
+        if self.trained:
+            self.ddp.train()
         return micro, results
 
     def _assemble(self, micro: list[dict[str, Any]], results: list[Any], key: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -548,6 +615,7 @@ class MegatronEngine:
         metrics as lists, one value per optimizer step: loss, grad_norm, lr, and loss_fn's metrics
         (mean over micro-batches).
         """
+        self._check_trained("train_step")
         self._check_resident("train_step")
         data = batch_tensors(batch)
         _require(data, ("response_mask",), "train_step")
@@ -573,6 +641,7 @@ class MegatronEngine:
 
     def _optimizer_step(self, data: dict[str, torch.Tensor], loss_fn: LossFn, temperature: float,
                         with_entropy: bool, max_response_len: int | None) -> dict[str, float]:
+        self._check_trained("train_step")
         self._check_onloaded("train_step")
         normalisers = self._normalisers(data["response_mask"], max_response_len)
         micro = self._micro_batches(data)
@@ -619,8 +688,10 @@ class MegatronEngine:
     # ------------------------------------------------------------------ memory and checkpoints
     def offload_to_cpu(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
         """Move parameters, gradient buffers and optimizer state to CPU memory (see offload.py);
-        what is in host memory already stays there."""
-        self.offloaded = off.offload(self.ddp, self.optimizer, params, grads, optimizer, state=self.offloaded)
+        what is in host memory already stays there. A frozen engine has parameters only: `params`
+        moves all of its state, and the other groups have nothing to move."""
+        self.offloaded = off.offload(self.ddp, self.optimizer if self.trained else None, params, grads, optimizer,
+                                     state=self.offloaded)
         if not self.offloaded.entries:
             self.offloaded = None
 
@@ -635,9 +706,13 @@ class MegatronEngine:
     def save_checkpoint(self, path: str) -> None:
         """Model, optimizer and scheduler state with Megatron distributed checkpointing. No RNG state:
         the workers seed from `trainer.seed` at start, and nothing random in a step depends on the
-        worker RNG (the mini-batch shuffle is seeded by the step, rollouts by their call seed, no dropout)."""
+        worker RNG (the mini-batch shuffle is seeded by the step, rollouts by their call seed, no dropout).
+        Not for a frozen engine, which is rebuilt from its initial weights on a resume."""
+        self._check_trained("save_checkpoint")
         ckpt.save(self, path)
 
     def load_checkpoint(self, path: str) -> None:
-        """Load a checkpoint saved at any TP/PP/DP layout of the same model."""
+        """Load a checkpoint saved at any TP/PP/DP layout of the same model. A frozen engine loads
+        model weights only: `load_hf_weights`, or `megarl.convert.engine_load.load_converted_weights`."""
+        self._check_trained("load_checkpoint")
         ckpt.load(self, path)

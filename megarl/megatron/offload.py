@@ -57,7 +57,14 @@ def _release(tensor: torch.Tensor, group: str, state: OffloadState, seen: set[in
 
 
 def _ddp_buffers(ddp: Any) -> list[Any]:
-    return list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", []))
+    """Megatron DDP's parameter/gradient buffers; none for a model outside DDP (a frozen engine),
+    whose `buffers` is `nn.Module.buffers`, a method."""
+    found = []
+    for name in ("buffers", "expert_parallel_buffers"):
+        value = getattr(ddp, name, None)
+        if isinstance(value, (list, tuple)):
+            found.extend(value)
+    return found
 
 
 def _param_storages(ddp: Any) -> frozenset[int]:
@@ -69,6 +76,8 @@ def _param_storages(ddp: Any) -> frozenset[int]:
 
 
 def _optimizer_tensors(optimizer: Any) -> Iterable[torch.Tensor]:
+    if optimizer is None:  # a frozen engine
+        return
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
         if inner is None:
@@ -84,7 +93,8 @@ def _optimizer_tensors(optimizer: Any) -> Iterable[torch.Tensor]:
 def offload(ddp: Any, optimizer: Any, params: bool = True, grads: bool = True,
             optimizer_state: bool = True, state: OffloadState | None = None) -> OffloadState:
     """Release the chosen groups of tensors to CPU memory, adding to `state` when given (tensors
-    already released stay where they are). Returns what `onload` needs."""
+    already released stay where they are). Returns what `onload` needs. A frozen engine passes its
+    bare model (no DDP buffers) and `optimizer=None`: its parameters are all it has to move."""
     state = state if state is not None else OffloadState()
     seen: set[int] = set()
     with torch.no_grad():

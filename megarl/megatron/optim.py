@@ -22,6 +22,10 @@ class EngineConfig:
     """What a training engine needs besides the model spec and the parallel layout."""
 
     role: str = "policy"  # policy | value | reward
+    # False: a frozen role (reference policy, reward model), forward passes only: the engine builds
+    # no DDP wrapper (gradient buffer), optimizer (fp32 main weights) or LR schedule, and its
+    # parameters need no gradient. The optimizer settings below then shape nothing.
+    trained: bool = True
     dtype: str = "fp32"  # fp32 | bf16
     seed: int = 1
     lr: float = 1e-6
@@ -85,6 +89,9 @@ class EngineConfig:
         if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
             raise ConfigError(f"engine config: recompute_granularity={self.recompute_granularity!r}, "
                               f"valid: {RECOMPUTE_GRANULARITIES}")
+        if self.host_grad_reduce and not self.trained:
+            raise ConfigError("engine config: host_grad_reduce=True with trained=False: a frozen engine sums no "
+                              "gradients")
         if self.lr_warmup_steps < 0 or self.total_training_steps < 1:
             raise ConfigError("engine config: lr_warmup_steps >= 0 and total_training_steps >= 1 required")
 

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from megarl.agent.loop import AgentSettings
 from megarl.config import critic_enabled, ref_enabled
@@ -93,6 +93,7 @@ def _engine_config(cfg: DictConfig, optim: Any, role: str, par: Any, total_steps
         recompute_granularity=str(model.recompute_granularity) if model.enable_gradient_checkpointing else None,
         # A frozen role never sums gradients: it gets no shared memory for them.
         host_grad_reduce=trained and str(cfg.resources.cpu_grad_reduce) == "shared_memory",
+        trained=trained,
     )
 
 
@@ -148,9 +149,12 @@ def resolve_run_spec(cfg: DictConfig, model_dir: str, pad_token_id: int, eos_tok
             name="ref",
             model_dir=str(model_dir),
             layout=parallel_layout(par),
-            # A frozen role: the optimizer settings only shape the (unused) optimizer it is built with.
+            # A frozen role: no optimizer is built (the actor's settings shape nothing). Its log-prob
+            # pass is micro-batched as the actor's (verl's ref.log_prob_use_dynamic_bsz default):
+            # by actor.ppo_max_token_len_per_gpu tokens under actor.use_dynamic_bsz.
             engine=_engine_config(cfg, actor.optim, "policy", par, total_steps, micro=micro, log_prob_micro=micro,
-                                  use_dynamic_bsz=False, max_tokens=actor.ppo_max_token_len_per_gpu, trained=False),
+                                  use_dynamic_bsz=actor.use_dynamic_bsz, max_tokens=actor.ppo_max_token_len_per_gpu,
+                                  trained=False),
             offload=OffloadSpec(params=bool(ref.param_offload)),
             temperature=temperature,
             max_response_length=resp,
@@ -190,7 +194,7 @@ def resolve_run_spec(cfg: DictConfig, model_dir: str, pad_token_id: int, eos_tok
             name="reward_model",
             model_dir=str(rm.model_path),
             layout=parallel_layout(par),
-            # Frozen: the optimizer settings only shape the (unused) optimizer it is built with.
+            # Frozen: no optimizer is built (the actor's settings shape nothing).
             engine=_engine_config(cfg, actor.optim, "reward", par, total_steps, micro=micro, log_prob_micro=micro,
                                   use_dynamic_bsz=False, max_tokens=actor.ppo_max_token_len_per_gpu, trained=False),
             offload=OffloadSpec(params=bool(rm.param_offload)),
@@ -221,7 +225,7 @@ def resolve_run_spec(cfg: DictConfig, model_dir: str, pad_token_id: int, eos_tok
         sync_bucket_bytes=int(ro.update_weights_bucket_mb) * 2**20,
         sync_verify_freq=int(ro.sync_verify_freq),
         calculate_log_probs=bool(ro.calculate_log_probs),
-        multi_turn=multi_turn_settings(cfg.rollout.multi_turn, resp),
+        multi_turn=multi_turn_settings(cfg.rollout.multi_turn, resp, cfg.data.apply_chat_template_kwargs),
         partial=partial_rollout_settings(cfg.trainer),
     )
 
@@ -274,9 +278,11 @@ def partial_rollout_settings(trainer: Any) -> Optional[PartialRollout]:
                           interrupt_after=None if after is None else int(after))
 
 
-def multi_turn_settings(multi_turn: Any, response_length: int) -> Optional[AgentSettings]:
+def multi_turn_settings(multi_turn: Any, response_length: int, chat_template_kwargs: Any = None
+                        ) -> Optional[AgentSettings]:
     """`rollout.multi_turn.*` as the agent loop's settings (None when off); the response budget over
-    all turns is the rollout's response length."""
+    all turns is the rollout's response length; the tool turns are rendered with the prompt's
+    `data.apply_chat_template_kwargs`."""
     if not multi_turn.enable:
         return None
     return AgentSettings(max_turns=int(multi_turn.max_turns), max_response_length=int(response_length),
@@ -285,4 +291,6 @@ def multi_turn_settings(multi_turn: Any, response_length: int) -> Optional[Agent
                          max_tool_response_chars=int(multi_turn.max_tool_response_chars),
                          tool_response_truncate_side=str(multi_turn.tool_response_truncate_side),
                          format=str(multi_turn.format), tools=tuple(str(t) for t in multi_turn.tools),
-                         wait_for_tools=bool(multi_turn.wait_for_tools))
+                         wait_for_tools=bool(multi_turn.wait_for_tools),
+                         chat_template_kwargs=(OmegaConf.to_container(chat_template_kwargs, resolve=True)
+                                               if chat_template_kwargs else None))

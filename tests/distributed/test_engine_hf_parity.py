@@ -35,7 +35,9 @@ def _log_probs_per_family(rank: int, world: int, port: int, dirs: dict, batch: d
     out = {}
     for kind, hf_dir in dirs.items():
         for packed in (False, True):
-            engine = _engine(hf_dir, {"micro_batch_size": 2, "use_sequence_packing": packed})
+            # Padded on a trained engine (the actor), packed on a frozen one (the reference: no DDP
+            # or optimizer, parameters without gradients).
+            engine = _engine(hf_dir, {"micro_batch_size": 2, "use_sequence_packing": packed, "trained": not packed})
             engine.load_hf_weights(hf_dir)
             head_rows: list[int] = []  # positions (rows x columns) the output layer computes
             engine.model.output_layer.register_forward_hook(
@@ -87,8 +89,8 @@ def _values_and_scores(rank: int, world: int, port: int, hf_dir: str, head: torc
 
     init_distributed(rank, world, "127.0.0.1", port, ParallelLayout())
     out = {}
-    for role in ("value", "reward"):
-        engine = _engine(hf_dir, {"micro_batch_size": 3, "role": role})
+    for role in ("value", "reward"):  # the reward model frozen, as the trainer builds it
+        engine = _engine(hf_dir, {"micro_batch_size": 3, "role": role, "trained": role == "value"})
         hf_sd = read_hf_tensors(hf_dir, [n for n in hf_weight_names(hf_dir) if n != "lm_head.weight"])
         engine.load_hf_state_dict({**hf_sd, "score.weight": head})
         out[role] = engine.compute_values(batch) if role == "value" else engine.compute_rm_score(batch)

@@ -78,7 +78,9 @@ def _log_probs(rank: int, world: int, port: int, dirs: dict, layout: dict, batch
     out = {}
     for kind, hf_dir in dirs.items():
         for packed in (False, True):
-            engine = _engine(hf_dir, {"micro_batch_size": 2, "use_sequence_packing": packed})
+            # Padded on a trained engine (the actor), packed on a frozen one (the reference: no DDP
+            # or optimizer, parameters without gradients).
+            engine = _engine(hf_dir, {"micro_batch_size": 2, "use_sequence_packing": packed, "trained": not packed})
             engine.load_hf_weights(hf_dir)
             res = engine.compute_log_prob({k: v[mine] for k, v in batch.items()}, temperature=1.3,
                                           calculate_entropy=True)

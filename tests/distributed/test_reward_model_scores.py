@@ -1,7 +1,8 @@
 """The reward-model role scores like transformers' sequence-classification model.
 
-`RewardModelRole` loads a HF `*ForSequenceClassification` checkpoint (one label, `score` head) and
-reads its head at each sequence's last valid token. Reference: the same checkpoint in transformers,
+`RewardModelRole` loads a HF `*ForSequenceClassification` checkpoint (one label, `score` head) into a
+frozen engine (no optimizer, as the trainer builds it) and reads its head at each sequence's last
+valid token. Reference: the same checkpoint in transformers,
 float64, whose logits are the head at the last non-padding token. Checked at 1 rank, TP=2 and PP=2,
 with padded and packed micro-batches, for Qwen2 (QKV bias) and Llama, at TP=2 for Qwen3 and
 Mistral; and for inputs without a response part (the layout the driver sends when the reward model
@@ -37,7 +38,7 @@ def _scores(rank: int, world: int, port: int, rm_dir: str, layouts: list, batche
             layout = init_distributed(rank, world, "127.0.0.1", port, ParallelLayout(**layout_kw))
             spec = EngineRoleSpec(name="reward_model", model_dir=rm_dir, layout=layout,
                                   engine=EngineConfig(role="reward", micro_batch_size=3, log_prob_micro_batch_size=3,
-                                                      use_sequence_packing=packed))
+                                                      use_sequence_packing=packed, trained=False))
             role = RewardModelRole(SimpleNamespace(rank=rank), spec)
             role.init_model()
             for name, batch in batches.items():

@@ -61,7 +61,7 @@ def _scores(rank: int, world: int, port: int, ckpt: str, batch: dict) -> list:
     for layout_kw in (dict(tp=2), dict(pp=2)):
         layout = init_distributed(rank, world, "127.0.0.1", port, ParallelLayout(**layout_kw))
         spec = EngineRoleSpec(name="reward_model", model_dir=ckpt, layout=layout,
-                              engine=EngineConfig(role="reward", micro_batch_size=2))
+                              engine=EngineConfig(role="reward", micro_batch_size=2, trained=False))
         role = RewardModelRole(SimpleNamespace(rank=rank), spec)
         role.init_model()
         out.append(role.compute_rm_score(batch)["rm_scores"])

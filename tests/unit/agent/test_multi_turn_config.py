@@ -55,6 +55,19 @@ def test_settings_resolve_from_every_key(config_file: Path) -> None:
     assert multi_turn_settings(load_config(config_file, ["rollout.multi_turn.enable=false"]).rollout.multi_turn, 48) is None
 
 
+def test_the_tool_turn_takes_the_prompts_chat_template_kwargs(config_file: Path) -> None:
+    # data.apply_chat_template_kwargs (e.g. Qwen3's enable_thinking: false) shaped the prompt; the
+    # rollout's tool turns, rendered by the workers' agent loop, must be rendered with them too.
+    from megarl.trainer.run_spec import resolve_run_spec
+
+    cfg = load_config(config_file, ["data.apply_chat_template_kwargs={enable_thinking: false}"])
+    assert multi_turn_settings(cfg.rollout.multi_turn, 48, cfg.data.apply_chat_template_kwargs).chat_template_kwargs \
+        == {"enable_thinking": False}
+    spec = resolve_run_spec(cfg, "model", pad_token_id=0, eos_token_ids=[1], total_steps=1)
+    assert spec.rollout.multi_turn.chat_template_kwargs == {"enable_thinking": False}
+    assert multi_turn_settings(cfg.rollout.multi_turn, 48).chat_template_kwargs is None
+
+
 def test_bad_values_are_named(config_file: Path) -> None:
     assert "rollout.multi_turn.max_turns = 0: must be > 0" in errors_of(config_file, "rollout.multi_turn.max_turns=0")
     assert "rollout.multi_turn.tool_timeout_s = -1" in errors_of(config_file, "rollout.multi_turn.tool_timeout_s=-1")

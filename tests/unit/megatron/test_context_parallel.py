@@ -139,6 +139,13 @@ def test_config_accepts_cp_and_checks_layout_and_budget(tmp_path: Path) -> None:
         _load(tmp_path, "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=20")
     _load(tmp_path, "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=12",
           "actor.megatron.context_parallel_size=4")
+    # The reference's pass splits by the actor's budget, at the reference's own layout.
+    ref = ("ref.enable=true", "ref.megatron.context_parallel_size=1", "resources.ref_pool.nnodes=1",
+           "resources.ref_pool.devices_per_node=2")
+    with pytest.raises(ConfigError, match="48 tokens in the reference's layout \(ref.megatron\)\); set it to at "
+                                          "least 48"):
+        _load(tmp_path, "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=24", *ref)
+    _load(tmp_path, "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=48", *ref)
 
 
 def _inputs(use_te: bool, cp_rank: int, cp: int = 2, seq_multiple: int = 4, packed: bool = True,

@@ -34,6 +34,12 @@ def test_invalid_settings_name_the_key(bad: dict, match: str) -> None:
         EngineConfig(**bad)
 
 
+def test_a_frozen_engine_config_sums_no_gradients() -> None:
+    assert EngineConfig().trained and not EngineConfig(trained=False).trained
+    with pytest.raises(ConfigError, match="host_grad_reduce=True with trained=False"):
+        EngineConfig(trained=False, host_grad_reduce=True)
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "float16"])
 def test_fp16_is_refused_with_the_reason(dtype: str) -> None:
     with pytest.raises(ConfigError, match="fp16 training needs loss scaling.*'bf16'"):

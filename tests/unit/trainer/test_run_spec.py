@@ -112,6 +112,23 @@ def test_reference_only_with_a_kl_term(tmp_path: Path) -> None:
     assert spec.critic is None
 
 
+def test_frozen_roles_are_built_untrained_and_the_trained_ones_trained(tmp_path: Path) -> None:
+    spec = resolve(tmp_path, "algorithm.adv_estimator=gae", "actor.use_kl_loss=true")
+    assert spec.actor.engine.trained and spec.critic.engine.trained
+    assert not spec.ref.engine.trained  # no DDP, optimizer or schedule in the engine
+
+
+def test_reference_log_probs_are_micro_batched_like_the_actors(tmp_path: Path) -> None:
+    """verl's ref.log_prob_use_dynamic_bsz defaults to the actor's use_dynamic_bsz: under it the
+    reference splits its pass by the actor's token budget, as the actor's log-prob pass does."""
+    spec = resolve(tmp_path, "actor.use_kl_loss=true", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=96",
+                   "ref.log_prob_micro_batch_size_per_gpu=5")
+    ref, actor = spec.ref.engine, spec.actor.engine
+    assert ref.use_dynamic_bsz and ref.max_token_len_per_micro_batch == actor.max_token_len_per_micro_batch == 96
+    spec = resolve(tmp_path, "actor.use_kl_loss=true", "ref.log_prob_micro_batch_size_per_gpu=5")
+    assert not spec.ref.engine.use_dynamic_bsz and spec.ref.engine.forward_micro_batch_size == 5
+
+
 def test_rollout_options_and_sampling(tmp_path: Path) -> None:
     spec = resolve(tmp_path, "rollout.temperature=0.9", "rollout.top_p=0.95", "rollout.top_k=20", "rollout.max_num_seqs=32",
                    "rollout.tensor_model_parallel_size=2", "rollout.free_cache_engine=false", "rollout.calculate_log_probs=false",

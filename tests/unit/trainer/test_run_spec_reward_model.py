@@ -45,7 +45,7 @@ def test_colocated_reward_model_takes_the_actor_layout(tmp_path: Path) -> None:
     assert rm.name == "reward_model" and rm.model_dir == str(tmp_path / "rm") and rm.family is None
     assert rm.engine.role == "reward" and rm.engine.forward_micro_batch_size == 5
     assert rm.layout == ParallelLayout(tp=2) and rm.offload == OffloadSpec(params=True)
-    assert rm.update is None and rm.loss is None  # frozen
+    assert rm.update is None and rm.loss is None and not rm.engine.trained  # frozen: no optimizer built
     assert spec.reward_combine == RewardCombine("weighted_sum", 0.25, 2.0)
 
 
