@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,17 @@ STEPS = 400  # far more than run before the signal: the stop, not the end, ends 
 NO_PERIODIC_SAVE = "trainer.save_freq=1000"
 
 
+@contextmanager
+def killed_if_left(driver: subprocess.Popen) -> Iterator[None]:
+    """The block's driver process is killed if still running when the block ends (a failed wait)."""
+    try:
+        yield
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+
+
 def saving(ckpts: Path) -> bool:
     """The stop's checkpoint is being written: its temporary dir holds the actor's engine dir."""
     return ckpts.is_dir() and any(p.name.startswith("actor") for p in ckpts.glob(".tmp-step_*/*"))
@@ -42,7 +56,7 @@ def test_sigterm_checkpoints_the_last_step_and_a_rerun_continues(tmp_path: Path,
     run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
     driver = start_train(config, f"trainer.total_training_steps={STEPS}", NO_PERIODIC_SAVE,
                          "tracking.backends=[jsonl,console,mlflow]")
-    try:
+    with killed_if_left(driver):
         wait_for(lambda: len(logged_steps(run_dir)) >= 1, driver, "step 1 was logged", timeout_s=300)
         driver.send_signal(signal.SIGTERM)
         # The second signal lands while the checkpoint is written (it takes ~0.5 s here; polled every 2 ms).
@@ -53,10 +67,6 @@ def test_sigterm_checkpoints_the_last_step_and_a_rerun_continues(tmp_path: Path,
         if second_during_save:
             driver.send_signal(signal.SIGTERM)
         _, stderr = driver.communicate(timeout=120)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
     assert driver.returncode == EXIT_STOPPED_FOR_RESUME, stderr[-6000:]
     assert second_during_save, "the checkpoint of the stop was not caught being written"
     assert "received SIGTERM again: ignored" in stderr
@@ -86,15 +96,11 @@ def test_sigterm_while_the_workers_start_exits_for_a_requeue(tmp_path: Path, tas
     run_dir = tmp_path / "run"
     tag = f"start-stop-{os.getpid()}-{time.monotonic_ns()}"
     driver = start_train(config, f"trainer.total_training_steps={STEPS}", "tracking.backends=[jsonl,mlflow]", tag=tag)
-    try:
+    with killed_if_left(driver):
         # The workers' processes exist: Ray is up and the workers build their models and engines.
         wait_for(lambda: bool(worker_processes(driver)), driver, "the workers started", timeout_s=300)
         driver.send_signal(signal.SIGTERM)
         _, stderr = driver.communicate(timeout=120)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
     assert driver.returncode == EXIT_STOPPED_FOR_RESUME, stderr[-6000:]
     assert ("stopped by SIGTERM while the run was starting (nothing trained); exit status "
             f"{EXIT_STOPPED_FOR_RESUME}: a rerun with trainer.resume_mode=auto (the default) starts again from "
