@@ -142,13 +142,22 @@ def start_or_connect(
         )
     else:
         init_kwargs.pop("include_dashboard")
+
+    def restore_env_and_release_reaper() -> None:
+        """Undo what this function set above (on exit, or when ray.init fails)."""
+        if local and auth_env_before is None:
+            os.environ.pop(AUTH_MODE_ENV, None)
+        if local and connect_env_before is None:
+            os.environ.pop(LOCAL_GCS_CONNECT_ENV, None)
+        _restore_env(REAPER_TAG_ENV, tag_before, local)
+        _release(reaper)
+
     try:
         # "local": a new cluster even when RAY_ADDRESS or Ray's record of the last `ray start` on this
         # machine (/tmp/ray/ray_current_cluster, left behind when that cluster is gone) names another.
         context = ray.init(address="local" if local else address, **init_kwargs)
     except BaseException:
-        _restore_env(REAPER_TAG_ENV, tag_before, local)
-        _release(reaper)
+        restore_env_and_release_reaper()
         raise
 
     def cleanup() -> None:
@@ -179,12 +188,7 @@ def start_or_connect(
         if installed:
             # None means a handler set outside Python: the closest we can restore is the default.
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_sigterm is None else previous_sigterm)
-        if local and auth_env_before is None:
-            os.environ.pop(AUTH_MODE_ENV, None)
-        if local and connect_env_before is None:
-            os.environ.pop(LOCAL_GCS_CONNECT_ENV, None)
-        _restore_env(REAPER_TAG_ENV, tag_before, local)
-        _release(reaper)
+        restore_env_and_release_reaper()
 
 
 def _restore_env(key: str, before: str | None, changed: bool) -> None:

@@ -45,7 +45,7 @@ def describe_failure(call: RankCall, error: BaseException) -> str:
     where = _where(call)
     if isinstance(error, RayTaskError):
         # str() holds the remote traceback and the original exception's message.
-        return f"{where} raised in {call.method}():\n{error}"
+        return f"{where} raised in {call.method}():\n{plain_text(error)}"
     if failed_in_constructor(error):
         # Every call to such an actor fails with this error, the first (node_info) included: the
         # cause is the constructor's, not the call's.
@@ -62,13 +62,20 @@ def failed_in_constructor(error: BaseException) -> bool:
 
 _CREATION_TASK_PREFIX = "The actor died because of an error raised in its creation task, "
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def plain_text(error: BaseException) -> str:
+    """`str(error)` without the ANSI colour codes Ray puts in a remote error's text (its process title)."""
+    return _ANSI_ESCAPE.sub("", str(error))
+
+
 # Lines of a constructor's traceback kept in the message: the raising frames and the exception.
 CONSTRUCTOR_TRACEBACK_LINES = 20
 
 
 def constructor_error(error: ActorDiedError) -> str:
     """The end of the constructor's traceback and its exception, from Ray's actor-death text."""
-    text = _ANSI_ESCAPE.sub("", str(error)).removeprefix(_CREATION_TASK_PREFIX)
+    text = plain_text(error).removeprefix(_CREATION_TASK_PREFIX)
     lines = [line.rstrip() for line in text.strip().splitlines()]
     return "\n".join(lines[-CONSTRUCTOR_TRACEBACK_LINES:])
 
@@ -100,10 +107,10 @@ def death_reason(error: RayActorError) -> str:
 
 def _summary(call: RankCall, error: BaseException) -> str:
     """One line: who failed and the last line of its error."""
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    lines = [line for line in plain_text(error).strip().splitlines() if line.strip()]
     last = lines[-1] if lines else type(error).__name__
     if failed_in_constructor(error):
-        return f"{_where(call)} failed in its constructor: {_ANSI_ESCAPE.sub('', last)}"
+        return f"{_where(call)} failed in its constructor: {last}"
     if isinstance(error, RayActorError):
         return f"{_where(call)} died: {death_reason(error)}"
     return f"{_where(call)} raised: {last}"

@@ -40,6 +40,8 @@ class JsonlWriter:
         if resume_step is not None:
             if self.path.exists() and not keep_all:
                 truncate_after_step(self.path, resume_step)
+            elif self.path.exists():
+                _drop_cut_last_line(self.path)
         elif self.path.exists() and self.path.stat().st_size > 0:
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
             self.path.rename(self.path.with_name(f"metrics.{stamp}.jsonl"))
@@ -83,6 +85,15 @@ def _parse_lines(path: Path) -> list[dict[str, Any]]:
                 ) from err
             records.append({"step": step, "time": record.get("time"), "metrics": metrics, "line": line})
     return records
+
+
+def _drop_cut_last_line(path: Path) -> None:
+    """Remove a last line that a crash cut short (no final newline), as `truncate_after_step`
+    does, so that the next line appended starts a line of its own."""
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        os.truncate(path, end)
 
 
 def truncate_after_step(path: Union[str, Path], step: int) -> int:

@@ -6,10 +6,13 @@ directory; any URI (a server, databricks, ...) can be configured. Steps are writ
 (`MlflowBackend.log_metrics`); ``flush`` (before each checkpoint) and ``close`` write the rest.
 
 Resume: the run id is kept in ``<run_dir>/tracking.json``; a resumed megarl run reopens that mlflow
-run (status back to RUNNING) when the tracking URI is the same. mlflow cannot delete logged metric
-values, so steps that the first attempt already logged (after the checkpoint it resumes from) are
-not logged again: each step keeps one value per metric, the one of the first attempt. The JSONL
-file holds the values of the attempt that continued (see ``megarl.tracking.jsonl``).
+run (status back to RUNNING) when the tracking URI is the same (with the default store: the store in
+the run directory, wherever that directory is now). The mlflow key of each metric and param name
+(names that clean to one key get a hash suffix) is kept there too, so a resumed run writes each name
+to the key it had before. mlflow cannot delete logged metric values, so steps that the first attempt
+already logged (after the checkpoint it resumes from) are not logged again: each step keeps one value
+per metric, the one of the first attempt. The JSONL file holds the values of the attempt that
+continued (see ``megarl.tracking.jsonl``).
 """
 
 from __future__ import annotations
@@ -69,6 +72,35 @@ def truncate_param_value(value: str) -> str:
     return value[: MAX_PARAM_VALUE_LENGTH - len(_TRUNCATION_MARK)] + _TRUNCATION_MARK
 
 
+class _Keys:
+    """mlflow keys of one kind of names (metrics or params): `sanitize_name`, made distinct with a
+    hash suffix when two names clean (or cut) to one key; the first name seen keeps the plain key.
+    `by_name` is saved in ``tracking.json`` so that a resumed run maps every name as before."""
+
+    def __init__(self, kind: str, saved: Any = None) -> None:
+        self.kind = kind
+        self.by_name: dict[str, str] = (
+            {str(n): str(k) for n, k in saved.items()} if isinstance(saved, Mapping) else {}
+        )
+        self._taken = set(self.by_name.values())
+        self.unsaved = False  # names added since the last save
+
+    def __call__(self, name: str) -> str:
+        key = self.by_name.get(name)
+        if key is None:
+            key = sanitize_name(name)
+            collided = key in self._taken
+            if collided:  # two names that clean (or cut) to one would share a key
+                digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+                key = f"{key[:MAX_KEY_LENGTH - 9]}_{digest}"
+            if collided or (key != name and self.kind == "metric"):
+                logger.warning("mlflow: %s name %r logged as %r", self.kind, name, key)
+            self.by_name[name] = key
+            self._taken.add(key)
+            self.unsaved = True
+        return key
+
+
 def _load_state(run_dir: Path) -> dict[str, Any]:
     path = run_dir / TRACKING_STATE_FILE
     if not path.exists():
@@ -101,7 +133,6 @@ class MlflowBackend:
         self.run_dir = Path(run_dir)
         self._default_store = not tracking_uri
         self.tracking_uri = tracking_uri or default_tracking_uri(self.run_dir)
-        self._names: dict[str, str] = {}
         self.failures = 0  # writes that raised after a successful start
         self._pending: list[Any] = []  # mlflow Metric values not written yet (see log_metrics)
         self._last_write = time.monotonic()
@@ -126,20 +157,43 @@ class MlflowBackend:
         # Steps at or below this were logged by an earlier attempt of this run (see module docstring);
         # fixed for this attempt, which may log one step in several calls.
         self._earlier_attempt_up_to: int = int(state.get("mlflow_last_step", -1)) if self.resumed else -1
+        self._metric_keys = _Keys("metric", state.get("mlflow_metric_keys") if self.resumed else None)
+        self._param_keys = _Keys("param", state.get("mlflow_param_keys") if self.resumed else None)
         self._state = {
             "mlflow_tracking_uri": self.tracking_uri,
+            # True: the store is the run directory's own mlflow.db, found there on resume even after
+            # the directory was moved (its URI, an absolute path, then changed).
+            "mlflow_default_store": self._default_store,
             "mlflow_experiment": experiment,
             "mlflow_run_id": self.run_id,
             "mlflow_last_step": self._earlier_attempt_up_to,
         }
-        _save_state(self.run_dir, self._state)
+        try:
+            self._save_state()
+        except BaseException:
+            self.close("FAILED")
+            raise
         if log_earlier_steps:  # a validation-only pass adds its line at a step logged before
             self._earlier_attempt_up_to = -1
+
+    def _save_state(self) -> None:
+        """Write ``tracking.json``: the run, the last step written and the name-to-key maps."""
+        self._state["mlflow_metric_keys"] = self._metric_keys.by_name
+        self._state["mlflow_param_keys"] = self._param_keys.by_name
+        _save_state(self.run_dir, self._state)
+        self._metric_keys.unsaved = self._param_keys.unsaved = False
+
+    def _same_store(self, state: dict[str, Any]) -> bool:
+        """True when the store of `state` (an earlier attempt's) is the one configured now: the same
+        URI, or the run directory's default store both times (the directory may have moved since)."""
+        if state.get("mlflow_tracking_uri") == self.tracking_uri:
+            return True
+        return bool(state.get("mlflow_default_store")) and self._default_store
 
     def _open_run(self, state: dict[str, Any], experiment: str, run_name: str, resume: bool) -> tuple[str, bool]:
         client = self._client
         if resume and state.get("mlflow_run_id"):
-            if state.get("mlflow_tracking_uri") != self.tracking_uri:
+            if not self._same_store(state):
                 logger.warning(
                     "mlflow: the run was tracked at %s before, now at %s: starting a new mlflow run",
                     state.get("mlflow_tracking_uri"),
@@ -147,13 +201,21 @@ class MlflowBackend:
                 )
             else:
                 run_id = state["mlflow_run_id"]
+                state_file = self.run_dir / TRACKING_STATE_FILE
                 try:
-                    client.get_run(run_id)
+                    run = client.get_run(run_id)
                 except Exception as err:
                     raise TrackingError(
-                        f"mlflow backend: {self.run_dir / TRACKING_STATE_FILE} names mlflow run {run_id}, which "
+                        f"mlflow backend: {state_file} names mlflow run {run_id}, which "
                         f"is not in {self.tracking_uri!r} ({err}). Delete that file to start a new mlflow run."
                     ) from err
+                if run.info.lifecycle_stage == "deleted":
+                    raise TrackingError(
+                        f"mlflow backend: {state_file} names mlflow run {run_id}, which was deleted in "
+                        f"{self.tracking_uri!r}. Restore it to continue it (`mlflow runs restore --run-id {run_id}` "
+                        f"with MLFLOW_TRACKING_URI={self.tracking_uri}, or MlflowClient.restore_run), or delete "
+                        f"{state_file} to start a new mlflow run."
+                    )
                 client.update_run(run_id, status="RUNNING")
                 return run_id, True
         exp = client.get_experiment_by_name(experiment)
@@ -165,19 +227,6 @@ class MlflowBackend:
             experiment_id = client.create_experiment(experiment, artifact_location=location)
         run = client.create_run(experiment_id, run_name=run_name, tags={"megarl.run_dir": str(self.run_dir.resolve())})
         return run.info.run_id, False
-
-    def _metric_name(self, name: str) -> str:
-        clean = self._names.get(name)
-        if clean is None:
-            clean = sanitize_name(name)
-            taken = {c: n for n, c in self._names.items()}
-            if clean in taken:  # two names that clean (or cut) to one would share a series
-                digest = hashlib.sha1(name.encode()).hexdigest()[:8]
-                clean = f"{clean[:MAX_KEY_LENGTH - 9]}_{digest}"
-            if clean != name:
-                logger.warning("mlflow: metric name %r logged as %r", name, clean)
-            self._names[name] = clean
-        return clean
 
     def log_metrics(self, metrics: Mapping[str, float], step: int, timestamp: float) -> None:
         """Log ``metrics`` at ``step`` (skipped when an earlier attempt already logged this step).
@@ -191,7 +240,7 @@ class MlflowBackend:
         from mlflow.entities import Metric
 
         ms = int(timestamp * 1000)
-        self._pending.extend(Metric(self._metric_name(k), float(v), ms, int(step)) for k, v in metrics.items())
+        self._pending.extend(Metric(self._metric_keys(k), float(v), ms, int(step)) for k, v in metrics.items())
         if len(self._pending) >= MAX_METRICS_PER_BATCH or time.monotonic() - self._last_write >= WRITE_EVERY_S:
             self.flush()
 
@@ -202,6 +251,8 @@ class MlflowBackend:
         if not pending:
             return
         try:
+            if self._metric_keys.unsaved:  # the keys before the values: a resume must map names as they were
+                self._save_state()
             for i in range(0, len(pending), MAX_METRICS_PER_BATCH):
                 self._client.log_batch(self.run_id, metrics=pending[i : i + MAX_METRICS_PER_BATCH])
         except Exception as err:
@@ -216,31 +267,40 @@ class MlflowBackend:
         last = max(m.step for m in pending)
         if last > self._state["mlflow_last_step"]:
             self._state["mlflow_last_step"] = int(last)
-            _save_state(self.run_dir, self._state)
+            self._save_state()
 
     def log_params(self, params: Mapping[str, str]) -> None:
         """Log string params (names sanitised, values truncated to mlflow's limits).
 
+        Names that clean to one key get keys of their own (a hash suffix), as metric names do.
         mlflow refuses to change a logged param; on resume, params whose value changed are recorded
         as tags ``resume_changed.<name>`` with the new value instead (with a warning).
         """
         from mlflow.entities import Param, RunTag
 
-        existing = self._client.get_run(self.run_id).data.params
-        new_params: list[Param] = []
-        changed: list[RunTag] = []
-        for key, value in params.items():
-            name, text = sanitize_name(key), truncate_param_value(value)
-            if name not in existing:
-                new_params.append(Param(name, text))
-            elif existing[name] != text:
-                changed.append(RunTag(sanitize_name("resume_changed." + name), text))
-        if changed:
-            logger.warning("mlflow: params changed since the run started: %s", [t.key for t in changed])
-        for i in range(0, len(new_params), MAX_PARAMS_PER_BATCH):
-            self._client.log_batch(self.run_id, params=new_params[i : i + MAX_PARAMS_PER_BATCH])
-        for i in range(0, len(changed), MAX_PARAMS_PER_BATCH):
-            self._client.log_batch(self.run_id, tags=changed[i : i + MAX_PARAMS_PER_BATCH])
+        try:
+            existing = self._client.get_run(self.run_id).data.params
+            new_params: list[Param] = []
+            changed: list[RunTag] = []
+            for key, value in params.items():
+                name, text = self._param_keys(key), truncate_param_value(value)
+                if name not in existing:
+                    new_params.append(Param(name, text))
+                elif existing[name] != text:
+                    changed.append(RunTag(sanitize_name("resume_changed." + name), text))
+            if changed:
+                logger.warning("mlflow: params changed since the run started: %s", [t.key for t in changed])
+            if self._param_keys.unsaved:
+                self._save_state()
+            for i in range(0, len(new_params), MAX_PARAMS_PER_BATCH):
+                self._client.log_batch(self.run_id, params=new_params[i : i + MAX_PARAMS_PER_BATCH])
+            for i in range(0, len(changed), MAX_PARAMS_PER_BATCH):
+                self._client.log_batch(self.run_id, tags=changed[i : i + MAX_PARAMS_PER_BATCH])
+        except Exception as err:
+            raise TrackingError(
+                f"mlflow backend: cannot log the config as params of run {self.run_id} in {self.tracking_uri!r}: "
+                f"{type(err).__name__}: {err}"
+            ) from err
 
     def close(self, status: str = "FINISHED") -> None:
         """Write what is gathered, then end the mlflow run with ``status``; a store that went away

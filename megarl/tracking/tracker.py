@@ -98,25 +98,26 @@ class Tracker:
         self._closed = False
         # mlflow first: it is the backend most likely to fail, and it changes nothing when it does
         # (the JSONL writer renames or truncates the old metrics file as it opens).
-        if "mlflow" in self.backends:
-            from megarl.tracking.mlflow_backend import MlflowBackend
+        try:
+            if "mlflow" in self.backends:
+                from megarl.tracking.mlflow_backend import MlflowBackend
 
-            self._mlflow = MlflowBackend(
-                self.run_dir,
-                experiment=project,
-                run_name=run_name or experiment,
-                tracking_uri=mlflow_tracking_uri,
-                resume=resume_step is not None,
-                log_earlier_steps=append_only,
-            )
-        if "jsonl" in self.backends:
-            try:
+                self._mlflow = MlflowBackend(
+                    self.run_dir,
+                    experiment=project,
+                    run_name=run_name or experiment,
+                    tracking_uri=mlflow_tracking_uri,
+                    resume=resume_step is not None,
+                    log_earlier_steps=append_only,
+                )
+            if "jsonl" in self.backends:
                 self._jsonl = JsonlWriter(self.run_dir, resume_step=resume_step, keep_all=append_only)
-            except BaseException:
-                self.close(status="FAILED")
-                raise
-        if config is not None:
-            self.log_params(config)
+            if config is not None:
+                self.log_params(config)
+        except BaseException:
+            # What started is ended: the mlflow run as FAILED (not left RUNNING), the JSONL file closed.
+            self.close(status="FAILED")
+            raise
 
     @property
     def mlflow_run_id(self) -> Optional[str]:

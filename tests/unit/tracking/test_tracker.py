@@ -269,3 +269,140 @@ def test_names_that_clean_to_one_mlflow_key_keep_series_of_their_own(tmp_path: P
     values = {key: value for key, value in client.get_run(run_id).data.metrics.items()}
     assert len(values) == 4 and sorted(values.values()) == [1.0, 2.0, 3.0, 4.0]
     assert values["acc/mean_at_4"] == 1.0 and all(len(key) <= 250 for key in values)
+
+
+def test_a_validation_only_pass_drops_a_last_line_cut_short_before_appending(tmp_path: Path) -> None:
+    """`keep_all` (a validation-only pass over a checkpoint) appends to metrics.jsonl as it is: a last
+    line a crash cut short is dropped first, as a resume does (before, the new line was glued to the
+    fragment and every later read or resume of the file failed)."""
+    from megarl.tracking.jsonl import JsonlWriter, truncate_after_step
+
+    path = tmp_path / "metrics.jsonl"
+    complete = json.dumps({"step": 1, "time": 1.0, "metrics": {"x": 1.0}}) + "\n"
+    path.write_text(complete + '{"step": 2, "time')  # cut short by a crash
+    writer = JsonlWriter(tmp_path, resume_step=1, keep_all=True)
+    writer.write(1, {"v": 1.0})
+    writer.close()
+    assert path.read_text().startswith(complete) and path.read_text().endswith("\n")
+    assert [(r["step"], r["metrics"]) for r in read_metrics(path)] == [(1, {"x": 1.0, "v": 1.0})]
+    assert truncate_after_step(path, 1) == 0
+    assert [json.loads(line)["metrics"] for line in path.read_text().splitlines()] == [{"x": 1.0}, {"v": 1.0}]
+
+
+def test_param_names_that_clean_to_one_key_get_keys_of_their_own(tmp_path: Path) -> None:
+    """`a@b` and `a_at_b` both clean to `a_at_b`: before, mlflow refused the batch (a raw
+    MlflowException at start-up); now the second gets a hash suffix, as metric names do, and a
+    resumed run finds each value under its key as before."""
+    from mlflow.tracking import MlflowClient
+
+    config = {"a_at_b": 2, "a@b": 1}
+    tracker = Tracker(tmp_path, backends=["jsonl", "mlflow"], config=config)
+    run_id = tracker.mlflow_run_id
+    tracker.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}")
+    params = client.get_run(run_id).data.params
+    assert params["a_at_b"] == "2" and sorted(params.values()) == ["1", "2"] and len(params) == 2
+    (hashed,) = [key for key in params if key != "a_at_b"]
+    assert hashed.startswith("a_at_b_")
+    # Resumed with the names in the other order: same keys, nothing recorded as changed.
+    resumed = Tracker(tmp_path, backends=["jsonl", "mlflow"], config={"a@b": 1, "a_at_b": 2}, resume_step=0)
+    resumed.close()
+    run = client.get_run(run_id)
+    assert run.data.params == params
+    assert not [tag for tag in run.data.tags if tag.startswith("resume_changed")]
+
+
+def test_a_backend_failing_at_start_ends_those_already_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Logging the config fails after mlflow and the JSONL file were opened: the mlflow run ends
+    FAILED (before, it stayed RUNNING) and metrics.jsonl is closed (before, left open)."""
+    from mlflow.tracking import MlflowClient
+
+    from megarl.tracking import tracker as tracker_module
+    from megarl.tracking.jsonl import JsonlWriter
+    from megarl.tracking.mlflow_backend import MlflowBackend
+
+    writers: list[JsonlWriter] = []
+
+    class RecordedWriter(JsonlWriter):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            writers.append(self)
+
+    def refuse(self, params) -> None:
+        raise TrackingError("mlflow backend: the store refused the params")
+
+    monkeypatch.setattr(tracker_module, "JsonlWriter", RecordedWriter)
+    monkeypatch.setattr(MlflowBackend, "log_params", refuse)
+    with pytest.raises(TrackingError, match="refused the params"):
+        Tracker(tmp_path, backends=["jsonl", "mlflow"], config={"a": 1})
+    state = json.loads((tmp_path / "tracking.json").read_text())
+    client = MlflowClient(tracking_uri=state["mlflow_tracking_uri"])
+    assert client.get_run(state["mlflow_run_id"]).info.status == "FAILED"
+    (writer,) = writers
+    assert writer._file.closed
+
+
+def test_a_run_directory_moved_between_attempts_continues_its_mlflow_run(tmp_path: Path) -> None:
+    """The default store is the run directory's own mlflow.db: after the directory is renamed (or
+    mounted elsewhere) the resumed run finds its mlflow run there (before, the stored absolute URI
+    differed and a new mlflow run split the history)."""
+    import os
+
+    from mlflow.tracking import MlflowClient
+
+    first = tmp_path / "run"
+    tracker = Tracker(first, backends=["jsonl", "mlflow"])
+    run_id = tracker.mlflow_run_id
+    for step in (1, 2, 3):
+        tracker.log({"x": float(step)}, step)
+    tracker.close()
+    moved = tmp_path / "moved"
+    os.rename(first, moved)
+    resumed = Tracker(moved, backends=["jsonl", "mlflow"], resume_step=3)
+    assert resumed.mlflow_run_id == run_id
+    for step in (4, 5):
+        resumed.log({"x": float(step)}, step)
+    resumed.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{(moved / 'mlflow.db').resolve()}")
+    assert _history(client, run_id, "x") == ([1, 2, 3, 4, 5], [1.0, 2.0, 3.0, 4.0, 5.0])
+    assert len(client.search_runs([client.get_run(run_id).info.experiment_id])) == 1
+    assert json.loads((moved / "tracking.json").read_text())["mlflow_tracking_uri"].endswith("/moved/mlflow.db")
+
+
+def test_a_resumed_run_keeps_the_metric_keys_of_the_earlier_attempt(tmp_path: Path) -> None:
+    """The first attempt logs only `v/x@4` (key `v/x_at_4`); the resumed one also logs `v/x_at_4`,
+    first: each series must still hold one metric's values (before, the plain key went to the name
+    seen first in the attempt, so `v/x_at_4` mixed both after the resume)."""
+    from mlflow.tracking import MlflowClient
+
+    tracker = Tracker(tmp_path, backends=["mlflow"])
+    run_id = tracker.mlflow_run_id
+    for step in (1, 2):
+        tracker.log({"v/x@4": 1.0}, step)
+    tracker.flush()
+    tracker.close("FAILED")
+    resumed = Tracker(tmp_path, backends=["mlflow"], resume_step=2)
+    for step in (3, 4):
+        resumed.log({"v/x_at_4": 9.0, "v/x@4": 1.0}, step)
+    resumed.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}")
+    assert _history(client, run_id, "v/x_at_4") == ([1, 2, 3, 4], [1.0, 1.0, 1.0, 1.0])
+    (other,) = [key for key in client.get_run(run_id).data.metrics if key != "v/x_at_4"]
+    assert _history(client, run_id, other) == ([3, 4], [9.0, 9.0])
+
+
+def test_resuming_into_a_deleted_mlflow_run_says_so(tmp_path: Path) -> None:
+    """Before, the message blamed the store ("cannot use tracking store ... a writable store")."""
+    from mlflow.tracking import MlflowClient
+
+    tracker = Tracker(tmp_path, backends=["mlflow"])
+    tracker.log({"x": 1.0}, 1)
+    tracker.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}")
+    client.delete_run(tracker.mlflow_run_id)
+    with pytest.raises(TrackingError) as info:
+        Tracker(tmp_path, backends=["mlflow"], resume_step=1)
+    message = str(info.value)
+    assert f"mlflow run {tracker.mlflow_run_id}, which was deleted" in message
+    assert "mlflow runs restore" in message and "tracking.json to start a new mlflow run" in message
+    assert "writable store" not in message
