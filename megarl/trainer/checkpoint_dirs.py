@@ -31,6 +31,7 @@ import re
 import shutil
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -128,12 +129,16 @@ class CheckpointDirs:
             logger.warning("checkpoint: removing the partial save %s", tmp)
             _remove(tmp)
 
-    def commit(self, tmp: Union[str, Path], step: int, fsync_files: bool = True) -> Path:
+    def commit(self, tmp: Union[str, Path], step: int, fsync_files: bool = True,
+               before_rename: Optional[Callable[[], None]] = None) -> Path:
         """Mark ``tmp`` complete, rename it to ``global_step_<step>``, update the latest file, prune.
 
         The marker lists every file with its size and CRC-32 (what `megarl checkpoint verify` and a
         resume check against). Returns the final path. ``fsync_files`` flushes every file in ``tmp`` to disk first, so that
         the checkpoint is also complete after a power loss (not only after a process kill).
+        ``before_rename`` is called once the marker is written, right before the rename that makes
+        the checkpoint the one a resume finds (the trainer logs the step's metrics there); if it
+        raises, nothing is renamed.
         """
         tmp = Path(tmp)
         expected = self.root / f"{TMP_PREFIX}step_{step}-{os.getpid()}"
@@ -155,6 +160,8 @@ class CheckpointDirs:
             f.flush()
             os.fsync(f.fileno())
         _fsync_path(tmp)
+        if before_rename is not None:
+            before_rename()
         final = self.step_dir(step)
         replaced: Optional[Path] = None
         if final.exists():  # saving a step again (e.g. resumed from an older checkpoint by path)

@@ -8,6 +8,7 @@ import errno
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -97,10 +98,11 @@ class TrainerCheckpointer:
         self.engines = engines
         self.config_file = config_file
 
-    def save(self, step: int, state: dict[str, Any]) -> Path:
+    def save(self, step: int, state: dict[str, Any], before_commit: Optional[Callable[[], None]] = None) -> Path:
         """Write the checkpoint of `step`; on any failure the partial save is removed. A full disk
         (on the driver or any worker) raises `CheckpointError` saying so and whether the previous
-        checkpoint is intact."""
+        checkpoint is intact. `before_commit` is called once everything is written, right before the
+        rename that commits it (`CheckpointDirs.commit`)."""
         previous = self._previous()
         tmp: Optional[Path] = None
         try:
@@ -109,7 +111,7 @@ class TrainerCheckpointer:
                 view.call_all(EngineRole.save_checkpoint, str(tmp / name))
             torch.save(state, tmp / STATE_FILE)
             shutil.copy(self.config_file, tmp / "config.yaml")
-            path = self.dirs.commit(tmp, step)
+            path = self.dirs.commit(tmp, step, before_rename=before_commit)
         except BaseException as err:
             if tmp is not None:
                 self.dirs.discard(tmp)

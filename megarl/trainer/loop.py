@@ -39,6 +39,7 @@ import dataclasses
 import json
 import logging
 import math
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Optional
 
@@ -207,14 +208,18 @@ class RLTrainer:
         self.probe_metrics: dict[str, float] = {}  # probe/*: the weight-sync probe run in this step
         self.probed_version = -1  # the last weight version the probe checked (rollout.probe_freq)
         # trainer.async_mode one_step_off / bounded_staleness: the next step's generation, launched
-        # during this step, as (step, call handle, weight version it generates with, sampling); None
-        # when nothing is in flight. A row may be at most `max_staleness` versions older than the
-        # weights it is trained from: one_step_off syncs before every launch (1), bounded_staleness only
-        # when the bound requires it (trainer.max_staleness).
+        # during this step, as (step, call handle, weight version it generates with, sampling, epoch of
+        # its prompts); None when nothing is in flight. A row may be at most `max_staleness` versions
+        # older than the weights it is trained from: one_step_off syncs before every launch (1),
+        # bounded_staleness only when the bound requires it (trainer.max_staleness).
         mode = self.cfg.trainer.async_mode
         self.pipelined = mode != "sync"
         self.max_staleness = int(self.cfg.trainer.max_staleness) if mode == "bounded_staleness" else 1
-        self.prefetch: Optional[tuple[int, Any, int, SamplingParams]] = None
+        self.prefetch: Optional[tuple[int, Any, int, SamplingParams, int]] = None
+        # The epoch of the loader batch the running step's rows came from (its last, with DAPO):
+        # `training/epoch`. Not the loader's epoch when the step is read: by then the next step's
+        # prompts may have been taken (pipelined modes, queue_generation), from the next epoch.
+        self.batch_epoch = 0
         # trainer.queue_generation (sync mode, hybrid engine): the weight sync sent with the next
         # step's generation right behind the actor update, read when that generation is collected:
         # (sync call, weights wake-up, KV-cache wake-up), the wake-ups None when the engines never sleep.
@@ -228,7 +233,7 @@ class RLTrainer:
             self.weight_signal = WeightSignal.serve(address_and_free_port()[0])
             workers.rollout.call_all(RolloutRole.connect_weight_signal, *self.weight_signal.address)
         self.synced_in_step = False
-        self.rollout_busy_s = 0.0  # how long the slowest rollout rank generated the last batch
+        self.rollout_busy_s = 0.0  # how long the slowest rollout rank generated the step's batch (all its rounds)
         self.step_version = 0  # weights_version at the start of the running step
         self.memory_trace: list[tuple[str, str, str]] = []  # (phase, role, transition) of this step
         self.memory_metrics: dict[str, float] = {}  # memory/<phase>/<stat> of this step
@@ -284,8 +289,10 @@ class RLTrainer:
         if state is not None:
             self.load_state_dict(state)
             self.saved_step = self.global_step
-        # The steps after the checkpoint are trained again (a fresh run starts the file anew).
-        keep_steps_up_to(self.run.run_dir / MEMORY_TRACE_FILE, self.global_step)
+        # The steps after the checkpoint are trained again (a fresh run starts the file anew); a
+        # validation-only pass over a checkpoint trains none and keeps them, as metrics.jsonl does.
+        if not (trainer.val_only and self.run.resume):
+            keep_steps_up_to(self.run.run_dir / MEMORY_TRACE_FILE, self.global_step)
         last_val: dict[str, float] = {}
         if self.run.val_dataset is not None and (trainer.val_only or (trainer.val_before_train and self.global_step == 0)):
             last_val = self.validate()
@@ -308,24 +315,42 @@ class RLTrainer:
             if self.run.val_dataset is not None and ((trainer.test_freq > 0 and step % trainer.test_freq == 0) or is_last):
                 last_val = self.validate()
                 metrics.update(last_val)
-            if trainer.save_freq > 0 and (step % trainer.save_freq == 0 or is_last):
-                with self.timer("save_checkpoint"):
-                    # The store then holds every step before this checkpoint: a run resumed from
-                    # it does not log them again (mlflow_backend).
-                    self.tracker.flush()
-                    self.checkpointer.save(step, self.state_dict())
-                self.saved_step = step
             metrics.update(self.outside_step_metrics())
-            self.write_memory_trace(step)
             if self.data_bounded_sampling:  # its steps take a varying number of loader batches
                 self.progress.set_total_steps(estimated_last_step(
                     step, self.run.train_loader.batches_handed_out - (self.prefetch is not None),
                     self.cfg.trainer.total_epochs * len(self.run.train_loader)))
-            self.tracker.log(metrics, step=step)
-            if "timing_s/save_checkpoint" in metrics:  # a kill now would otherwise lose this step's metrics
-                self.tracker.flush()
+            if trainer.save_freq > 0 and (step % trainer.save_freq == 0 or is_last):
+                self.save_and_log(step, metrics)
+            else:
+                self.log_step(step, metrics)
             self.progress.step_done(step, reward=metrics.get("critic/score/mean"))
         return last_val
+
+    def log_step(self, step: int, metrics: dict[str, Any]) -> None:
+        """Step `step`'s line of `metrics.jsonl` (and of the other backends) and of `memory_phases.jsonl`."""
+        self.write_memory_trace(step)
+        self.tracker.log(metrics, step=step)
+
+    def save_and_log(self, step: int, metrics: dict[str, Any]) -> None:
+        """The checkpoint of `step`, with the step's metrics logged, and the tracker flushed, once the
+        checkpoint is written and before it is committed (renamed): a run killed after the commit
+        resumes at `step + 1` with this step's line kept, one killed before it resumes from an earlier
+        checkpoint and drops the line (a resume keeps the lines up to its checkpoint's step), so every
+        step is logged once, as in an uninterrupted run. `timing_s/save_checkpoint`, in that line, is
+        the save up to the commit (the rename, the latest file and pruning old checkpoints after it
+        are not counted)."""
+        started = time.perf_counter()
+
+        def log_before_commit() -> None:
+            metrics["timing_s/save_checkpoint"] = time.perf_counter() - started
+            self.log_step(step, metrics)
+            # The store then holds every step up to this checkpoint: a run resumed from it does not
+            # log them again (mlflow_backend).
+            self.tracker.flush()
+
+        self.checkpointer.save(step, self.state_dict(), before_commit=log_before_commit)
+        self.saved_step = step
 
     def stop_at_boundary(self) -> None:
         """The stop SIGTERM asked for, between two steps: a checkpoint of the last finished step
@@ -356,8 +381,8 @@ class RLTrainer:
         raise TrainingStopped(EXIT_STOPPED_FOR_RESUME, step)
 
     def outside_step_metrics(self) -> dict[str, float]:
-        """`timing_s/val`, `timing_s/save_checkpoint` and `memory/val/*` of the validation and the
-        checkpoint that followed a step (or came before the first), logged with that step; they
+        """`timing_s/val` and `memory/val/*` of the validation that followed a step (or came before
+        the first), logged with that step (as `timing_s/save_checkpoint` is, by `save_and_log`); they
         are not in `timing_s/step`. The phases timed inside the validation (its generation and
         weight sync) are part of `timing_s/val`, not of the next step's `gen` and `sync_weights`."""
         timings = self.timer.pop()
@@ -387,6 +412,9 @@ class RLTrainer:
         actor, ref, critic = self.workers.actor, self.workers.ref, self.workers.critic
         metrics: dict[str, Any] = {"training/global_step": step}
         self.step_version = self.weights_version  # the weights this step's batch is trained from
+        # sync/* describe the weight syncs this step runs (for its generation, or in the pipelined
+        # modes before launching the next step's), not one a validation ran before it (in timing_s/val).
+        self.synced_in_step, self.sync_metrics = False, {}
         # Calls sent by the last step for this one (a queued generation) count as this step's.
         calls_before = self.worker_calls_sent() - self.queued_calls()
         # This step's batch was generated behind the last update (trainer.queue_generation).
@@ -395,16 +423,14 @@ class RLTrainer:
             # 1-3. prompts -> responses -> scores (DAPO: until enough groups carry a signal); with
             #      `score_beside_pass` the scores come with the first pass of step 4
             batch, gen_metrics = self.collect_scored_batch(step, score=not self.score_beside_pass)
-            metrics["training/epoch"] = self.run.train_loader.epoch  # of the step's (last) generation batch
+            metrics["training/epoch"] = self.batch_epoch  # of the step's (last) generation batch
             metrics.update(gen_metrics)
             metrics.update(self.staleness_metrics(batch))
             metrics.update(partial_metrics(batch, self.step_version))
-            metrics["sync/synced"] = float(self.synced_in_step)  # a weight sync ran while this step generated
             # The rollout pool's own time on this step's rows (in the pipelined modes it overlaps the
             # previous step; timing_s/gen is then only the wait for it). Not a timing_s/ phase: the
             # phases add up to the step, and this one may lie outside it.
             metrics["async/rollout_busy_s"] = self.rollout_busy_s
-            self.synced_in_step = False
             metrics.update(agent_metrics(batch))  # multi-turn rollouts: turns, tool calls, errors, latency
             self.rollout_sleep()  # training needs the memory: the KV cache (and weights) go
             # Rows reordered so each actor DP rank gets about the same tokens (trainer.balance_batch);
@@ -481,8 +507,9 @@ class RLTrainer:
                                             max_prompt_length=cfg.data.max_prompt_length))
         metrics.update(compute_timing_metrics(timings, total_tokens, response_tokens, inner=inner))
         metrics.update(compute_throughput(total_tokens, timings["step"], self.n_devices))
-        metrics.update(self.sync_metrics)  # of the sync this step's generation took (or the validation before)
-        self.sync_metrics = {}
+        metrics["sync/synced"] = float(self.synced_in_step)  # a weight sync ran in this step (see its start)
+        metrics.update(self.sync_metrics)  # of the last sync this step ran; none when it ran none
+        self.synced_in_step, self.sync_metrics = False, {}
         metrics.update(self.probe_metrics)
         self.probe_metrics = {}
         if self.prefetch is None:  # else the sleep waits behind the next step's generation: read it then
@@ -685,7 +712,7 @@ class RLTrainer:
         its order). Collected by `rollout_batch`."""
         rollout = self.workers.rollout
         self.settle_rollout_sleep()  # sent before the update: the rollout has slept by now or will first
-        prompts, sampling = self.run.train_loader.next_batch(), self.sampling((step + 1) * 1000)
+        (prompts, epoch), sampling = self.next_prompts(), self.sampling((step + 1) * 1000)
         calls_before = self.worker_calls_sent()
         waking = self.rollout_wake_up(("weights",))
         syncing = rollout.call_all_async(RolloutRole.sync_weights, version)
@@ -696,7 +723,7 @@ class RLTrainer:
                                        dispatch_coords=self.workers.rollout_coords)
         self.queued_sync = QueuedSync(syncing, waking, waking_cache, probe, self.worker_calls_sent() - calls_before)
         self.rollout_version = version
-        self.prefetch = (step + 1, handle, version, sampling)
+        self.prefetch = (step + 1, handle, version, sampling, epoch)
 
     def settle_queued_sync(self) -> None:
         """Read the answers of a sync sent by `queue_generation` (the generation behind it is done).
@@ -768,7 +795,7 @@ class RLTrainer:
         rollout = self.workers.rollout
         self.settle_rollout_sleep()
         if self.prefetch is not None:
-            launched_for, handle, version, sampling = self.prefetch
+            launched_for, handle, version, sampling, self.batch_epoch = self.prefetch
             if launched_for != step or attempt != 0:
                 raise RuntimeError(f"generation in flight for step {launched_for}, asked for step {step}")
             # Here only the wait: what the training pool idles for. A generation queued behind the
@@ -783,13 +810,14 @@ class RLTrainer:
             else:
                 out["rollout_weights_version"] = torch.full((len(out),), version, dtype=torch.int64)
         else:
-            out = self.generate(self.run.train_loader.next_batch(), self.sampling(step * 1000 + attempt))
+            prompts, self.batch_epoch = self.next_prompts()
+            out = self.generate(prompts, self.sampling(step * 1000 + attempt))
         if self.pipelined and self.may_prefetch(step):
             # The next step trains with the weights after this step's update (if the actor updates).
             trained_with = self.weights_version + int(step > self.cfg.trainer.critic_warmup)
             if trained_with - self.rollout_version > self.max_staleness:
                 self.sync_rollout()
-            prompts, sampling = self.run.train_loader.next_batch(), self.sampling((step + 1) * 1000)
+            (prompts, epoch), sampling = self.next_prompts(), self.sampling((step + 1) * 1000)
             if self.partial is None:
                 handle = rollout.call_dp_async(RolloutRole.generate, prompts, sampling,
                                                dispatch_coords=self.workers.rollout_coords)
@@ -797,8 +825,14 @@ class RLTrainer:
                 rows = open_rows(prompts, sampling.n, self.response_length, self.spec.rollout.options.pad_token_id)
                 handle = rollout.call_dp_async(RolloutRole.generate_partial, rows, sampling, self.rollout_version,
                                                self.weights_version, dispatch_coords=self.workers.rollout_coords)
-            self.prefetch = (step + 1, handle, self.rollout_version, sampling)
+            self.prefetch = (step + 1, handle, self.rollout_version, sampling, epoch)
         return out
+
+    def next_prompts(self) -> tuple[Batch, int]:
+        """The loader's next batch of prompts and the epoch it is from (the loader moves into an epoch
+        as it hands out the epoch's first batch)."""
+        prompts = self.run.train_loader.next_batch()
+        return prompts, int(self.run.train_loader.epoch)
 
     def finish_partial(self, rows: Batch, sampling: SamplingParams) -> Batch:
         """A partial rollout's rows (`trainer.partial_rollout`) once it stopped: when rows are
@@ -863,9 +897,13 @@ class RLTrainer:
         kept: list[Batch] = []
         metrics: dict[str, Any] = {}
         scored_rows = 0  # rows scored in the rounds so far
+        busy_s = 0.0  # the rollout's generation time of the rounds so far (async/rollout_busy_s)
         attempt = 0
         while True:
+            self.rollout_busy_s = 0.0  # this round's, set by `take_busy_time`
             gen = self.rollout_batch(step, attempt)
+            busy_s += self.rollout_busy_s
+            self.rollout_busy_s = busy_s
             attempt += 1
             if not score:
                 return gen, metrics
@@ -891,7 +929,7 @@ class RLTrainer:
         # Exactly train_batch_size groups: drop the surplus, whole groups at a time.
         uids = list(dict.fromkeys(batch["uid"].tolist()))[:needed]
         batch = batch[np.isin(batch["uid"], uids)]
-        metrics["dapo/num_gen_batches"] = state.num_gen_batches
+        metrics["train/num_gen_batches"] = state.num_gen_batches  # verl's DAPO trainer's name
         metrics["dapo/num_prompts_kept"] = state.num_prompts_kept
         return batch, metrics
 
@@ -921,7 +959,9 @@ class RLTrainer:
         if alg.use_kl_in_reward:
             rewards, current_kl = apply_kl_penalty(batch["token_level_scores"], batch["old_log_probs"],
                                                    batch["ref_log_prob"], mask, self.kl_ctrl.value, alg.kl_penalty)
-            metrics["actor/reward_kl_coef"] = self.kl_ctrl.value  # the coefficient these rewards took
+            # verl's names: the coefficient these rewards took (logged before the controller moves it)
+            # and their mean KL to the reference
+            metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctrl.value
             self.kl_ctrl.update(current_kl, n_steps=len(batch))
             metrics["actor/reward_kl_penalty"] = current_kl
         else:

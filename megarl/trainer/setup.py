@@ -193,6 +193,13 @@ def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[Any, Optional[Any]]
         )
     # With DAPO dynamic sampling each generation round takes `gen_batch_size` prompts.
     round_size = data.gen_batch_size if cfg.algorithm.filter_groups.enable and data.gen_batch_size else data.train_batch_size
+    if len(train) < round_size:
+        raise ConfigError(
+            f"data.train_files ({', '.join(map(str, data.train_files))}) hold {len(train)} usable prompts, fewer than "
+            f"data.gen_batch_size = {round_size}, the prompts of one generation round of DAPO dynamic sampling "
+            f"(algorithm.filter_groups.enable); set data.gen_batch_size to at most {len(train)} (and at least "
+            f"data.train_batch_size = {data.train_batch_size}) or add training data"
+        )
     loader = RLDataLoader(train, round_size, shuffle=data.shuffle, seed=data.seed)
     val = RLDataset(list(data.val_files), tokenizer, **common) if data.val_files else None
     return loader, val

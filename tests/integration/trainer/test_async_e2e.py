@@ -226,3 +226,33 @@ def test_killed_pipelined_run_resumes_with_the_same_metrics(tmp_path: Path, task
         partial = ("async/partial_rows", "async/token_staleness_mean") if mode == "partial_rollout" and step == 4 else ()
         for key in COMPARED + partial:  # step 4 is the one generated across the update
             assert resumed[step][key] == pytest.approx(expected[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+def test_one_step_off_logs_the_epoch_and_the_syncs_of_each_steps_own_rows(tmp_path: Path) -> None:
+    """10 prompts in batches of 4 (2 a epoch), 2 epochs, validation after step 2 and 4.
+
+    `training/epoch` is the epoch of the step's own prompts, as in sync mode (0, 0, 1, 1): before, it
+    was read after the next step's prompts were taken for the generation launched during the step,
+    so step 2 said 1. `sync/synced` (and the sync/* metrics) describe the syncs the step ran:
+    step 1 before its generation, step 2 before launching step 3's; the validation after step 2
+    syncs the weights of step 2's update for itself, and step 3 launches step 4's generation with
+    them, one version old, without a sync of its own; step 4 launches nothing. Before, the
+    validation's sync was reported by step 3."""
+    task = tmp_path / "small"
+    subprocess.run([sys.executable, "-m", "megarl.cli", "data", "make", "arithmetic", "--out", str(task),
+                    "--tokenizer-out", str(task / "tokenizer"), "--num-operands", "2", "--min-value", "0",
+                    "--max-value", "4", "--operators", "+", "--train-size", "10", "--val-size", "4"],
+                   check=True, capture_output=True, text=True)
+    config = write_config(tmp_path, task, **{
+        **ASYNC, "actor": {"megatron": {"tensor_model_parallel_size": 1}},
+        "resources": {"actor_pool": {"devices_per_node": 1}, "rollout_pool": {"nnodes": 1, "devices_per_node": 1}},
+        "trainer": {"async_mode": "one_step_off", "total_training_steps": None, "total_epochs": 2, "test_freq": 2}})
+    assert run_train(config).returncode == 0
+    metrics = read_metrics(tmp_path / "run")
+    assert sorted(metrics) == [1, 2, 3, 4]
+    assert [metrics[step]["training/epoch"] for step in (1, 2, 3, 4)] == [0, 0, 1, 1]
+    assert [metrics[step]["async/staleness_max"] for step in (1, 2, 3, 4)] == [0, 1, 1, 1]
+    assert "val/reward_mean" in metrics[2] and "val/reward_mean" in metrics[4]
+    assert [metrics[step]["sync/synced"] for step in (1, 2, 3, 4)] == [1.0, 1.0, 0.0, 0.0]
+    for step, m in metrics.items():  # a step without a sync logs no sync/*
+        assert ("sync/bytes_received" in m) == bool(m["sync/synced"]), step

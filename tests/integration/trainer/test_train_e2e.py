@@ -301,8 +301,8 @@ def test_ppo_with_critic_in_its_own_pool_and_kl_in_reward(tmp_path: Path, task_d
     assert "actor/pg_loss" in metrics[2]
     # the coefficient each step's rewards took: the initial one at step 1 (logged before the adaptive
     # controller moves it), at step 2 the one step 1's update gave
-    assert metrics[1]["actor/reward_kl_coef"] == 0.05
-    assert metrics[2]["actor/reward_kl_coef"] != 0.05
+    assert metrics[1]["actor/reward_kl_penalty_coeff"] == 0.05
+    assert metrics[2]["actor/reward_kl_penalty_coeff"] != 0.05
 
 
 MIXED_REWARD = """
@@ -334,7 +334,7 @@ def test_dapo_dynamic_sampling_fills_the_batch(tmp_path: Path, task_dir: Path) -
     for step in (1, 2):
         assert metrics[step]["dapo/num_prompts_kept"] >= 4, metrics[step]
     # About half the groups are filtered, so filling 4 prompts from batches of 4 takes more than one.
-    assert max(metrics[s]["dapo/num_gen_batches"] for s in (1, 2)) >= 2
+    assert max(metrics[s]["train/num_gen_batches"] for s in (1, 2)) >= 2
 
 
 def test_dapo_generation_batches_and_the_run_ends_with_its_epochs(tmp_path: Path) -> None:
@@ -358,7 +358,7 @@ def test_dapo_generation_batches_and_the_run_ends_with_its_epochs(tmp_path: Path
     assert proc.returncode == 0
     metrics = read_metrics(tmp_path / "run")
     steps = sorted(metrics)
-    rounds = [metrics[s]["dapo/num_gen_batches"] for s in steps]
+    rounds = [metrics[s]["train/num_gen_batches"] for s in steps]
     assert all(metrics[s]["dapo/num_prompts_kept"] >= 4 for s in steps)
     # 24 prompts / 8 per round = 3 rounds an epoch: the last step began with data left and ended without.
     assert sum(rounds) >= 3 and sum(rounds) - rounds[-1] < 3, rounds

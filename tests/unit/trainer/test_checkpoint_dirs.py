@@ -155,3 +155,31 @@ def test_rng_state_round_trip_through_torch_save(tmp_path: Path) -> None:
     assert (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist()) == expected
     with pytest.raises(CheckpointError, match="numpy"):
         restore_rng_state({"python": state["python"]})
+
+
+def test_before_rename_runs_on_a_written_checkpoint_before_it_is_found(tmp_path: Path) -> None:
+    """`commit(before_rename=...)` (where the trainer logs the step's metrics) runs once the files
+    and the marker are written, before the rename that makes the checkpoint the one a resume finds;
+    one that raises leaves no checkpoint and the latest file as it was."""
+    dirs = CheckpointDirs(tmp_path, max_to_keep=0)
+    _save(dirs, 1)
+    seen = []
+
+    def hook() -> None:
+        (tmp,) = tmp_path.glob(".tmp-step_2-*")
+        seen.append(((tmp / COMPLETE_MARKER).is_file(), dirs.latest(), (tmp_path / LATEST_FILE).read_text()))
+
+    tmp = dirs.begin(2)
+    (tmp / "model.bin").write_text("2")
+    assert dirs.commit(tmp, 2, before_rename=hook) == tmp_path / "global_step_2"
+    assert seen == [(True, (1, tmp_path / "global_step_1"), "1")]
+    assert dirs.latest() == (2, tmp_path / "global_step_2")
+
+    def failing() -> None:
+        raise OSError("the metrics store went away")
+
+    tmp = dirs.begin(3)
+    (tmp / "model.bin").write_text("3")
+    with pytest.raises(OSError, match="went away"):
+        dirs.commit(tmp, 3, before_rename=failing)
+    assert not (tmp_path / "global_step_3").exists() and (tmp_path / LATEST_FILE).read_text() == "2"

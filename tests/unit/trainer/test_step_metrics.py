@@ -52,3 +52,46 @@ def test_the_last_step_of_a_data_bounded_dapo_run_is_estimated_from_the_batches_
     assert estimated_last_step(10, 30, 100) == 10 + 24
     assert estimated_last_step(10, 10, 100) == 100  # one batch a step: the plain count
     assert estimated_last_step(5, 100, 100) == 5  # the data is used up
+
+
+def test_rollout_busy_time_of_a_dapo_step_adds_up_its_generation_rounds() -> None:
+    """DAPO's dynamic sampling generates until enough groups carry a signal: here 3 rounds, whose
+    slowest rollout ranks were busy 1, 2 and 4 s. The step's `async/rollout_busy_s` is their sum
+    (before, the last round's 4 s alone), and `train/num_gen_batches` (verl's DAPO name) counts them."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from megarl.protocol import Batch
+    from megarl.trainer.loop import RLTrainer
+    from megarl.workers.roles import ROLLOUT_BUSY
+
+    busy = {0: [0.5, 1.0, 0.25, 1.0], 1: [2.0, 1.5, 2.0, 0.1], 2: [4.0, 3.0, 4.0, 3.5]}  # per row, by round
+    # Response scores by round: round 0's two groups score alike (filtered), round 1 keeps group a,
+    # round 2 both: 3 prompts kept, 2 needed.
+    scores = {0: [1.0, 1.0, 0.0, 0.0], 1: [1.0, 0.0, 0.0, 0.0], 2: [0.0, 1.0, 1.0, 0.0]}
+    cfg = SimpleNamespace(algorithm=SimpleNamespace(filter_groups=SimpleNamespace(
+        enable=True, metric="seq_reward", max_num_gen_batches=10)), data=SimpleNamespace(train_batch_size=2))
+
+    def rollout_batch(step: int, attempt: int) -> Batch:
+        gen = Batch.from_dict({"responses": torch.ones(4, 3, dtype=torch.int64),
+                               ROLLOUT_BUSY: torch.tensor(busy[attempt], dtype=torch.float64)},
+                              {"uid": np.array([f"{attempt}-a", f"{attempt}-a", f"{attempt}-b", f"{attempt}-b"],
+                                               dtype=object)})
+        return RLTrainer.take_busy_time(trainer, gen)
+
+    def score(gen: Batch) -> tuple[Batch, dict]:
+        attempt = int(gen["uid"][0].split("-")[0])
+        gen["token_level_scores"] = torch.zeros(4, 3)
+        gen["token_level_scores"][:, -1] = torch.tensor(scores[attempt])
+        return gen, {"reward/time_s": 0.5}
+
+    trainer = SimpleNamespace(cfg=cfg, rollout_busy_s=0.0, rollout_batch=rollout_batch, score=score,
+                              phase=lambda name: contextlib.nullcontext())
+    batch, metrics = RLTrainer.collect_scored_batch(trainer, step=1)
+    assert metrics["train/num_gen_batches"] == 3 and metrics["dapo/num_prompts_kept"] == 3
+    assert sorted(set(batch["uid"].tolist())) == ["1-a", "2-a"]
+    assert metrics["reward/time_s"] == 1.5  # scoring adds up over the rounds too
+    assert trainer.rollout_busy_s == 1.0 + 2.0 + 4.0
