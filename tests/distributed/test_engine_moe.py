@@ -151,7 +151,8 @@ def test_one_step_with_experts_split_over_two_ranks_equals_float64_adamw() -> No
         assert moved > len(want_files) // 2, "the step should change most tensors"
 
 
-def _save_ep2_resume_dp2(rank: int, world: int, port: int, hf_dir: str, batches: list, ckpt_dir: str) -> dict:
+def _save_ep2_resume_dp2(rank: int, world: int, port: int, hf_dir: str, batches: list, ckpt_dir: str,
+                         distributed_optimizer: bool = True) -> dict:
     """Two steps with experts split over two ranks, save; a fresh engine with all experts on each
     rank (ep=1, dp=2) loads it; both take the third step."""
     from megarl.megatron.checkpoint import adam_step
@@ -161,7 +162,7 @@ def _save_ep2_resume_dp2(rank: int, world: int, port: int, hf_dir: str, batches:
     def engine_at(layout: dict) -> Any:
         init_distributed(rank, world, "127.0.0.1", port, ParallelLayout(**layout))
         engine = _engine(hf_dir, {"micro_batch_size": 2, "lr": LR, "eps": EPS, "clip_grad": CLIP,
-                                  "weight_decay": 0.0})
+                                  "weight_decay": 0.0, "use_distributed_optimizer": distributed_optimizer})
         engine.load_hf_weights(hf_dir)
         return engine
 
@@ -187,15 +188,16 @@ def _save_ep2_resume_dp2(rank: int, world: int, port: int, hf_dir: str, batches:
             "optimizers": [len(getattr(e.optimizer, "chained_optimizers", [e.optimizer])) for e in (engine, resumed)]}
 
 
-def test_checkpoint_saved_at_ep2_resumes_at_ep1_exactly() -> None:
+@pytest.mark.parametrize("distributed_optimizer", [True, False], ids=["distributed", "plain"])
+def test_checkpoint_saved_at_ep2_resumes_at_ep1_exactly(distributed_optimizer: bool) -> None:
     import os
 
     hf_dir = save_hf_model(make_moe_model("qwen2_moe", seed=3))
     batches = [make_batch(seed=20 + i, batch=4) for i in range(3)]
     ckpt_dir = os.path.join(scratch_dir("megarl_moe_ckpt_"), "step_2")
-    res = run_distributed(_save_ep2_resume_dp2, 2, hf_dir, batches, ckpt_dir)[0]
-    # At ep=2 the expert parameters have their own distributed optimizer (expert DP group of 1);
-    # at ep=1 they share the dense one: the checkpoint moves between the two arrangements.
+    res = run_distributed(_save_ep2_resume_dp2, 2, hf_dir, batches, ckpt_dir, distributed_optimizer)[0]
+    # At ep=2 the expert parameters have their own optimizer (expert DP group of 1); at ep=1 they
+    # share the dense one: the checkpoint moves between the two arrangements (either optimizer kind).
     assert res["optimizers"] == [2, 1], res["optimizers"]
     assert res["steps"] == (3, 3)
     for key, value in res["saved"].items():
