@@ -28,9 +28,9 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Protocol
 
@@ -93,6 +93,10 @@ class ClusterInfo:
     local: bool  # True when this process started the cluster (and will stop it)
     num_nodes: int
     resources: dict[str, float]
+    # The number of a SIGTERM received inside the block, once one was: read by code that takes over
+    # SIGTERM later (`stop_on_signal(pending=...)`), since the interrupt it raised can be lost (Python
+    # ignores an exception raised while a finalizer or a weakref callback runs).
+    sigterm: list[int] = field(default_factory=list)
 
 
 @contextmanager
@@ -175,6 +179,7 @@ def start_or_connect(
             local=local,
             num_nodes=nodes,
             resources=dict(ray.cluster_resources()),
+            sigterm=sigterm,
         )
     except KeyboardInterrupt:
         if sigterm:  # the handler's interrupt (below): the caller sees the signal
@@ -275,7 +280,7 @@ class StopRequest:
 
 
 @contextmanager
-def stop_on_signal(signals: tuple[int, ...] = (signal.SIGTERM,)) -> Iterator[StopRequest]:
+def stop_on_signal(signals: tuple[int, ...] = (signal.SIGTERM,), pending: Sequence[int] = ()) -> Iterator[StopRequest]:
     """Inside the block, `signals` (SIGTERM: SLURM before the time limit, Kubernetes, `kill`) set
     `StopRequest.requested` instead of stopping the process; the caller polls it where stopping
     keeps its work. A repeated signal never interrupts anything, so a checkpoint being written when
@@ -284,9 +289,11 @@ def stop_on_signal(signals: tuple[int, ...] = (signal.SIGTERM,)) -> Iterator[Sto
     On leaving the block the earlier handlers come back, unless a stop was asked for: then the
     signals stay noted-and-ignored, so that a late one cannot change the exit status of the
     shutdown that follows. Outside the main thread (no signal handlers there) the request is never
-    set.
+    set. `pending`: signals received before the block (`ClusterInfo.sigterm`), taken as received in it.
     """
     request = StopRequest()
+    for signum in pending[:1]:
+        request.note(signum)
     if threading.current_thread() is not threading.main_thread():
         yield request
         return

@@ -140,13 +140,13 @@ def train(cfg: DictConfig) -> dict[str, float]:
                 address=res.ray_address,
                 num_cpus=res.ray_num_cpus or ray_cpus_needed(cfg),
                 object_store_memory_gb=res.object_store_memory_gb,
-            ):
+            ) as cluster:
                 workers = start_workers(cfg, spec)
                 progress.write(f"rollout engine: {workers.rollout_engine}")
                 try:
                     trainer = RLTrainer(run, spec, workers, tracker, progress)
                     training = True
-                    last_val = trainer.fit()
+                    last_val = trainer.fit(cluster.sigterm)
                 except TrainingStopped:
                     status = "KILLED"  # stopped by a signal, with a checkpoint: mlflow's status for a run cut short
                     raise

@@ -40,7 +40,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional
 
 import numpy as np
@@ -277,10 +277,12 @@ class RLTrainer:
         check_driver_state_restored(state, self.state_dict(), self.run.resume[1] if self.run.resume else None)
 
     # ------------------------------------------------------------------ the loop
-    def fit(self) -> dict[str, float]:
+    def fit(self, pending_signals: Sequence[int] = ()) -> dict[str, float]:
         """Train to the last step; returns the last validation metrics. SIGTERM stops at the next step
-        boundary instead: `TrainingStopped` (a SystemExit) once its checkpoint is written."""
-        with stop_on_signal() as self.stop:
+        boundary instead: `TrainingStopped` (a SystemExit) once its checkpoint is written.
+        `pending_signals`: a SIGTERM received while the run started whose interrupt was lost
+        (`ClusterInfo.sigterm`): the run stops at its first step boundary."""
+        with stop_on_signal(pending=pending_signals) as self.stop:
             return self.train_until_done_or_stopped()
 
     def train_until_done_or_stopped(self) -> dict[str, float]:
