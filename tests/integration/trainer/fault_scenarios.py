@@ -126,7 +126,15 @@ def checkpoint_state(ckpts: Path) -> tuple[bool, str, Optional[int]]:
 
 
 def worker_processes(driver: subprocess.Popen) -> list[psutil.Process]:
-    return [p for p in psutil.Process(driver.pid).children(recursive=True) if p.name().startswith("ray::HostWorker")]
+    """The driver's worker processes alive now (a child may end between the listing and its name)."""
+    found = []
+    for proc in psutil.Process(driver.pid).children(recursive=True):
+        try:
+            if proc.name().startswith("ray::HostWorker"):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+    return found
 
 
 def tagged_processes(tag: str) -> list[psutil.Process]:
