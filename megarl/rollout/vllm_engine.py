@@ -116,7 +116,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 os.environ["LOCAL_RANK"] = str(visible_device_index(os.environ.get("LOCAL_RANK", "0"),
                                                                         torch.cuda.device_count()))
         kwargs.update(options.extra)
-        self._expected_shapes = hf_parameter_shapes(self.model_path)
+        self._expected_shapes, self._tied_names = hf_parameter_layout(self.model_path)
         self._expert_staging: dict[str, torch.Tensor] = {}  # CPU MoE: loading-layout copies (fused_expert_target)
         # After a discarding sleep: the HF names an update has still to give before the model is whole.
         self._unwritten: set[str] = set()
@@ -336,13 +336,16 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm.reset_prefix_cache()
 
     def _note_written(self, name: str) -> None:
-        self._unwritten.discard(name)
+        # A tied name (lm_head.weight of a tied model) rewrites the tensor it shares.
+        self._unwritten.discard(self._tied_names.get(name, name))
 
     def _missing_weights(self) -> list[str]:
         return sorted(self._unwritten)
 
     def _expect_every_weight(self) -> None:
-        self._unwritten = set(self._expected_shapes)
+        # One name per tensor: a weight sync names a tied tensor once (its first name, as the
+        # resharding plan does), and vLLM's loaders skip tied lm_head.weight anyway.
+        self._unwritten = set(self._expected_shapes) - set(self._tied_names)
 
     def _checked(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], counter: list[int]
@@ -451,13 +454,24 @@ def _check_spmd_group(tensor_parallel_size: int) -> None:
 def hf_parameter_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
     """HF checkpoint tensor names -> shapes of the model in ``model_path``, built on the meta device
     (no memory). Experts one by one, as checkpoints store them and vLLM's loaders take them
-    (transformers keeps them fused in memory)."""
+    (transformers keeps them fused in memory). Tied names are all listed (see `hf_parameter_layout`)."""
+    return hf_parameter_layout(model_path)[0]
+
+
+def hf_parameter_layout(model_path: str | Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """`hf_parameter_shapes`, and the tied names: every state-dict name of a tensor another name
+    came first for -> that first name (a tied model's ``lm_head.weight`` ->
+    ``model.embed_tokens.weight``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(model_path))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return split_fused_experts({name: tuple(tensor.shape) for name, tensor in model.state_dict().items()})
+    state = model.state_dict(keep_vars=True)
+    first: dict[int, str] = {}
+    tied = {name: first.setdefault(id(tensor), name) for name, tensor in state.items()}
+    tied = {name: owner for name, owner in tied.items() if owner != name}
+    return split_fused_experts({name: tuple(tensor.shape) for name, tensor in state.items()}), tied
 
 
 def vllm_import_error() -> str | None:
