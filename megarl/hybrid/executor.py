@@ -50,6 +50,8 @@ class ExecStats:
     buckets_received: int = 0
     steps: int = 0
     rounds: int = 0  # groups of buckets posted together (`exchange_rounds`)
+    # Wall seconds of this rank's sync: in `execute_plan` the exchange; `sync_shards` and
+    # `WeightSync.sync` widen it to the whole sync, the engine's taking of the weights included.
     seconds: float = 0.0
     largest_buffer_numel: int = 0  # largest flat exchange buffer (one bucket)
     # Elements of the staging buffers this process allocated (send and receive, both parities):

@@ -18,6 +18,7 @@ those shards by (expert TP rank, pp, ep rank) and fetches every other expert fro
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -122,6 +123,15 @@ def sync_shards(plan: ReshardPlan, shards: Mapping[str, torch.Tensor], rollout_e
     in layout "hf" before the engine takes the weights, in layout "vllm" after the pieces were
     written in place, so a failed check leaves the engine refusing to generate until a whole sync. `transport`: point-to-point over `group` by default.
     """
+    start = time.perf_counter()
+    stats = _deliver(plan, shards, rollout_engine, group, verify, transport)
+    stats.seconds = time.perf_counter() - start  # the engine's taking of the weights included
+    return stats
+
+
+def _deliver(plan: ReshardPlan, shards: Mapping[str, torch.Tensor], rollout_engine: Any,
+             group: dist.ProcessGroup | None, verify: bool, transport: Transport | None) -> ExecStats:
+    """`sync_shards` without its timing."""
     if plan.engine == "hf":
         # Unverified, straight into the engine's own tensors where it offers them (the HF engine):
         # no second copy of the model. A verified sync fills new tensors and hands them over only
@@ -227,8 +237,10 @@ class WeightSync:
     def sync(self, transport: Transport | None = None) -> ExecStats:
         """Reshard and deliver; returns this rank's transfer statistics. `transport`: how buckets
         move (default: point-to-point over the group)."""
+        start = time.perf_counter()
         shards = engine_shards(self.train_engine)
         verify = self.exchanges and verify_due(self.verify_every, self.syncs_done)
         stats = sync_shards(self.plan, shards, self.rollout_engine, self.group, verify=verify, transport=transport)
+        stats.seconds = time.perf_counter() - start
         self.syncs_done += 1
         return stats

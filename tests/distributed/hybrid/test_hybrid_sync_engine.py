@@ -7,6 +7,7 @@ optimizer step and a second sync they change the same way."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,9 @@ CASES = {"qwen2-tp2": ("qwen2", dict(tp=2)), "qwen2-pp2": ("qwen2", dict(pp=2)),
 # Written straight into the HF engine's parameters: syncs that are not verified (verified ones fill
 # new tensors and hand them over after the check), at DP=2 because nothing crosses a process.
 UNVERIFIED = {"qwen2-tp2-unverified"}
+# The rollout engine of this case takes its weights this much slower: `seconds` is the whole sync,
+# the engine's `update_weights` included (it covered only the exchange).
+SLOW_TAKE_S = {"qwen2-tp2": 0.3}
 
 
 def _sync_all(rank: int, world: int, port: int, hf_dirs: dict[str, str], batch: dict,
@@ -53,6 +57,14 @@ def _sync_all(rank: int, world: int, port: int, hf_dirs: dict[str, str], batch: 
         torch.manual_seed(1000 + rank)  # a different random model: only the sync can make it right
         rollout = HFRolloutEngine.from_config(AutoConfig.from_pretrained(hf_dir),
                                               EngineOptions(pad_token_id=0, eos_token_ids=(1,)))
+        if name in SLOW_TAKE_S:
+            take = rollout.update_weights
+
+            def slow_take(named_tensors: Any, take: Any = take, delay: float = SLOW_TAKE_S[name]) -> int:
+                time.sleep(delay)
+                return take(named_tensors)
+
+            rollout.update_weights = slow_take
         sync = WeightSync(engine, rollout, rollout_tp=1, bucket_bytes=16 * 1024,
                           verify_every=0 if name in UNVERIFIED else 1)
 
@@ -92,6 +104,7 @@ def test_rollout_log_probs_follow_training_engine_through_sync_and_step() -> Non
             err = (d_rollout - d_train)[mask].abs().max().item()
             assert err < 2e-5, f"{name} rank {rank}: log-prob change differs by {err}"
             for stats in r["stats"]:
+                assert stats["seconds"] >= SLOW_TAKE_S.get(name, 0.0) + stats["verify_seconds"], (name, stats)
                 if name.endswith("dp2"):  # every rank holds the whole model: nothing moves, nothing to verify
                     assert stats["bytes_received"] == stats["minimum_bytes"] == stats["pieces_verified"] == 0
                 else:  # verify_every=1: both syncs verified, every piece that moved checked
