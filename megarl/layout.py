@@ -34,6 +34,10 @@ from dataclasses import dataclass
 
 from megarl.errors import ConfigError
 
+# vLLM pads the vocabulary to a multiple of this before splitting it over its tensor-parallel ranks
+# (vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE).
+VLLM_VOCAB_PADDING = 64
+
 
 @dataclass(frozen=True, kw_only=True)
 class RankCoord:

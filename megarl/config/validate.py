@@ -20,6 +20,7 @@ from megarl.config.model_files import family_specs
 from megarl.config.plugins import import_modules
 from megarl.config.schema import AlgorithmConfig, FilterGroupsConfig, KLControlConfig, TrainerConfig
 from megarl.errors import ConfigError
+from megarl.layout import VLLM_VOCAB_PADDING
 from megarl.rewards.scorers import check_scorer_options  # standard library only, like these rules
 
 # The built-in names of the algorithm registries (a test keeps them equal); names users register
@@ -773,11 +774,35 @@ def validate_config(cfg: DictConfig) -> None:
         heads = hf.get("num_attention_heads")
         if heads and heads % rtp != 0:
             r.err(f"rollout.tensor_model_parallel_size = {rtp}: must divide num_attention_heads = {heads}; valid: {_divisors(heads)}")
+        _check_rollout_tp_shards(r, hf, rtp)
 
     _check_positions(r, hf, "the model's")
 
     if r.errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(r.errors))
+
+
+def _check_rollout_tp_shards(r: Any, hf: dict, rtp: int) -> None:
+    """The rest of what the weight sync's plan needs of the rollout's tensor parallelism
+    (megarl.hybrid.slices): key/value heads split over the ranks or each replicated over a whole
+    number of them, and the MLP's, the experts' and the padded vocabulary's rows split evenly."""
+    if rtp <= 1:
+        return
+    key = f"rollout.tensor_model_parallel_size = {rtp}"
+    kv_heads = hf.get("num_key_value_heads") or hf.get("num_attention_heads")
+    if kv_heads and kv_heads % rtp != 0 and rtp % kv_heads != 0:
+        r.err(f"{key}: must divide num_key_value_heads = {kv_heads} ({_divisors(kv_heads)}) or be a "
+              "multiple of it (each key/value head then replicated over the ranks)")
+    for size_key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        size = hf.get(size_key)
+        if size and size % rtp != 0:
+            r.err(f"{key}: must divide {size_key} = {size}; valid: {_divisors(size)}")
+    vocab = hf.get("vocab_size")
+    if vocab:
+        padded = -(-vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+        if padded % rtp != 0:
+            r.err(f"{key}: must divide the vocabulary padded to a multiple of {VLLM_VOCAB_PADDING} "
+                  f"({vocab} -> {padded}); valid: {_divisors(padded)}")
 
 
 # Built-in names of megarl.agent.tools.BUILTIN_TOOLS and megarl.agent.parsers (a test keeps them equal).

@@ -30,12 +30,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megarl.errors import ConfigError
+from megarl.layout import VLLM_VOCAB_PADDING
 from megarl.models.weight_map import WeightEntry, qkv_dims, stage_entries
 
 if TYPE_CHECKING:
     from megarl.models.spec import ModelSpec
 
-VLLM_VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 # vLLM parameter names of fused tensors: the HF name of the first part with this substitution.
 VLLM_FUSED_RENAME = {"qkv_per_group": ("q_proj", "qkv_proj"), "gate_up": ("gate_proj", "gate_up_proj")}
 ENGINES = ("hf", "vllm")

@@ -237,6 +237,28 @@ def test_rollout_tp_must_divide_world(valid_file: Path) -> None:
     assert "rollout.tensor_model_parallel_size = 3: must divide the 2 devices" in msg
 
 
+def test_rollout_tp_must_split_every_tensor_the_weight_sync_splits(tmp_path: Path) -> None:
+    """What the weight sync's plan needs of the rollout TP (megarl.hybrid.slices) is checked before
+    any worker starts; before, a run stopped at its first weight sync. Six ranks, 24 heads (6
+    divides them) but 8 key/value heads, an MLP of 8192 and a vocabulary of 100 (padded to 128)."""
+    model = {**TINY_MODEL, "num_attention_heads": 24, "num_key_value_heads": 8, "hidden_size": 96,
+             "intermediate_size": 8192, "vocab_size": 100}
+    path = write(tmp_path, "rtp.yaml", dict(VALID, model={"hf_config": model},
+                                            resources={"actor_pool": {"nnodes": 1, "devices_per_node": 6}}))
+    msg = errors_of(path, "rollout.tensor_model_parallel_size=6", "actor.megatron.tensor_model_parallel_size=1",
+                    "data.train_batch_size=6", "actor.ppo_mini_batch_size=6", "actor.ppo_micro_batch_size_per_gpu=1")
+    assert "rollout.tensor_model_parallel_size = 6: must divide num_key_value_heads = 8 (1, 2, 4, 8) or be a multiple" in msg
+    assert "rollout.tensor_model_parallel_size = 6: must divide intermediate_size = 8192" in msg
+    assert "rollout.tensor_model_parallel_size = 6: must divide the vocabulary padded to a multiple of 64 (100 -> 128)" in msg
+    # Fewer key/value heads than ranks (each replicated) and whole shards pass: 24 heads, 2 KV heads.
+    ok = {**model, "num_key_value_heads": 2, "intermediate_size": 8256, "vocab_size": 192}
+    path = write(tmp_path, "rtp_ok.yaml", dict(VALID, model={"hf_config": ok},
+                                               resources={"actor_pool": {"nnodes": 1, "devices_per_node": 6}}))
+    cfg = load_config(path, ["rollout.tensor_model_parallel_size=6", "actor.megatron.tensor_model_parallel_size=1",
+                             "data.train_batch_size=6", "actor.ppo_mini_batch_size=6", "actor.ppo_micro_batch_size_per_gpu=1"])
+    assert cfg.rollout.tensor_model_parallel_size == 6
+
+
 def test_grpo_needs_n_at_least_2(valid_file: Path) -> None:
     msg = errors_of(valid_file, "rollout.n=1")
     assert "rollout.n = 1" in msg and "needs rollout.n >= 2" in msg
