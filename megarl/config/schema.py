@@ -421,7 +421,7 @@ class TrainerConfig:
     # take several batches, so it can end before epochs x batches per epoch steps)
     total_training_steps: Optional[int] = None
     test_freq: int = -1  # validate every k steps; <= 0: only at the end
-    save_freq: int = -1  # checkpoint every k steps; <= 0: never
+    save_freq: int = -1  # checkpoint every k steps and after the last step; <= 0: never
     val_before_train: bool = True
     val_only: bool = False  # validate (the initial or resumed weights) and stop
     # Reorder each step's rows so every actor DP rank gets about the same real tokens (metrics
