@@ -7,12 +7,14 @@ data only when the writer asks for it; the writer writes it and drops it. Readin
 way: one chunk (e.g. one decoder layer of a stacked key) per call. No process group is needed.
 
 Files written: `__0_0.distcp` (data), `.metadata` (PyTorch's), `common.pt` (Megatron's common
-state: non-tensor entries) and `metadata.json` (Megatron's format marker, written last).
+state: non-tensor entries) and `metadata.json` (Megatron's format marker, written last); each is
+flushed to disk (fsync) before the next, so that the marker never outlives the data in a crash.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,11 +41,16 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megarl.convert.output_dir import fsync_path
 from megarl.errors import CheckpointError
+from megarl.trainer.checkpoint_dirs import LATEST_FILE, STEP_DIR_PREFIX
 
 # What megatron.core.dist_checkpointing writes for the torch_dist backend (format version 1).
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                      "common_backend": "torch", "common_backend_version": 1}
+MARKER_NAME = "metadata.json"  # Megatron's format marker
+DCP_METADATA_NAME = ".metadata"  # PyTorch's index: every tensor's chunks and where their bytes are
+ENGINE_DIRS = ("actor", "critic")  # the engine checkpoints of a trainer step directory
 
 
 @dataclass(frozen=True)
@@ -126,13 +133,48 @@ def write_checkpoint(directory: str | Path, chunks: list[Chunk], common: dict[st
 
     directory = Path(directory)
     planner = _StreamingSavePlanner(chunks, on_written)
-    writer = FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=1, sync_files=False)
+    # sync_files: the data and `.metadata` are fsynced before dcp.save returns.
+    writer = FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=1, sync_files=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no process group: running without distributed" notices
         _unwrapped(lambda: dcp.save({}, storage_writer=writer, planner=planner, no_dist=True))
     planner.flush()
     torch.save(common, directory / "common.pt")
-    (directory / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
+    fsync_path(directory / "common.pt")
+    (directory / MARKER_NAME).write_text(json.dumps(MEGATRON_METADATA))
+    fsync_path(directory / MARKER_NAME)
+    fsync_path(directory)
+
+
+def _step_numbers(root: Path) -> list[int]:
+    """The N of the `global_step_N` directories under `root`, in order."""
+    names = (p.name[len(STEP_DIR_PREFIX):] for p in root.glob(STEP_DIR_PREFIX + "*") if p.is_dir())
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+def not_a_checkpoint(path: Path) -> str:
+    """Why `path`, which has no `metadata.json`, is not a Megatron distributed checkpoint: missing,
+    another kind of directory (a trainer step or root, a HF model), or an unfinished save."""
+    if not path.exists():
+        return f"{path}: no such directory (a Megatron distributed checkpoint is expected)"
+    if not path.is_dir():
+        return f"{path}: not a directory (a Megatron distributed checkpoint is a directory)"
+    engines = [str(path / name) for name in ENGINE_DIRS if (path / name / MARKER_NAME).is_file()]
+    if engines:
+        return f"{path} is a trainer step directory: pass one of {engines}"
+    steps = _step_numbers(path)
+    if steps or (path / LATEST_FILE).is_file():
+        example = path / f"{STEP_DIR_PREFIX}{steps[-1] if steps else 'N'}" / ENGINE_DIRS[0]
+        return (f"{path} is a trainer checkpoint root (it holds {STEP_DIR_PREFIX}* step directories): pass the "
+                f"engine checkpoint of one step, {STEP_DIR_PREFIX}N/{ENGINE_DIRS[0]} (or /{ENGINE_DIRS[1]}), "
+                f"e.g. {example}")
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors*")):
+        return (f"{path} is a HF model directory (config.json and safetensors weights), not a Megatron distributed "
+                f"checkpoint ({MARKER_NAME}, {DCP_METADATA_NAME}, *.distcp)")
+    if (path / DCP_METADATA_NAME).is_file() or any(path.glob("*.distcp")):
+        return (f"{path}: not a complete Megatron distributed checkpoint: {MARKER_NAME} is missing (it is written "
+                "last, so the save did not finish)")
+    return f"{path}: not a Megatron distributed checkpoint (no {MARKER_NAME}, {DCP_METADATA_NAME} or *.distcp files)"
 
 
 class CheckpointReader:
@@ -140,19 +182,35 @@ class CheckpointReader:
 
     def __init__(self, directory: str | Path) -> None:
         self.dir = Path(directory)
-        marker = self.dir / "metadata.json"
+        marker = self.dir / MARKER_NAME
         if not marker.is_file():
-            raise CheckpointError(f"{self.dir}: not a complete Megatron distributed checkpoint (metadata.json missing)")
-        backend = json.loads(marker.read_text()).get("sharded_backend")
+            raise CheckpointError(not_a_checkpoint(self.dir))
+        try:
+            backend = json.loads(marker.read_text()).get("sharded_backend")
+        except (ValueError, AttributeError) as err:
+            raise CheckpointError(f"{marker}: not Megatron's format marker (a JSON object with "
+                                  f"'sharded_backend'): {err}") from err
         if backend != "torch_dist":
             raise CheckpointError(f"{self.dir}: sharded_backend={backend!r}, only 'torch_dist' is supported")
-        self.metadata: Metadata = FileSystemReader(str(self.dir)).read_metadata()
+        index = self.dir / DCP_METADATA_NAME
+        if not index.is_file():
+            raise CheckpointError(f"{index} is missing: the checkpoint has no index of its tensors (PyTorch's "
+                                  "distributed checkpoint metadata, written with the data); it is damaged")
+        try:
+            self.metadata: Metadata = FileSystemReader(str(self.dir)).read_metadata()
+        except Exception as err:  # whatever unpickling a damaged file raises
+            raise CheckpointError(f"{index}: unreadable ({type(err).__name__}: {err}); the checkpoint is "
+                                  "damaged") from err
 
     def common(self) -> dict[str, Any]:
         path = self.dir / "common.pt"
         if not path.is_file():
             raise CheckpointError(f"{self.dir}: common.pt missing")
-        return torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as err:  # whatever unpickling a damaged file raises
+            raise CheckpointError(f"{path}: unreadable ({type(err).__name__}: {err}); the checkpoint is "
+                                  "damaged") from err
 
     def tensor_meta(self, key: str) -> TensorStorageMetadata:
         md = self.metadata.state_dict_metadata.get(key)
@@ -167,12 +225,58 @@ class CheckpointReader:
         md = self.tensor_meta(key)
         offsets = tuple(offsets) if offsets is not None else (0,) * len(md.size)
         sizes = tuple(sizes) if sizes is not None else tuple(md.size)
+        if len(offsets) != len(md.size) or any(o < 0 or o + n > d for o, n, d in zip(offsets, sizes, md.size)):
+            raise CheckpointError(f"{self.dir}: box at {list(offsets)} of size {list(sizes)} is outside tensor {key} "
+                                  f"of shape {list(md.size)}")
+        files = self._check_stored(key, md, offsets, sizes)
         out = torch.empty(sizes, dtype=md.properties.dtype)
         planner = _BoxLoadPlanner(key, md, offsets, out)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _unwrapped(lambda: dcp.load({}, storage_reader=FileSystemReader(str(self.dir)), planner=planner, no_dist=True))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _unwrapped(lambda: dcp.load({}, storage_reader=FileSystemReader(str(self.dir)), planner=planner,
+                                            no_dist=True))
+        except CheckpointError:
+            raise
+        except Exception as err:  # a damaged data file: whatever the zip/unpickle layers raise
+            raise CheckpointError(f"{self.dir}: cannot read tensor {key} from {', '.join(files)} "
+                                  f"({type(err).__name__}: {err}); the checkpoint is damaged") from err
         return out
+
+    def _check_stored(self, key: str, md: TensorStorageMetadata, offsets: tuple[int, ...],
+                      sizes: tuple[int, ...]) -> list[str]:
+        """Raise unless the stored chunks cover the box and their files hold their bytes (the buffer
+        `read` fills starts uninitialised: a gap would come back as garbage). Returns the files read."""
+        files: dict[str, int] = {}  # file -> bytes it must hold
+        covered = 0
+        for c in md.chunks:
+            overlap = math.prod(max(0, min(o + n, co + cn) - max(o, co))
+                                for o, n, co, cn in zip(offsets, sizes, c.offsets, c.sizes))
+            if not overlap:
+                continue
+            covered += overlap
+            where = (self.metadata.storage_data or {}).get(MetadataIndex(key, c.offsets))
+            if where is None:
+                raise CheckpointError(f"{self.dir / DCP_METADATA_NAME}: tensor {key} chunk at {list(c.offsets)} has "
+                                      "no storage entry; the checkpoint is damaged")
+            files[where.relative_path] = max(files.get(where.relative_path, 0), where.offset + where.length)
+        total = math.prod(sizes)
+        if covered < total:
+            whole = tuple(sizes) == tuple(md.size)
+            box = "" if whole else f" in the box at {list(offsets)} of size {list(sizes)}"
+            raise CheckpointError(
+                f"{self.dir / DCP_METADATA_NAME}: tensor {key} is stored incompletely: its chunks (in "
+                f"{sorted(files) or 'no file'}) hold {covered} of the {total} elements{box}; the checkpoint is "
+                "incomplete (e.g. written split into pieces that do not cover the tensor)"
+            )
+        for name, need in sorted(files.items()):
+            path = self.dir / name
+            size = path.stat().st_size if path.is_file() else None
+            if size is None or size < need:
+                state = "missing" if size is None else f"truncated ({size} bytes)"
+                raise CheckpointError(f"{path}: {state}, tensor {key} needs its bytes up to {need}; the checkpoint "
+                                      "is damaged")
+        return [str(self.dir / name) for name in sorted(files)]
 
 
 class _BoxLoadPlanner(LoadPlanner):

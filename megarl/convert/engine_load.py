@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from megarl.convert.dcp_io import MARKER_NAME, not_a_checkpoint
 from megarl.errors import CheckpointError
 
 
@@ -22,8 +23,8 @@ def load_converted_weights(engine: Any, path: str | Path) -> None:
     from megarl.megatron.model import unwrap
 
     path = Path(path)
-    if not (path / "metadata.json").is_file():
-        raise CheckpointError(f"{path}: not a complete Megatron distributed checkpoint (metadata.json missing)")
+    if not (path / MARKER_NAME).is_file():
+        raise CheckpointError(not_a_checkpoint(path))
     info = (dist_checkpointing.load_common_state_dict(str(path)) or {}).get("megarl") or {}
     if info.get("family") not in (None, engine.spec.family):
         raise CheckpointError(f"{path}: saved for family {info['family']}, the engine's model is {engine.spec.family}")

@@ -72,9 +72,16 @@ class HFCheckpoint:
         index = self.dir / INDEX_NAME
         if index.exists():
             try:
-                weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as err:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as err:
                 raise CheckpointError(f"{index}: not a safetensors index (needs a 'weight_map' object): {err}") from err
+            bad = (f"a {type(weight_map).__name__}" if not isinstance(weight_map, dict) else
+                   next((f"{{{n!r}: {f!r}, ...}}" for n, f in weight_map.items() if not isinstance(f, str)), None))
+            if bad is not None:
+                raise CheckpointError(
+                    f"{index}: 'weight_map' is {bad}; a safetensors index maps each tensor name to the file that "
+                    'holds it ({"model.embed_tokens.weight": "model-00001-of-00002.safetensors", ...})'
+                )
             files = sorted(set(weight_map.values()))
             absent = [f for f in files if not (self.dir / f).is_file()]
             if absent:
@@ -157,9 +164,12 @@ def read_config(directory: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{directory}: no config.json (a HF model directory needs one)")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except ValueError as err:
         raise ConfigError(f"{path}: not valid JSON ({err})") from err
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: a HF config is a JSON object, got a {type(config).__name__}")
+    return config
 
 
 def expected_hf_shapes(hf_config: Mapping[str, Any], architecture: str | None = None) -> dict[str, tuple[int, ...]]:
@@ -171,7 +181,10 @@ def expected_hf_shapes(hf_config: Mapping[str, Any], architecture: str | None = 
 
     cfg = dict(hf_config)
     arch = architecture or (cfg.get("architectures") or [None])[0]
-    model_cls = getattr(transformers, arch, None) if arch else None
+    if arch is None:
+        raise ConfigError("the HF config has no 'architectures' entry, the transformers class of the model "
+                          '(e.g. "architectures": ["LlamaForCausalLM"])')
+    model_cls = getattr(transformers, arch, None)
     if model_cls is None:
         raise ConfigError(f"transformers has no model class {arch!r} (config 'architectures')")
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING

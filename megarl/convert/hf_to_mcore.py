@@ -17,7 +17,7 @@ import torch
 
 from megarl.convert.dcp_io import Chunk, write_checkpoint
 from megarl.convert.hf_files import HFCheckpoint, copy_non_weight_files, expected_hf_shapes, read_config
-from megarl.convert.layout import CheckpointTensor, plan_checkpoint, role_of_architecture
+from megarl.convert.layout import CheckpointTensor, family_architecture, plan_checkpoint, role_of_architecture
 from megarl.dtypes import torch_dtype
 from megarl.convert.output_dir import staged_output_dir
 from megarl.convert.progress import Progress
@@ -27,6 +27,7 @@ from megarl.models.weight_map import fuse, pad_vocab
 
 CONVERTED_FORMAT = "megarl-converted-v1"
 HF_FILES_DIR = "hf"  # config and tokenizer files of the source model, kept inside the checkpoint
+VALUE_HEAD = "score.weight"  # the scalar head of a HF *ForSequenceClassification model
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,14 @@ def _chunks_of(t: CheckpointTensor, hf: HFCheckpoint, spec: ModelSpec, tp: int, 
     (a gate/up weight in 2*tp row blocks, as Megatron itself writes it)."""
     out_dtype = dtype or hf.tensors[t.hf_names[0][0]].dtype
     axis = t.entry.tp_axis
-    pieces = 1 if axis is None else tp * (2 if t.entry.fusion == "gate_up" else 1)
+    blocks = 2 if t.entry.fusion == "gate_up" else 1  # row blocks per TP rank
+    pieces = 1 if axis is None else tp * blocks
+    if axis is not None and t.part_shape[axis] % pieces:
+        # Equal pieces or none: the remainder would be in no chunk, and read back as garbage.
+        raise ConfigError(
+            f"{t.key}: dim {axis} of its per-layer shape {list(t.part_shape)} does not split into {pieces} equal "
+            f"pieces (tp={tp}); valid tp: a divisor of {t.part_shape[axis] // blocks}"
+        )
     length = t.part_shape[axis] // pieces if axis is not None else 0
     chunks = []
     for layer in range(len(t.hf_names)):
@@ -119,10 +127,18 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp
         raise ConfigError(f"--ep {ep}: the {spec.family} family has no experts (expert parallelism needs an MoE family)")
     spec.check_layout(tp, pp, ep)
     out_dtype = parse_dtype(dtype)
-    architecture = (config.get("architectures") or [None])[0]
-    role = role_of_architecture(architecture)
     hf = HFCheckpoint(hf_dir)
-    expected = expected_hf_shapes(config)
+    architecture = (config.get("architectures") or [None])[0]
+    if architecture is None:
+        # transformers loads such a directory by its model_type; the weights tell a scalar-head
+        # model (its `score`) from a causal LM.
+        role = "value" if VALUE_HEAD in hf.tensors else "policy"
+        architecture = family_architecture(spec, role)
+    else:
+        role = role_of_architecture(architecture)
+    expected = expected_hf_shapes(config, architecture)
+    if role == "value":
+        _check_scalar_head(expected, config, Path(hf_dir) / "config.json", architecture)
     plan = plan_checkpoint(spec, role, expected, tp)
     needed = {n for t in plan for row in t.hf_names for n in row}
     uncovered = sorted(set(expected) - needed)
@@ -146,6 +162,21 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp
     finally:
         bar.close()
     return ConversionResult(Path(out_dir), len(needed), total, time.perf_counter() - start)
+
+
+def _check_scalar_head(expected: dict[str, tuple[int, ...]], config: dict[str, Any], config_file: Path,
+                       architecture: str) -> None:
+    """A value or reward model's head is one scalar, `score.weight` [1, hidden_size] (the engine's
+    scalar head, and what mcore-to-hf exports): a classifier of more labels is refused here, before a
+    checkpoint is written that no engine and no export could use."""
+    shape = expected.get(VALUE_HEAD)
+    want = (1, int(config["hidden_size"]))
+    if shape is not None and tuple(shape) != want:
+        raise ConfigError(
+            f"{config_file}: a {architecture} with num_labels = {shape[0]} ({VALUE_HEAD} of shape {list(shape)}); "
+            f"a value or reward model has one label, {VALUE_HEAD} of shape {list(want)} (a model trained with "
+            "num_labels = 1)"
+        )
 
 
 def _nbytes(c: Chunk) -> int:

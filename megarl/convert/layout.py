@@ -84,6 +84,21 @@ def head_architecture(architecture: str, role: str) -> str:
     return stem + ("ForCausalLM" if role == "policy" else "ForSequenceClassification")
 
 
+def family_architecture(spec: ModelSpec, role: str) -> str:
+    """The HF class of `spec`'s family in `role`, for a config that names none (`architectures`
+    missing or null, as `save_pretrained` of a config made on its own writes): the first class the
+    family's YAML lists, in its head for `role`."""
+    listed = load_family_specs()[spec.family].get("architectures") or []
+    if not listed:
+        raise ConfigError(
+            f"{spec.config_file or 'the HF config'}: no 'architectures' entry, and model spec "
+            f"{Path(spec.source).name} lists no class to take instead; add the model's transformers class to the "
+            'config, e.g. "architectures": ["LlamaForCausalLM"] ("LlamaForSequenceClassification" for a value or '
+            "reward model)"
+        )
+    return head_architecture(listed[0], role)
+
+
 def plan_checkpoint(spec: ModelSpec, role: str, hf_shapes: Mapping[str, tuple[int, ...]], tp: int,
                     optional_hf: tuple[str, ...] = ()) -> list[CheckpointTensor]:
     """Every checkpoint tensor of `spec` in `role`, with shapes derived from the HF shapes.

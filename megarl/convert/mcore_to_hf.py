@@ -16,10 +16,10 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megarl.convert.dcp_io import CheckpointReader
-from megarl.convert.hf_files import copy_non_weight_files, expected_hf_shapes, read_config
+from megarl.convert.hf_files import INDEX_NAME, copy_non_weight_files, expected_hf_shapes, read_config
 from megarl.convert.hf_to_mcore import HF_FILES_DIR, ConversionResult, parse_dtype
-from megarl.convert.layout import CheckpointTensor, head_architecture, plan_checkpoint
-from megarl.convert.output_dir import staged_output_dir
+from megarl.convert.layout import CheckpointTensor, family_architecture, head_architecture, plan_checkpoint
+from megarl.convert.output_dir import fsync_path, staged_output_dir
 from megarl.convert.progress import Progress
 from megarl.errors import CheckpointError, ConfigError
 from megarl.models.spec import ModelSpec
@@ -30,7 +30,8 @@ DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
 
 class ShardedSafetensorsWriter:
     """Collects tensors into shards of at most `max_shard_bytes` (one tensor may exceed it) and
-    names them as transformers does: model.safetensors, or model-0000i-of-0000N + an index."""
+    names them as transformers does: model.safetensors, or model-0000i-of-0000N + an index. Each
+    file is flushed to disk (fsync) as soon as it is written."""
 
     def __init__(self, directory: Path, max_shard_bytes: int) -> None:
         self.dir, self.max = directory, max_shard_bytes
@@ -52,6 +53,7 @@ class ShardedSafetensorsWriter:
 
         fname = f".shard-{len(self.files):05d}.safetensors"
         save_file(self.current, str(self.dir / fname), metadata={"format": "pt"})
+        fsync_path(self.dir / fname)
         self.files.append((fname, list(self.current)))
         self.current, self.current_bytes = {}, 0
 
@@ -68,7 +70,8 @@ class ShardedSafetensorsWriter:
             (self.dir / fname).rename(self.dir / final)
             weight_map.update({name: final for name in names})
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (self.dir / INDEX_NAME).write_text(json.dumps(index, indent=2))
+        fsync_path(self.dir / INDEX_NAME)
 
 
 # HF config fields that fix a model's tensor shapes: a directory whose config differs from the
@@ -153,12 +156,10 @@ def checkpoint_hf_config(ckpt_dir: Path, info: dict[str, Any],
     return source, config
 
 
-def _output_config(config: dict[str, Any], role: str) -> dict[str, Any]:
+def _output_config(config: dict[str, Any], role: str, spec: ModelSpec) -> dict[str, Any]:
     out = dict(config)
     arch = (config.get("architectures") or [None])[0]
-    if arch is None:
-        raise ConfigError("HF config has no 'architectures' entry (needed to name the exported model class)")
-    out["architectures"] = [head_architecture(arch, role)]
+    out["architectures"] = [head_architecture(arch, role) if arch else family_architecture(spec, role)]
     if role == "value":  # a scalar head: transformers' *ForSequenceClassification with one label
         out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     return out
@@ -217,10 +218,7 @@ def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: st
     """
     start = time.perf_counter()
     ckpt = Path(ckpt_dir)
-    roles = [r for r in ("actor", "critic") if (ckpt / r / "metadata.json").is_file()]
-    if roles and not (ckpt / "metadata.json").exists():
-        raise CheckpointError(f"{ckpt} is a trainer step directory: pass one of {[str(ckpt / r) for r in roles]}")
-    reader = CheckpointReader(ckpt)
+    reader = CheckpointReader(ckpt)  # a step directory, a run's root, a HF directory: refused, each by name
     info = reader.common().get("megarl") or {}
     source, config = checkpoint_hf_config(ckpt, info, hf_config)
     if config is None:
@@ -232,7 +230,7 @@ def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: st
     role = info.get("role", "policy")
     if role not in ("policy", "value"):
         raise CheckpointError(f"{ckpt}: role {role!r} cannot be exported (policy or value)")
-    out_config = _output_config(config, role)
+    out_config = _output_config(config, role, spec)
     expected = expected_hf_shapes(out_config)
     plan = plan_checkpoint(spec, role, expected, tp=1)
     _check_shapes(reader, plan, spec.vocab_size)

@@ -195,6 +195,12 @@ class ModelSpec:
                 name = "tp" if etp == tp else "expert tensor parallel size"
                 raise ConfigError(
                     f"{self.family}: {name}={etp} must divide moe_intermediate_size={v['moe_ffn_hidden_size']}")
+            # The shared expert is a dense MLP split over the TP ranks (not the expert TP ranks).
+            shared = int(v.get("moe_shared_expert_intermediate_size") or 0)
+            if shared % tp:
+                raise ConfigError(
+                    f"{self.family}: tp={tp} must divide shared_expert_intermediate_size={shared}; "
+                    f"valid tp: {_divisors(shared)}")
         elif ep != 1:
             raise ConfigError(f"{self.family}: ep={ep} needs a mixture-of-experts model; this one is dense (use ep=1)")
         elif etp != tp:
@@ -347,3 +353,7 @@ def _resolve(rule: Any, cfg: Mapping[str, Any], where: str, field_name: str) -> 
         if cfg.get(key) is not None:
             return cfg[key]
     raise ConfigError(f"{where}: HF config lacks '{keys[0]}' (needed for {field_name})")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

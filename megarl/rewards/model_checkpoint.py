@@ -15,11 +15,11 @@ from typing import Any, Optional
 
 from megarl.convert.dcp_io import CheckpointReader
 from megarl.convert.hf_files import HFCheckpoint
-from megarl.convert.hf_to_mcore import HF_FILES_DIR
+from megarl.convert.hf_to_mcore import HF_FILES_DIR, VALUE_HEAD
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import MegarlError
+from megarl.models.spec import ModelSpec
 
-HEAD = "score.weight"
 MEGATRON_HEAD = "output_layer.weight"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -33,6 +33,17 @@ def hf_files_dir(model_dir: str | Path) -> Path:
     """Where the reward model's config.json and tokenizer are: the directory itself, or the `hf/`
     folder of a converted checkpoint."""
     return Path(model_dir) / HF_FILES_DIR if is_converted(model_dir) else Path(model_dir)
+
+
+def reward_model_spec(model_dir: str | Path, family: Optional[str] = None) -> ModelSpec:
+    """The model spec the reward-model role builds its engine from: of the family a converted
+    checkpoint records (its weights are laid out by that family's weight map, which `--spec` may
+    have named for a model_type no family lists), else of `family` (None: the family listing the
+    config's model_type)."""
+    recorded = None
+    if is_converted(model_dir):
+        recorded = (CheckpointReader(model_dir).common().get("megarl") or {}).get("family")
+    return ModelSpec.from_hf_config(str(hf_files_dir(model_dir)), family=recorded or family)
 
 
 def has_own_tokenizer(model_dir: str | Path) -> bool:
@@ -53,7 +64,7 @@ def _head_shape(root: Path) -> tuple[Optional[tuple[int, ...]], str, Optional[st
         weights = HFCheckpoint(root)
     except MegarlError as err:
         return None, str(root), str(err)
-    head = weights.tensors.get(HEAD)
+    head = weights.tensors.get(VALUE_HEAD)
     return (head.shape if head is not None else None), str(root / head.file) if head else str(root), None
 
 
@@ -67,11 +78,14 @@ def num_labels(config: dict[str, Any]) -> int:
     return 2
 
 
-def reward_model_problems(model_dir: str, actor_tokenizer_dir: Optional[str]) -> list[str]:
+def reward_model_problems(model_dir: str, actor_tokenizer_dir: Optional[str],
+                          family: Optional[str] = None) -> list[str]:
     """What is wrong with the reward model in `model_dir` ([] when nothing).
 
     The tokenizer whose ids reach the model is its own when the directory has one, else the actor's
-    (`actor_tokenizer_dir`; None skips the vocabulary check): its ids must fit the embedding.
+    (`actor_tokenizer_dir`; None skips the vocabulary check): its ids must fit the embedding. The
+    model spec is built as the reward-model role builds it (`reward_model_spec`, `family` being the
+    role's), so that a config no family maps fails here, before any worker starts.
     """
     root = Path(model_dir)
     config_file = hf_files_dir(root) / "config.json"
@@ -83,6 +97,10 @@ def reward_model_problems(model_dir: str, actor_tokenizer_dir: Optional[str]) ->
     except ValueError as err:
         return [f"{config_file}: not valid JSON ({err})"]
     problems = []
+    try:
+        reward_model_spec(root, family)
+    except MegarlError as err:
+        problems.append(f"reward_model.model_path = {model_dir!r}: {err}")
     arch = (config.get("architectures") or [None])[0]
     if not (arch or "").endswith("ForSequenceClassification"):
         problems.append(f"{config_file}: architectures = {config.get('architectures')}; a reward model is a "
@@ -93,7 +111,7 @@ def reward_model_problems(model_dir: str, actor_tokenizer_dir: Optional[str]) ->
                         "(one score per sequence)")
     hidden = config.get("hidden_size")
     shape, where, unreadable = _head_shape(root)
-    name = MEGATRON_HEAD if is_converted(root) else HEAD
+    name = MEGATRON_HEAD if is_converted(root) else VALUE_HEAD
     if unreadable is not None:
         problems.append(unreadable)
         return problems

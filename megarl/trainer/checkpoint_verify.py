@@ -36,8 +36,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from megarl.config import critic_enabled
+from megarl.convert.dcp_io import ENGINE_DIRS
 from megarl.convert.hf_files import INDEX_NAME, SINGLE_NAME, HFCheckpoint, expected_hf_shapes, read_config
-from megarl.convert.layout import CheckpointTensor, head_architecture, plan_checkpoint
+from megarl.convert.layout import CheckpointTensor, family_architecture, head_architecture, plan_checkpoint
 from megarl.convert.mcore_to_hf import checkpoint_hf_config, checkpoint_model_spec
 from megarl.errors import CheckpointError, MegarlError
 from megarl.megatron.checkpoint_format import FORMAT_VERSION, MAIN_PARAM_STATE, OPTIMIZER_KINDS, PLAIN_FP32, saved_optimizer_kind
@@ -45,7 +46,6 @@ from megarl.trainer.checkpoint_dirs import COMPLETE_MARKER, CheckpointDirs, LATE
 
 logger = logging.getLogger(__name__)
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
-ENGINE_DIRS = ("actor", "critic")
 
 def _param_groups(common: dict[str, Any], kind: Optional[str]) -> Any:
     part = (common.get("optimizer") or {}).get("part0") or {}
@@ -95,7 +95,8 @@ def _expected_plan(ckpt: Path, info: dict[str, Any], hf_config: Optional[Path],
     shapes_config = dict(config)
     if role == "value":  # the value head is a one-label sequence classifier's `score`
         shapes_config.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
-    expected = expected_hf_shapes(shapes_config, head_architecture(arch, role) if arch else None)
+    expected = expected_hf_shapes(shapes_config,
+                                  head_architecture(arch, role) if arch else family_architecture(spec, role))
     return plan_checkpoint(spec, role, expected, tp=1)
 
 

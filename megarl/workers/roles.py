@@ -36,7 +36,7 @@ from megarl.hybrid.executor import ExecStats
 from megarl.hybrid.sync import WeightSync
 from megarl.models.spec import ModelSpec
 from megarl.protocol import Batch
-from megarl.rewards.model_checkpoint import hf_files_dir, is_converted
+from megarl.rewards.model_checkpoint import is_converted, reward_model_spec
 from megarl.rollout.base import EngineState, SamplingParams
 from megarl.rollout.factory import create_rollout_engine
 from megarl.rollout.partial import WeightSignal, advance_rows
@@ -233,7 +233,7 @@ class RewardModelRole(EngineRole):
         if not is_converted(self.spec.model_dir):
             super().init_model()
             return
-        model = ModelSpec.from_hf_config(str(hf_files_dir(self.spec.model_dir)), family=self.spec.family)
+        model = reward_model_spec(self.spec.model_dir, self.spec.family)  # the family the checkpoint records
         self.engine = _new_engine(model, self.spec)
         load_converted_weights(self.engine, self.spec.model_dir)
         if self.spec.offload.any:

@@ -4,6 +4,8 @@
   the architecture kept, for Qwen2 and Llama.
 - The converted checkpoint as `reward_model.model_path`: the reward-model role loads it at TP=2 and
   at PP=2 and scores like transformers (float64 reference).
+- A reward model whose model_type no family lists, converted with `--spec qwen2`: the role builds
+  it with the family the checkpoint records.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def _save_reward_model(kind: str, path: Path) -> torch.nn.Module:
     return rm
 
 
-def _scores(rank: int, world: int, port: int, ckpt: str, batch: dict) -> list:
+def _scores(rank: int, world: int, port: int, ckpt: str, batch: dict,
+            layouts: tuple[dict, ...] = (dict(tp=2), dict(pp=2))) -> list:
     from megarl.layout import ParallelLayout
     from megarl.megatron.optim import EngineConfig
     from megarl.megatron.parallel import init_distributed
@@ -58,7 +61,7 @@ def _scores(rank: int, world: int, port: int, ckpt: str, batch: dict) -> list:
     from megarl.workers.specs import EngineRoleSpec
 
     out = []
-    for layout_kw in (dict(tp=2), dict(pp=2)):
+    for layout_kw in layouts:
         layout = init_distributed(rank, world, "127.0.0.1", port, ParallelLayout(**layout_kw))
         spec = EngineRoleSpec(name="reward_model", model_dir=ckpt, layout=layout,
                               engine=EngineConfig(role="reward", micro_batch_size=2, trained=False))
@@ -98,3 +101,30 @@ def test_reward_model_round_trip_is_bit_exact_and_the_converted_model_scores(kin
         for layout, scores in zip(("tp=2", "pp=2"), per_layout):
             err = (scores.double() - reference).abs().max().item()
             assert err < 1e-5, f"{kind} rank {rank} {layout}: converted reward model differs from transformers by {err}"
+
+
+def _engine_batch_and_reference(rm: torch.nn.Module) -> tuple[dict, torch.Tensor]:
+    batch = make_batch(seed=6, batch=4)
+    valid = batch["attention_mask"].bool()
+    ids = torch.where(valid & (batch["input_ids"] == PAD), torch.ones_like(batch["input_ids"]), batch["input_ids"])
+    ids = torch.where(valid, ids, torch.full_like(ids, PAD))
+    p = batch["prompts"].shape[1]
+    with torch.no_grad():
+        reference = copy.deepcopy(rm).double()(input_ids=ids, attention_mask=batch["attention_mask"],
+                                               position_ids=batch["position_ids"]).logits[:, 0]
+    return {"input_ids": ids, "attention_mask": batch["attention_mask"], "responses": ids[:, p:]}, reference
+
+
+def test_a_reward_model_converted_with_spec_loads_with_the_recorded_family(tmp_path: Path) -> None:
+    rm = _save_reward_model("qwen2", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["model_type"] = "my_qwen2_rm"  # a variant no family lists: only --spec maps it
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    assert megarl_main(["convert", "hf-to-mcore", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "mcore"),
+                        "--spec", "qwen2", "--quiet"]) == 0
+    assert reward_model_problems(str(tmp_path / "mcore"), None) == []
+    engine_batch, reference = _engine_batch_and_reference(rm)
+    for rank, per_layout in enumerate(run_distributed(_scores, 2, str(tmp_path / "mcore"), engine_batch,
+                                                      (dict(tp=2),))):
+        err = (per_layout[0].double() - reference).abs().max().item()
+        assert err < 1e-5, f"rank {rank}: the reward model differs from transformers by {err}"
