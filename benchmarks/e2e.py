@@ -226,9 +226,11 @@ def plot_reward_vs_wall_clock(megarl_records: list[dict[str, Any]], trl_records:
 
 def run_trl(python: Path, model_dir: Path, tokenizer: Path, prompts_file: Path, steps: int,
             work_dir: Path, timeout_s: float, response_length: int, lr: float, full_length: bool,
-            reward_options: dict[str, Any], threads: int = THREADS, bf16: bool = False) -> dict[str, Any]:
+            reward_options: dict[str, Any], threads: int = THREADS, bf16: bool = False,
+            gradient_checkpointing: bool = False) -> dict[str, Any]:
     """Run benchmarks/trl_grpo.py in the benchmark environment, sampling its memory. `bf16`: TRL's
-    mixed precision (GRPOConfig bf16=True)."""
+    mixed precision (GRPOConfig bf16=True). `gradient_checkpointing`: recompute activations in the
+    backward pass, as the megarl run does or not (TRL's own default is to recompute)."""
     out = work_dir / f"e2e_trl_t{threads}.json"
     cmd = [str(python), str(REPO_ROOT / "benchmarks" / "trl_grpo.py"), "--model-dir", str(model_dir),
            "--tokenizer", str(tokenizer), "--prompts", str(prompts_file), "--steps", str(steps),
@@ -237,6 +239,7 @@ def run_trl(python: Path, model_dir: Path, tokenizer: Path, prompts_file: Path, 
            "--reward-options", json.dumps(reward_options),
            "--work-dir", str(work_dir / "e2e_trl_output"), "--out", str(out)] + (["--full-length"] if full_length else [])
     cmd += ["--bf16"] if bf16 else []
+    cmd += ["--gradient-checkpointing"] if gradient_checkpointing else []
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     log_path = work_dir / f"e2e_trl_t{threads}.log"
     load_before = load_average()
@@ -306,7 +309,24 @@ def round_ratios(megarl: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
             **{k: v for k, v in compare(megarl, trl).items()
                if k in ("step_time", "wall_step_time", "generated_tokens_per_s")},
             "reward_ratio_at_equal_time": reward_vs_wall_clock(megarl["records"], trl["records"])
-            .get("reward_ratio_at_equal_time")}
+            .get("reward_ratio_at_equal_time"),
+            # The machine's load around each side's run: a round whose sides ran under different load
+            # compares the load as much as the systems.
+            "load_average": {side: [r.get("load_average_before"), r.get("load_average_after")]
+                             for side, r in (("megarl", megarl), ("trl", trl))},
+            # What the step times and the reward-against-time comparison leave out: each side's whole
+            # run minus its steps (start-up: Ray, workers, models; and the end).
+            "outside_steps_s": {side: outside_steps_s(r) for side, r in (("megarl", megarl), ("trl", trl))}}
+
+
+def outside_steps_s(result: dict[str, Any]) -> float | None:
+    """A side's run time outside its training steps: the run's wall time (process start to exit)
+    minus the steps' time as `reward_timeline` counts it."""
+    records = result.get("records") or []
+    if result.get("wall_s") is None or not records:
+        return None
+    steps = sum(r["wall_s"] if r.get("wall_s") is not None else r["step_s"] for r in records)
+    return round(result["wall_s"] - steps, 2)
 
 
 def summarise_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -372,8 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     prompts_file.write_text(json.dumps(megarl_prompt_order(run_cfg, steps)))
     # Both sides score with the same rule: megarl's scorer options go to TRL's reward function.
     reward_options = megarl_reward_options(run_cfg)
+    # The same work on both sides: TRL recomputes activations only when the megarl run does.
+    gradient_checkpointing = bool(run_cfg.model.enable_gradient_checkpointing)
     trl_args = dict(response_length=size["response_length"], lr=size["lr"], full_length=size["full_length"],
-                    reward_options=reward_options, bf16=args.precision == "bf16")
+                    reward_options=reward_options, bf16=args.precision == "bf16",
+                    gradient_checkpointing=gradient_checkpointing)
     trl = run_trl(args.bench_python, run_dir / "initial_model", task["tokenizer"], prompts_file, steps, work, args.timeout,
                   **trl_args)
     rates.append(matmul_rate())
@@ -413,7 +436,10 @@ def main(argv: list[str] | None = None) -> int:
                       "unless the python given has vLLM), actor.old_log_prob_source auto (no separate "
                       "old-log-prob pass: one epoch, one mini-batch, the update's own log-probs), the next "
                       "generation queued behind each update (trainer.queue_generation)",
-            "trl": f"1 process x {THREADS} threads, model.generate rollout, on-policy (no old-log-prob pass)",
+            "trl": f"1 process x {THREADS} threads, model.generate rollout, on-policy (no old-log-prob pass), "
+                   f"gradient checkpointing {'on' if gradient_checkpointing else 'off'} as in the megarl run "
+                   "(TRL's own default is on)",
+            "gradient_checkpointing": gradient_checkpointing,
             "trl_variants": f"TRL again with {', '.join(map(str, TRL_THREAD_VARIANTS))} thread(s): 2-thread OpenMP "
                             "slows down sharply on an oversubscribed machine, 1-thread processes do not",
             "averages": "steps 2..N (step 1 is warm-up); tokens/s over step wall time",

@@ -10,7 +10,8 @@ Setup (TRL's documented single-process CPU path): fp32, `torch.set_num_threads(-
 vLLM, beta = 0 (no reference model), one optimizer step per generation batch (fully on-policy, so
 TRL reuses the current log-probs as the old ones instead of a second forward pass), token-mean
 loss ("dapo" in TRL's terms), per-group std scaling, clip epsilon 0.2, AdamW with the constant
-learning rate, weight decay 0, gradient clipping 1.0, temperature 1.0. With `--full-length` every
+learning rate, weight decay 0, gradient clipping 1.0, temperature 1.0, no gradient checkpointing
+(TRL's default turns it on; megarl's compared runs do not recompute, so neither side does). With `--full-length` every
 completion has `--max-completion-length` tokens (transformers' `min_new_tokens`), to compare with
 megarl's `rollout.ignore_eos` at equal lengths.
 
@@ -50,9 +51,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--bf16", action="store_true",
                    help="mixed precision (GRPOConfig bf16=True: bf16 autocast, fp32 weights and optimizer)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute activations in the backward pass (TRL's default; off here, as megarl's runs)")
     p.add_argument("--work-dir", required=True, help="TRL's output_dir (nothing is saved there)")
     p.add_argument("--out", required=True, help="JSON results path")
     return p.parse_args(argv)
+
+
+def grpo_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """GRPOConfig's arguments for this run (built without importing TRL)."""
+    return dict(
+        output_dir=args.work_dir,
+        per_device_train_batch_size=args.prompts_per_step * args.num_generations,
+        gradient_accumulation_steps=1,
+        num_generations=args.num_generations,
+        steps_per_generation=1,
+        num_iterations=1,
+        max_completion_length=args.max_completion_length,
+        temperature=args.temperature,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",
+        shuffle_dataset=False,
+        max_steps=args.steps,
+        seed=args.seed,
+        use_cpu=True,
+        bf16=args.bf16,
+        # TRL's default (True in the TRL version pinned here) recomputes each layer's activations in the backward pass:
+        # about a third more work in the update. megarl does not recompute unless
+        # model.enable_gradient_checkpointing is set (off in the configs compared), so neither side does.
+        gradient_checkpointing=args.gradient_checkpointing,
+        fp16=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        generation_kwargs={"min_new_tokens": args.max_completion_length} if args.full_length else None,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,37 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             if logs and "step_time" in logs:
                 logged_step_time.append(float(logs["step_time"]))
 
-    config = GRPOConfig(
-        output_dir=args.work_dir,
-        per_device_train_batch_size=args.prompts_per_step * args.num_generations,
-        gradient_accumulation_steps=1,
-        num_generations=args.num_generations,
-        steps_per_generation=1,
-        num_iterations=1,
-        max_completion_length=args.max_completion_length,
-        temperature=args.temperature,
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        beta=0.0,
-        epsilon=0.2,
-        loss_type="dapo",
-        scale_rewards="group",
-        shuffle_dataset=False,
-        max_steps=args.steps,
-        seed=args.seed,
-        use_cpu=True,
-        bf16=args.bf16,
-        fp16=False,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        generation_kwargs={"min_new_tokens": args.max_completion_length} if args.full_length else None,
-    )
+    config = GRPOConfig(**grpo_config_kwargs(args))
     tokenizer = load_tokenizer(args.tokenizer)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     trainer = TimedGRPOTrainer(
@@ -180,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": {k: getattr(config, k) for k in (
             "per_device_train_batch_size", "num_generations", "max_completion_length", "temperature",
             "learning_rate", "lr_scheduler_type", "beta", "epsilon", "loss_type", "scale_rewards",
-            "num_iterations", "steps_per_generation", "max_grad_norm", "weight_decay", "bf16", "use_cpu")},
+            "num_iterations", "steps_per_generation", "max_grad_norm", "weight_decay", "bf16", "use_cpu",
+            "gradient_checkpointing")},
         "reward_options": reward_options,
         "records": records,
     }
