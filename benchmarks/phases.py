@@ -2,7 +2,10 @@
 
 Phases (timing_s/<phase> in metrics.jsonl): sync_weights (reshard trainer -> rollout), gen,
 reward, old_log_prob, ref, values, adv, update_critic, update_actor; `other` is the rest of the
-step (loading prompts, driver bookkeeping, metrics). Two setups by default: GRPO as in the
+step (loading prompts, driver bookkeeping, metrics). With `trainer.queue_generation` (the
+quickstart's default) the weight sync of steps 2.. is queued behind the update with the next
+generation and has no `timing_s/sync_weights`: its time is inside `gen` (its own length is
+`sync/seconds_max`), and only step 1, left out as warm-up, logs the phase. Two setups by default: GRPO as in the
 quickstart (no reference, no critic) and PPO (GAE with a critic, KL loss against a reference), so
 that every phase appears once.
 
