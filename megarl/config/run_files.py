@@ -4,8 +4,10 @@
 same `check_run_files`, after the config itself validated: data files, tokenizer directory, user
 reward function, and the model directories the roles start from (config.json, a supported
 architecture, complete safetensors weights; see `model_files`). Every problem is reported at once,
-each naming its key and path. Nothing here imports torch or transformers: the checks read file
-headers, not contents (the tokenizer and the parquet rows are loaded later by the run itself).
+each naming its key and path. The checks read file headers, not contents (the tokenizer and the
+parquet rows are loaded later by the run itself), and import neither torch nor transformers, except
+those of a reward model's or a critic's checkpoint, whose vocabulary is compared with the actor's
+tokenizer (imported inside them, only for such a run).
 """
 
 from __future__ import annotations
@@ -182,6 +184,8 @@ def run_file_problems(cfg: DictConfig) -> list[str]:
     problems += tool_problems(cfg)
     if tokenizer is None and cfg.reward_model.enable and cfg.reward_model.model_path:
         problems += reward_model_checkpoint_problems(cfg)
+    if tokenizer is None and critic_enabled(cfg) and cfg.critic.model_path:
+        problems += critic_vocabulary_problems(cfg)
     return problems
 
 
@@ -207,6 +211,48 @@ def reward_model_checkpoint_problems(cfg: DictConfig) -> list[str]:
     from megarl.rewards.model_checkpoint import reward_model_problems
 
     return list(reward_model_problems(str(cfg.reward_model.model_path), cfg.data.tokenizer or cfg.model.path or None))
+
+
+def critic_vocabulary_problems(cfg: DictConfig) -> list[str]:
+    """`critic.model_path` against the actor's tokenizer. The critic reads the batch's token ids as the
+    actor's tokenizer made them (the reward model has the text re-tokenised when its vocabulary
+    differs; the critic has no such path): a tokenizer of its own must be the actor's vocabulary (the
+    same comparison decides the reward model's re-tokenising), and its embedding must cover every id
+    of the actor's tokenizer, else it would value other tokens than the actor sampled, or fail on
+    ids past its embedding."""
+    # Imported here: transformers and torch, which `megarl config` starts without.
+    from megarl.data.tokenizer import load_tokenizer
+    from megarl.rewards.model_checkpoint import has_own_tokenizer
+    from megarl.rewards.model_scores import same_vocabulary
+
+    model_dir = Path(cfg.critic.model_path)
+    config, _ = read_hf_config(model_dir, "critic.model_path")
+    actor_dir = cfg.data.tokenizer or cfg.model.path
+    if config is None or not Path(actor_dir).is_dir():  # model_problems / tokenizer_problem name these
+        return []
+    try:
+        actor = load_tokenizer(actor_dir)
+    except ConfigError as err:  # it names the directory
+        return [str(err)]
+    why = ("the critic reads the actor's token ids (unlike the reward model, whose input is re-tokenised "
+           "with its own tokenizer)")
+    problems = []
+    if has_own_tokenizer(model_dir):
+        try:
+            own = load_tokenizer(model_dir)
+        except ConfigError as err:
+            return [f"critic.model_path = {str(model_dir)!r}: {err}"]
+        if not same_vocabulary(actor, own):
+            file = next(model_dir / name for name in TOKENIZER_FILES if (model_dir / name).is_file())
+            problems.append(f"critic.model_path = {str(model_dir)!r}: its tokenizer ({file}) maps tokens to other ids "
+                            f"than the actor's ({actor_dir}); {why}, so it would value other tokens than the actor "
+                            "sampled. Start the critic from a checkpoint of the actor's vocabulary")
+    vocab = config.get("vocab_size")
+    if vocab is not None and int(vocab) < len(actor):
+        problems.append(f"critic.model_path: {model_dir / 'config.json'}: vocab_size = {vocab}, but the actor's "
+                        f"tokenizer ({actor_dir}) has {len(actor)} token ids; {why}, so its embedding must cover "
+                        "every one")
+    return problems
 
 
 def check_run_files(cfg: DictConfig) -> None:

@@ -22,7 +22,7 @@ from megarl.config import load_config
 from megarl.config.model_files import safetensors_problem, weights_problems
 from megarl.config.run_files import check_run_files, reward_function_problem, run_file_problems
 from megarl.data.parquet_io import write_parquet
-from megarl.data.tokenizer import build_char_tokenizer
+from megarl.data.tokenizer import build_char_tokenizer, load_tokenizer
 from megarl.errors import ConfigError
 from megarl.rewards.worker import load_user_function
 from megarl.trainer.setup import prepare_run
@@ -261,6 +261,52 @@ def test_critic_model_path_is_checked(tmp_path: Path, task: dict[str, str]) -> N
                                                    "critic.ppo_micro_batch_size_per_gpu=2",
                                                    f"critic.model_path={tmp_path / 'x'}"])
     assert run_file_problems(cfg) == [f"critic.model_path = '{tmp_path / 'x'}': no such directory"]
+
+
+def critic_from(tmp_path: Path, task: dict[str, str], critic_dir: Path) -> list[str]:
+    """The file problems of a PPO run whose critic starts from `critic_dir`."""
+    cfg = load_config(experiment(tmp_path, task), ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=4",
+                                                   "critic.ppo_micro_batch_size_per_gpu=2",
+                                                   f"critic.model_path={critic_dir}"])
+    return run_file_problems(cfg)
+
+
+def test_critic_checkpoint_must_read_the_actors_token_ids(tmp_path: Path, task: dict[str, str],
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """The critic values the batch's token ids as the actor's tokenizer made them (a reward model of
+    another vocabulary gets the text re-tokenised, the critic cannot): a critic checkpoint with a
+    tokenizer of other ids (a reward model fitted on it), or an embedding smaller than the actor's
+    tokenizer, is refused before any worker starts, naming the file."""
+    actor = load_tokenizer(task["tokenizer"])
+    assert len(actor) == 16  # 4 special tokens, then the 12 characters
+    # Without a tokenizer of its own, or with the actor's, the critic reads the actor's ids: it passes.
+    critic = save_model(tmp_path / "critic")
+    assert critic_from(tmp_path, task, critic) == []
+    build_char_tokenizer("0123456789+=", critic)
+    assert critic_from(tmp_path, task, critic) == []
+    # The digits permuted and 4 tokens more (the audit's case): "0" is another id there.
+    permuted = save_model(tmp_path / "permuted")
+    build_char_tokenizer("9876543210+=abcd", permuted)
+    assert load_tokenizer(permuted).convert_tokens_to_ids("0") != actor.convert_tokens_to_ids("0")
+    problems = critic_from(tmp_path, task, permuted)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"critic.model_path = '{permuted}': its tokenizer ({permuted / 'tokenizer.json'}) "
+                                  f"maps tokens to other ids than the actor's ({task['tokenizer']}); the critic "
+                                  "reads the actor's token ids (unlike the reward model, whose input is "
+                                  "re-tokenised with its own tokenizer)"), problems[0]
+    # `megarl config validate` refuses it too.
+    assert cli_main(["config", "validate", str(experiment(tmp_path, task)), "algorithm.adv_estimator=gae",
+                     "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=2",
+                     f"critic.model_path={permuted}"]) == 1
+    assert f"critic.model_path = '{permuted}': its tokenizer" in capsys.readouterr().err
+    # No tokenizer of its own, but an embedding of 8 ids: the actor's ids 8..15 fall past it.
+    small = tmp_path / "small"
+    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**HF, "vocab_size": 8})).save_pretrained(
+        small, safe_serialization=True)
+    assert critic_from(tmp_path, task, small) == [
+        f"critic.model_path: {small / 'config.json'}: vocab_size = 8, but the actor's tokenizer ({task['tokenizer']}) "
+        "has 16 token ids; the critic reads the actor's token ids (unlike the reward model, whose input is "
+        "re-tokenised with its own tokenizer), so its embedding must cover every one"]
 
 
 def test_train_runs_the_same_checks_before_writing_anything(tmp_path: Path, task: dict[str, str]) -> None:
