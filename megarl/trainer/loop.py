@@ -3,7 +3,8 @@
 One step (see `RLTrainer.train_step`):
   1. prompts <- the data loader (left-padded, a `uid` per prompt)
   2. responses <- rollout (weights synced from the actor first), n per prompt; then the rollout
-     engine sleeps (`rollout.free_cache_engine`) so the training roles get the memory
+     engine sleeps (`rollout.free_cache_engine`) so the training roles get the memory (and, before
+     it scores, a reward model in the engine's processes)
   3. scores <- the reward manager (rule scorers or a user function; DAPO overlong shaping) and the
      reward model (`reward_model.enable`), each row judged as its `reward_model.style` says
      DAPO: drop groups whose responses all score the same; generate more until the batch is full
@@ -26,8 +27,10 @@ that step is written unless one just was, the metrics are flushed, and `megarl t
 Memory phases are lines of this file: a role whose `*_offload` keys are set is onloaded right
 before the phase that computes with it (`self.onloaded(...)`: its parameters only for a forward pass
 or a weight sync, everything for an update) and offloaded right after; the rollout
-engine sleeps once a step's generation is done (`self.rollout_sleep()`) and wakes its weights first,
-then its KV cache, around the next weight sync. Each step's transitions (with those of the
+engine sleeps once a step's generation is done (`self.rollout_sleep()`; with a reward model in its
+processes before that model scores, so each of DAPO's rounds and each validation batch sleeps
+before its scoring and the next generation wakes it) and wakes its weights first, then its KV
+cache, around the next weight sync. Each step's transitions (with those of the
 validation after it, phase "val") are written to `<run>/memory_phases.jsonl`, and the memory peak of every phase that ran on the workers is logged
 as `memory/<phase>/...` (the driver-only phases, reward and adv, have none).
 """
@@ -204,6 +207,13 @@ class RLTrainer:
         self.weights_version = 0  # bumped by every actor update; the rollout syncs when behind
         self.rollout_version = -1
         self.pending_sleep: CallHandle | None = None  # a rollout sleep sent, its answer not read yet
+        # Put to sleep by the driver and not woken since (engines start awake): a second sleep is not sent.
+        self.rollout_asleep = False
+        # A reward model in the rollout's processes (no resources.reward_model_pool, no rollout pool)
+        # scores with the engines asleep (rollout.free_cache_engine), as verl's does: its parameters
+        # and activations take the memory the KV cache held instead of coming on top of it.
+        self.rm_beside_rollout = (workers.reward_model is not None
+                                  and workers.reward_model.group is workers.rollout.group)
         self.sync_metrics: dict[str, float] = {}  # bytes moved by the last weight sync, all ranks
         self.probe_metrics: dict[str, float] = {}  # probe/*: the weight-sync probe run in this step
         self.probed_version = -1  # the last weight version the probe checked (rollout.probe_freq)
@@ -434,7 +444,9 @@ class RLTrainer:
             # phases add up to the step, and this one may lie outside it.
             metrics["async/rollout_busy_s"] = self.rollout_busy_s
             metrics.update(agent_metrics(batch))  # multi-turn rollouts: turns, tool calls, errors, latency
-            self.rollout_sleep()  # training needs the memory: the KV cache (and weights) go
+            # Training needs the memory: the KV cache (and weights) go; asleep already when a reward
+            # model in the rollout's processes scored the batch.
+            self.rollout_sleep()
             # Rows reordered so each actor DP rank gets about the same tokens (trainer.balance_batch);
             # advantages group by uid, not position; the rollout order comes back before the dump.
             restore = None
@@ -585,14 +597,16 @@ class RLTrainer:
 
     def rollout_sleep(self, after: str = "gen") -> None:
         """Put the rollout engines to sleep (`rollout.free_cache_engine`) once the generation of
-        `after` is done; when that discards their weights, the next generation syncs them again."""
-        if not self.spec.rollout.free_cache_engine:
+        `after` is done, unless they sleep since the last wake-up; when that discards their weights,
+        the next generation syncs them again."""
+        if not self.spec.rollout.free_cache_engine or self.rollout_asleep:
             return
         # Sent without waiting: a worker runs the driver's calls in the order they were sent, so the
         # training calls sent next run after it; whether it discarded the weights is read before the
         # rollout is used again (`settle_rollout_sleep`), saving a round trip per step.
         self.settle_rollout_sleep()
         self.pending_sleep = self.workers.rollout.call_all_async(RolloutRole.sleep)
+        self.rollout_asleep = True
         self.trace_memory(after, "rollout", "sleep")
 
     def rollout_wake_up(self, tags: tuple[str, ...] | None = None) -> CallHandle | None:
@@ -601,6 +615,7 @@ class RLTrainer:
         driver puts it to sleep), which saves two calls to every rollout worker a step."""
         if not self.spec.rollout.free_cache_engine:
             return None
+        self.rollout_asleep = False
         return self.workers.rollout.call_all_async(RolloutRole.wake_up, tags)
 
     def settle_rollout_wake_up(self, waking: CallHandle | None, phase: str, transition: str = "wake_up") -> None:
@@ -936,11 +951,16 @@ class RLTrainer:
         return batch, metrics
 
     def score(self, gen: Batch) -> tuple[Batch, dict[str, Any]]:
-        """Each response's score on its last token (`token_level_scores`), and `reward_info/*` columns."""
+        """Each response's score on its last token (`token_level_scores`), and `reward_info/*` columns.
+        A reward model in the rollout's processes scores with the engines asleep (`rm_beside_rollout`):
+        the sleep is sent first, so the rule scorers run while the engines free their memory, and the
+        reward model's calls queue behind it; the next generation wakes them (DAPO's next round too)."""
         rm = self.workers.reward_model
         if rm is None:
             result = self.run.reward_manager.score_batch(gen, self.run.tokenizer)
         else:
+            if self.rm_beside_rollout:
+                self.rollout_sleep()
             styles = row_styles(gen)
             rule_rows = self.spec.reward_combine.rule_rows(styles)
             rule = self.run.reward_manager.score_batch(gen[rule_rows], self.run.tokenizer) if rule_rows.any() else None
@@ -1048,7 +1068,7 @@ class RLTrainer:
             metrics, scored = validate(batches, lambda prompts, first: self.generate(
                                            prompts, dataclasses.replace(sampling, row_offset=first)),
                                        lambda gen: self.score(gen)[0], sampling.n)
-            self.rollout_sleep(after="val")
+            self.rollout_sleep(after="val")  # asleep already when a reward model in its processes scored
             self.settle_rollout_sleep()  # a checkpoint or the end of the run may follow
         if self.cfg.trainer.validation_data_dir:
             dump_validation(scored, self.run.tokenizer, self.global_step, self.cfg.trainer.validation_data_dir)

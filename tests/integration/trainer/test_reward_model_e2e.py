@@ -3,7 +3,8 @@ critic started from the reward model's checkpoint), and GRPO with a colocated, o
 model with a tokenizer of its own (the text re-tokenised through its chat template) mixed with the
 rule scorer on a dataset whose rows are of both styles. Each response's reward-model score, as
 dumped by the run, is checked against transformers' sequence-classification output on the same
-text (float64)."""
+text (float64). A colocated reward model scores with the rollout engine asleep
+(`rollout.free_cache_engine`), in training, in validation and in each of DAPO's rounds."""
 
 from __future__ import annotations
 
@@ -19,7 +20,14 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_train_e2e import read_metrics, run_train, task_dir, write_config  # noqa: E402,F401
+from test_train_e2e import (  # noqa: E402,F401
+    MIXED_REWARD,
+    read_memory_trace,
+    read_metrics,
+    run_train,
+    task_dir,
+    write_config,
+)
 
 from megarl.convert.mcore_to_hf import convert_mcore_to_hf  # noqa: E402
 from megarl.data.tokenizer import build_char_tokenizer, load_tokenizer  # noqa: E402
@@ -168,7 +176,44 @@ def test_grpo_with_colocated_reward_model_mixed_with_rule_scorer(tmp_path: Path,
             assert r["score"] == pytest.approx(rule + 0.5 * r["rm_score"], abs=1e-5)
         assert metrics[step]["reward_model/score/mean"] == pytest.approx(float(rm_scores.mean()), abs=1e-5)
     assert seen == {"arithmetic", "preference"}
-    # Colocated and offloaded: onloaded for the reward phase only.
-    trace = [json.loads(line) for line in (tmp_path / "run" / "memory_phases.jsonl").read_text().splitlines()]
-    transitions = [tuple(t) for t in trace[0]["transitions"] if t[1] == "reward_model"]
-    assert transitions[:2] == [("reward", "reward_model", "onload:params"), ("reward", "reward_model", "offload")]
+    # Colocated and offloaded: onloaded for the reward phase only. With rollout.free_cache_engine (the
+    # default) the rollout engine, in the same processes, sleeps before the reward model comes in (as
+    # verl's does), in training and in the validation after step 2: the reward model takes the memory
+    # of the engine's KV cache instead of coming on top of it. One sleep a step, none after scoring.
+    # Step 1 starts from an engine that is awake; later syncs wake its weights, then its KV cache.
+    scoring = [("gen", "rollout", "sleep"), ("reward", "reward_model", "onload:params"),
+               ("reward", "reward_model", "offload")]
+    trace = read_memory_trace(tmp_path / "run", with_val=True)
+    assert trace[1] == scoring, trace[1]
+    waking = [("sync_weights", "rollout", "wake_up:weights"), ("sync_weights", "rollout", "wake_up")]
+    in_val = [("val", role, transition) for _, role, transition in waking + scoring]
+    assert trace[2] == waking + scoring + in_val, trace[2]
+
+
+def test_dapo_rounds_score_with_the_colocated_reward_model_while_the_rollout_sleeps(tmp_path: Path,
+                                                                                   task_dir: Path) -> None:
+    """DAPO generates, scores and filters in rounds until the batch is full: with a reward model in the
+    rollout's processes the engine sleeps before each round's scoring and the next round's generation
+    wakes it (its weights first, discarded by sleep_level 2 and synced again, then its KV cache): one
+    sleep a round, and no sleep after the last round's scoring."""
+    make_reward_model(task_dir, tmp_path / "rm")
+    reward_file = tmp_path / "mixed_reward.py"
+    reward_file.write_text(MIXED_REWARD)  # half the groups score alike: filtered, so more rounds run
+    config = write_config(
+        tmp_path, task_dir,
+        data={"val_files": []},
+        algorithm={"filter_groups": {"enable": True, "metric": "seq_reward", "max_num_gen_batches": 20}},
+        reward={"custom_reward_function": {"path": str(reward_file)}},
+        # The rule score decides the filter; the reward model runs on every row of every round.
+        reward_model={"enable": True, "model_path": str(tmp_path / "rm"), "combine": "weighted_sum",
+                      "rule_weight": 1.0, "model_weight": 0.0, "param_offload": True},
+        trainer={"total_training_steps": 1},
+    )
+    proc = run_train(config)
+    assert proc.returncode == 0
+    rounds = int(read_metrics(tmp_path / "run")[1]["train/num_gen_batches"])
+    assert rounds >= 2
+    scoring = [("gen", "rollout", "sleep"), ("reward", "reward_model", "onload:params"),
+               ("reward", "reward_model", "offload")]
+    waking = [("sync_weights", "rollout", "wake_up:weights"), ("sync_weights", "rollout", "wake_up")]
+    assert read_memory_trace(tmp_path / "run")[1] == scoring + (waking + scoring) * (rounds - 1)
