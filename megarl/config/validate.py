@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from megarl.config.inert_keys import changed_keys, inert_key_errors
 from megarl.config.model_files import family_specs
 from megarl.config.plugins import import_modules
+from megarl.convert import HF_FILES_DIR, MEGATRON_MARKER
 from megarl.config.schema import AlgorithmConfig, FilterGroupsConfig, KLControlConfig, TrainerConfig
 from megarl.errors import ConfigError
 from megarl.layout import VLLM_VOCAB_PADDING
@@ -106,8 +107,10 @@ def model_hf_config(cfg: DictConfig) -> Optional[dict[str, Any]]:
 
 
 def dir_hf_config(r: _Rules, path: str, key: str) -> Optional[dict[str, Any]]:
-    """config.json of the HF directory `path` (the value of `key`); None when it has none."""
-    config_file = Path(path) / "config.json"
+    """config.json of the HF directory `path` (the value of `key`), or of the source model a converted
+    checkpoint keeps (`megarl convert hf-to-mcore`); None when it has none."""
+    converted = (Path(path) / MEGATRON_MARKER).is_file()
+    config_file = Path(path) / (f"{HF_FILES_DIR}/config.json" if converted else "config.json")
     if not config_file.is_file():
         return None
     try:

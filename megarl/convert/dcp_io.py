@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megarl.convert import MEGATRON_MARKER
 from megarl.convert.output_dir import fsync_path
 from megarl.errors import CheckpointError
 from megarl.trainer.checkpoint_dirs import LATEST_FILE, STEP_DIR_PREFIX
@@ -48,7 +49,7 @@ from megarl.trainer.checkpoint_dirs import LATEST_FILE, STEP_DIR_PREFIX
 # What megatron.core.dist_checkpointing writes for the torch_dist backend (format version 1).
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                      "common_backend": "torch", "common_backend_version": 1}
-MARKER_NAME = "metadata.json"  # Megatron's format marker
+MARKER_NAME = MEGATRON_MARKER  # Megatron's format marker
 DCP_METADATA_NAME = ".metadata"  # PyTorch's index: every tensor's chunks and where their bytes are
 ENGINE_DIRS = ("actor", "critic")  # the engine checkpoints of a trainer step directory
 

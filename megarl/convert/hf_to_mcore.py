@@ -22,11 +22,11 @@ from megarl.dtypes import torch_dtype
 from megarl.convert.output_dir import staged_output_dir
 from megarl.convert.progress import Progress
 from megarl.errors import ConfigError
+from megarl.convert import HF_FILES_DIR  # noqa: F401 - also imported from here
 from megarl.models.spec import ModelSpec
 from megarl.models.weight_map import fuse, pad_vocab
 
 CONVERTED_FORMAT = "megarl-converted-v1"
-HF_FILES_DIR = "hf"  # config and tokenizer files of the source model, kept inside the checkpoint
 VALUE_HEAD = "score.weight"  # the scalar head of a HF *ForSequenceClassification model
 
 

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from megarl.convert import MEGATRON_MARKER
 from megarl.convert.dcp_io import CheckpointReader
 from megarl.convert.hf_files import HFCheckpoint
 from megarl.convert.hf_to_mcore import HF_FILES_DIR, VALUE_HEAD
@@ -26,7 +27,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tok
 
 def is_converted(model_dir: str | Path) -> bool:
     """Whether `model_dir` is a Megatron distributed checkpoint (e.g. from `megarl convert`)."""
-    return (Path(model_dir) / "metadata.json").is_file()
+    return (Path(model_dir) / MEGATRON_MARKER).is_file()
 
 
 def hf_files_dir(model_dir: str | Path) -> Path:

@@ -128,3 +128,19 @@ def test_config_validate_command_reports_it(tmp_path: Path, tokenizer_dir: Path,
     assert cli_main(["config", "validate", str(absent)]) == 1
     assert "not_fitted_yet" in capsys.readouterr().err
     assert json.loads((rm / "config.json").read_text())["architectures"] == ["Qwen2ForSequenceClassification"]
+
+
+def test_a_converted_reward_model_has_its_layout_checked_too(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """A reward model converted with `megarl convert hf-to-mcore` keeps its config in `hf/`: the
+    layout rules read it there (they read `<path>/config.json`, found none and checked nothing; the
+    worker then failed on the layout after Ray had started)."""
+    from megarl.convert.hf_to_mcore import convert_hf_to_mcore
+
+    rm = convert_hf_to_mcore(_save_rm(tmp_path / "rm_hf"), tmp_path / "rm_mcore", progress=False).out_dir
+    exp = _experiment(tmp_path, rm, tokenizer_dir)
+    overrides = ["resources.reward_model_pool={nnodes: 1, devices_per_node: 3}",
+                 "reward_model.megatron={tensor_model_parallel_size: 3}"]
+    with pytest.raises(ConfigError, match="num_attention_heads = 4"):  # 4 heads over 3 ranks
+        load_config(exp, overrides)
+    with pytest.raises(ConfigError, match="num_attention_heads = 4"):  # the same rule as for the HF directory
+        load_config(_experiment(tmp_path, tmp_path / "rm_hf", tokenizer_dir), overrides)
