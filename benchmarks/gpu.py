@@ -11,6 +11,9 @@
   prompt_sharing=always ("engine_shared") against the padded engine, in one run.
 
     python benchmarks/gpu.py [--out benchmarks/results/sections/gpu.json]
+
+The JSON is rewritten after each part, the parts not yet finished marked "not finished": a run
+stopped from outside (tools/gpu_check.sh caps its bench step) keeps what it measured.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ ENGINE_0_5B = ["--hidden", "896", "--layers", "24", "--heads", "14", "--kv-heads
 ENGINE_SHARED_0_5B = [*ENGINE_0_5B[:ENGINE_0_5B.index("--batch")], "--batch", "32", "--prompt-len", "512",
                       "--response-len", "128", "--micro-batch-size", "8", "--dtype", "bf16", "--repeats", "3",
                       "--group-size", "8"]
+PARTS = ("train_step", "rollout", "sync", "prompt_sharing")  # in the order they run
+NOT_FINISHED = {"status": "not finished", "error": "the run stopped before this part ended"}
 ROLLOUT_ARGS = ["--num-prompts", "64", "--n", "8", "--max-new-tokens", "256", "--dtype", "bfloat16", "--repeats", "3"]
 
 
@@ -94,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     py = sys.executable
     bench = REPO_ROOT / "benchmarks"
     result: dict[str, Any] = {"section": "gpu", "machine": machine_info(), "device": name,
-                              "peak_bf16_flops": peak_flops(name)}
+                              "peak_bf16_flops": peak_flops(name), **{part: dict(NOT_FINISHED) for part in PARTS}}
+    write_json(args.out, result)
     engine = _run_json([py, str(bench / "engine.py"), *ENGINE_0_5B], parts_dir / "engine.json", args.timeout)
     if engine["status"] == "ok":
         r = engine["result"]
@@ -102,9 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         engine["mfu_train_step"] = mfu(r["params"], tokens_per_s, peak_flops(name))
         engine["mfu_train_step_hf"] = mfu(r["params"], r["train_step_tokens_per_s"]["hf"], peak_flops(name))
     result["train_step"] = engine
+    write_json(args.out, result)
     result["rollout"] = _run_json([py, str(bench / "rollout.py"), *ROLLOUT_ARGS], parts_dir / "rollout.json", args.timeout)
+    write_json(args.out, result)
     result["sync"] = _run_json([py, str(bench / "reshard.py"), "--sizes", "100M", "--repeats", "3"],
                                parts_dir / "reshard.json", args.timeout)
+    write_json(args.out, result)
     shared = _run_json([py, str(bench / "engine.py"), *ENGINE_SHARED_0_5B], parts_dir / "engine_shared.json",
                        args.timeout)
     if shared["status"] == "ok":

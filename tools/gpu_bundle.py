@@ -277,24 +277,33 @@ def _source_files(repo: Path) -> list[str]:
                   and not any(fnmatch.fnmatchcase(f, pat) for pat in SOURCE_EXCLUDE))
 
 
+def pinned_wheels(wheels_dir: Path, wanted: dict[str, str]) -> dict[str, Path]:
+    """For each canonical name in `wanted`, the wheel in `wheels_dir` whose filename version is the pin.
+    A reused cache keeps the wheels of earlier pins beside the current one, so the version decides,
+    not the order of the names ("2026.9.1" sorts after "2026.10.0")."""
+    found: dict[str, dict[str, Path]] = {}
+    for w in sorted(wheels_dir.glob("*.whl")):
+        name, version = w.name.split("-")[:2]
+        found.setdefault(canonicalize_name(name), {})[version] = w
+    missing = sorted(set(wanted) - set(found))
+    if missing:
+        raise SystemExit(f"no wheel for {missing} in {wheels_dir}")
+    wrong = [f"{n}: expected version {v}, found {sorted(found[n])}" for n, v in sorted(wanted.items())
+             if v not in found[n]]
+    if wrong:
+        raise SystemExit(f"no wheel of the pinned version in {wheels_dir}:\n  " + "\n  ".join(wrong))
+    return {n: found[n][v] for n, v in wanted.items()}
+
+
 def assemble(wheels_dir: Path, stage: Path, python_version: str, name: str, repo: Path = REPO_ROOT) -> dict[str, Any]:
     root = stage / name
     if root.exists():
         shutil.rmtree(root)
     site = root / "site"
     site.mkdir(parents=True)
-    wheels = sorted(wheels_dir.glob("*.whl"))
-    by_name: dict[str, Path] = {}
-    for w in wheels:
-        by_name[canonicalize_name(w.name.split("-")[0])] = w
     wanted = {canonicalize_name(n): v for n, v in BUNDLE_PACKAGES.items()}
-    missing = sorted(set(wanted) - set(by_name))
-    if missing:
-        raise SystemExit(f"no wheel for {missing} in {wheels_dir}")
+    by_name = pinned_wheels(wheels_dir, wanted)
     chosen = [by_name[n] for n in sorted(wanted)]
-    for n, w in zip(sorted(wanted), chosen):
-        if w.name.split("-")[1] != wanted[n]:
-            raise SystemExit(f"{w.name}: expected version {wanted[n]}")
     unpack_wheels(chosen, site)
     size_before_prune = _tree_size(site)
     removed = prune(site)

@@ -5,7 +5,7 @@
     python tools/gpu_check.py imports                                import every megarl module
     python tools/gpu_check.py ray [--gpus N]                         local Ray cluster, tasks, actor
     python tools/gpu_check.py train-overrides --device cuda ...      the `megarl train` overrides
-    python tools/gpu_check.py metrics RUN_DIR --steps N --probs-diff-tol X [--memory-out FILE]
+    python tools/gpu_check.py metrics RUN_DIR --steps N --probs-diff-tol X [--memory-out FILE] [--cuda]
     python tools/gpu_check.py bench-result FILE [--cuda]             benchmarks/gpu.py's JSON
     python tools/gpu_check.py reference-env DIR                      stand-in for the GPU image (CPU dry run)
 
@@ -263,10 +263,12 @@ def read_metrics(path: Path) -> dict[int, dict[str, Any]]:
     return out
 
 
-def metric_problems(metrics: dict[int, dict[str, Any]], steps: int, probs_diff_tol: float) -> list[str]:
+def metric_problems(metrics: dict[int, dict[str, Any]], steps: int, probs_diff_tol: float,
+                    cuda: bool = False) -> list[str]:
     """What is wrong with a run's metrics: missing steps; reward or a loss not finite (non-finite
     values are written as null); a weight sync that moved other than the plan's minimum bytes; the
-    rollout engine's log-probs further than `probs_diff_tol` from the trainer's."""
+    rollout engine's log-probs further than `probs_diff_tol` from the trainer's; a colocated peak
+    ratio above PEAK_RATIO_MAX, or, with `cuda` (where it is logged), missing."""
     problems = []
     if sorted(metrics) != list(range(1, steps + 1)):
         problems.append(f"steps logged {sorted(metrics)}, expected 1..{steps}")
@@ -288,7 +290,11 @@ def metric_problems(metrics: dict[int, dict[str, Any]], steps: int, probs_diff_t
             problems.append(f"step {step}: {LOGPROB_DIFF_MAX} = {diff:.3g} > {probs_diff_tol:g} (rollout and trainer "
                             "disagree on the same weights: a sync or numerics problem)")
         ratio = m.get(PEAK_RATIO)
-        if ratio is not None and ratio > PEAK_RATIO_MAX:
+        if cuda and not isinstance(ratio, (int, float)):
+            # The summary promises this bound on CUDA: a run that did not log the ratio has not met it.
+            problems.append(f"step {step}: {PEAK_RATIO} = {ratio!r} (missing; with CUDA it is logged and must be "
+                            f"<= {PEAK_RATIO_MAX})")
+        elif ratio is not None and ratio > PEAK_RATIO_MAX:
             problems.append(f"step {step}: {PEAK_RATIO} = {ratio:.3f} > {PEAK_RATIO_MAX} (training and rollout "
                             "state on the device together outside their phases)")
     if metrics and not synced:
@@ -316,7 +322,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     if args.memory_out is not None:
         args.memory_out.parent.mkdir(parents=True, exist_ok=True)
         args.memory_out.write_text(json.dumps({"limit": PEAK_RATIO_MAX, "steps": memory_summary(metrics)}, indent=1))
-    return _fail(metric_problems(metrics, args.steps, args.probs_diff_tol))
+    return _fail(metric_problems(metrics, args.steps, args.probs_diff_tol, cuda=args.cuda))
 
 
 # ---------------------------------------------------------------------------------------- bench
@@ -387,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--steps", type=int, required=True)
     s.add_argument("--probs-diff-tol", type=float, required=True)
     s.add_argument("--memory-out", type=Path, default=None, help="write the per-phase device memory here (JSON)")
+    s.add_argument("--cuda", action="store_true", help=f"the run was on CUDA: {PEAK_RATIO} must be logged")
     s = sub.add_parser("bench-result")
     s.add_argument("file", type=Path)
     s.add_argument("--cuda", action="store_true")

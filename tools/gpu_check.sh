@@ -11,12 +11,19 @@
 #                     tests of the GPU modules, the gpu tier (skips), a 2-step CPU fp32 train, the
 #                     benchmark section's skip record)
 #   --python PY       the image's interpreter (default: python3)
-#   --workdir DIR     unpack here (default: a new private directory under ${TMPDIR:-/tmp}, removed at exit)
+#   --workdir DIR     unpack here instead; DIR must be new or empty (a non-empty DIR is refused). At exit
+#                     (unless --keep) only what the check put there is removed: DIR/site, DIR/src, DIR/bin,
+#                     DIR/scratch, DIR/env.sh, DIR/MANIFEST.json, DIR/gpu_check.sh, then DIR itself if the
+#                     check created it and it is then empty (an --out inside DIR stays).
+#                     Default: a new private directory under ${TMPDIR:-/tmp}, removed whole at exit
 #   --keep            keep the unpacked directory
-#   --steps N         training steps (default 5 on GPU, 2 in the dry run)
-#   --budget S        seconds for the whole check (default 600); a step gets at most what is left
-#   --probs-diff-tol X  largest accepted |rollout - trainer| log-prob gap (default 0.1 bf16 GPU, 1e-3 fp32 CPU)
-#   --skip A,B        steps to leave out: env deps imports ray unit gpu-tests train bench
+#   --steps N         training steps, a positive whole number (default 5 on GPU, 2 in the dry run)
+#   --budget S        whole seconds for the whole check (default 600). A step gets at most what is left
+#                     less the 20 s it may take to be killed after its stop signal, so the check ends
+#                     inside the budget (plus the summary's second or two)
+#   --probs-diff-tol X  largest accepted |rollout - trainer| log-prob gap, a positive number
+#                     (default 0.1 bf16 GPU, 1e-3 fp32 CPU)
+#   --skip A,B        steps to leave out, from: env deps imports ray unit gpu-tests train bench
 #   --unpack-only DIR unpack BUNDLE into DIR, write DIR/env.sh and DIR/bin/{megarl,ray}, and stop
 #
 # Steps (each one's failure is recorded and the next step runs):
@@ -29,11 +36,37 @@
 #   train      `megarl train` GRPO on configs/quickstart_cpu.yaml (GPU: cuda, bf16, TP=1), then the
 #              run's metrics.jsonl: reward and losses finite, weight sync moved exactly the plan's
 #              minimum bytes, rollout vs trainer log-prob gap within tolerance
-#   bench      benchmarks/gpu.py (MFU of the train step, rollout tokens/s, weight sync) into bench/
-# Exit status: 0 when every step passed, 1 otherwise; the summary lists each step.
+#   bench      benchmarks/gpu.py (MFU of the train step, rollout tokens/s, weight sync) into bench/;
+#              bench/gpu.json is rewritten after each part, so a bench step stopped at its cap keeps
+#              the parts finished so far (the others marked not finished) and their bench/gpu/*.json
+# Exit status: 0 when every step passed, 1 otherwise (2: a bad option); the summary lists each step,
+# and a step of the list above with no recorded outcome counts as failed.
 set -uo pipefail
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
+
+# The steps, in the order they run; --skip names and the summary are checked against this list.
+STEPS=(env deps imports ray unit gpu-tests train bench)
+# What the check puts into a --workdir DIR, and so all that it removes there.
+WORKDIR_ENTRIES=(site src bin scratch env.sh MANIFEST.json gpu_check.sh)
+# `timeout -k` sends KILL this long after a step's TERM; the budget keeps it free.
+KILL_GRACE_S=20
+
+bad_option() {  # bad_option MESSAGE: exit 2, as for any other misuse of the command line
+    echo "gpu_check: $1" >&2
+    exit 2
+}
+need_value() {  # need_value FLAG NARGS: the flag must be followed by a value
+    [ "$2" -ge 2 ] || bad_option "$1 needs a value"
+}
+positive_int() {  # positive_int FLAG VALUE. At most 9 digits: bash arithmetic on it cannot overflow.
+    [[ "$2" =~ ^[1-9][0-9]{0,8}$ ]] ||
+        bad_option "$1 must be a positive whole number (at most 9 digits), got '$2'"
+}
+positive_number() {  # positive_number FLAG VALUE: a decimal, optionally with an exponent, above 0
+    [[ "$2" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$ ]] && [[ "$2" =~ [1-9] ]] ||
+        bad_option "$1 must be a positive number such as 0.1 or 1e-3, got '$2'"
+}
 
 bundle=""
 out=""
@@ -48,14 +81,15 @@ unpack_only=""
 probs_diff_tol=""
 while [ $# -gt 0 ]; do
     case "$1" in
+        --out|--python|--workdir|--steps|--budget|--probs-diff-tol|--skip|--unpack-only) need_value "$1" $# ;;&
         --out) out="$2"; shift 2 ;;
         --dry-run) dry_run=1; shift ;;
         --python) python_bin="$2"; shift 2 ;;
         --workdir) workdir="$2"; shift 2 ;;
         --keep) keep=1; shift ;;
-        --steps) steps="$2"; shift 2 ;;
-        --budget) budget="$2"; shift 2 ;;
-        --probs-diff-tol) probs_diff_tol="$2"; shift 2 ;;
+        --steps) positive_int --steps "$2"; steps="$2"; shift 2 ;;
+        --budget) positive_int --budget "$2"; budget="$2"; shift 2 ;;
+        --probs-diff-tol) positive_number --probs-diff-tol "$2"; probs_diff_tol="$2"; shift 2 ;;
         --skip) skip=",$2,"; shift 2 ;;
         --unpack-only) unpack_only="$2"; shift 2 ;;
         -h|--help) usage; exit 0 ;;
@@ -67,10 +101,27 @@ if [ -z "${out}" ] && [ -z "${unpack_only}" ]; then
     echo "gpu_check: --out DIR is required" >&2
     exit 2
 fi
+IFS=, read -r -a skipped <<<"${skip}"
+for name in "${skipped[@]}"; do
+    [ -z "${name}" ] && continue
+    [[ " ${STEPS[*]} " == *" ${name} "* ]] || bad_option "--skip: unknown step '${name}'; the steps are: ${STEPS[*]}"
+done
 python_abs="$(command -v "${python_bin}" || true)"
 if [ -z "${python_abs}" ]; then
     echo "gpu_check: no interpreter ${python_bin}" >&2
     exit 2
+fi
+# Absolute: every step runs after a cd into the scratch directory, and env.sh and bin/ name it.
+python_abs="$(cd "$(dirname "${python_abs}")" && pwd)/$(basename "${python_abs}")"
+# A user's --workdir must be new or empty: the check unpacks over it and cleans up after itself
+# there, so anything already in it could be overwritten. Checked before --out is made, which may
+# lie inside it.
+if [ -n "${workdir}" ] && [ -n "${bundle}" ] && [ -z "${unpack_only}" ] && [ -e "${workdir}" ]; then
+    if [ ! -d "${workdir}" ]; then
+        bad_option "--workdir ${workdir}: exists and is not a directory"
+    elif [ -n "$(ls -A "${workdir}")" ]; then
+        bad_option "--workdir ${workdir}: not empty; give a new or empty directory (the check unpacks the bundle there)"
+    fi
 fi
 start_all=$(date +%s)
 
@@ -119,16 +170,39 @@ if [ -n "${unpack_only}" ]; then
     exit 0
 fi
 
+# shellcheck disable=SC2329 # run by the EXIT trap
+clean_workdir() {  # the user's --workdir: remove only the check's own entries (WORKDIR_ENTRIES)
+    local entry
+    for entry in "${WORKDIR_ENTRIES[@]}"; do
+        rm -rf "${workdir:?}/${entry}"
+    done
+    if [ "${workdir_created}" = 1 ]; then
+        rmdir "${workdir}" 2>/dev/null || true
+    fi
+}
+
 mkdir -p "${out}/logs" || exit 2
 out="$(cd "${out}" && pwd)"
 bundle_python=""
 if [ -n "${bundle}" ]; then
     bundle="$(cd "$(dirname "${bundle}")" && pwd)/$(basename "${bundle}")"
+    workdir_created=0
     if [ -z "${workdir}" ]; then
-        workdir="$(mktemp -d "${TMPDIR:-/tmp}/megarl-gpu-check.XXXXXX")"
+        workdir="$(mktemp -d "${TMPDIR:-/tmp}/megarl-gpu-check.XXXXXX")" || exit 2
+        own_workdir=1  # private to this run: removed whole
+    else
+        own_workdir=0
+        [ -d "${workdir}" ] || workdir_created=1
+        mkdir -p "${workdir}" || exit 2
     fi
-    if [ "${keep}" = 0 ]; then
+    # Absolute before src, scratch and check are derived from it: the steps run from scratch/.
+    workdir="$(cd "${workdir}" && pwd)"
+    if [ "${keep}" = 0 ] && [ "${own_workdir}" = 1 ]; then
         trap 'rm -rf "${workdir}"' EXIT
+    elif [ "${keep}" = 0 ]; then
+        # The user's directory: only the check's own entries go, and the directory if the check
+        # made it and nothing else (an --out inside it, say) is left there.
+        trap clean_workdir EXIT
     fi
     echo "[gpu_check] unpacking ${bundle} into ${workdir}"
     if ! unpack "${bundle}" "${workdir}"; then
@@ -189,7 +263,8 @@ run_step() {  # run_step NAME TIMEOUT_S -- COMMAND...: logs to logs/NAME.log, re
         echo "[gpu_check] ${name}: skipped (--skip)"
         return
     fi
-    left=$(( budget - ($(date +%s) - start_all) ))
+    # What is left of the budget, less the kill grace: a step that ignores its TERM is killed by then.
+    left=$(( budget - ($(date +%s) - start_all) - KILL_GRACE_S ))
     if [ "${left}" -lt 10 ]; then
         names+=("${name}"); statuses+=("FAILED (no time left of the ${budget} s budget)"); seconds+=(0)
         echo "[gpu_check] ${name}: not run, the ${budget} s budget is spent"
@@ -199,7 +274,7 @@ run_step() {  # run_step NAME TIMEOUT_S -- COMMAND...: logs to logs/NAME.log, re
     echo "[gpu_check] ${name} (at most ${limit} s) ..."
     t0=$(date +%s)
     # timeout signals its whole process group, so a step's children (Ray, workers) get it too.
-    (cd "${scratch}" && timeout -k 20 "${limit}" bash -c '"$@"' step "$@") >"${log}" 2>&1
+    (cd "${scratch}" && timeout -k "${KILL_GRACE_S}" "${limit}" bash -c '"$@"' step "$@") >"${log}" 2>&1
     rc=$?
     if [ "${rc}" = 0 ]; then
         status="passed"
@@ -227,8 +302,9 @@ step_train() {
     [ "${#overrides[@]}" -gt 0 ] || return 1
     echo "megarl train ${src}/configs/quickstart_cpu.yaml ${overrides[*]}"
     "${python_abs}" -m megarl.cli train "${src}/configs/quickstart_cpu.yaml" "${overrides[@]}" || return 1
+    # shellcheck disable=SC2086 # cuda_flag is empty or one word; with it the colocated peak ratio is required
     "${python_abs}" "${check}" metrics "${run}" --steps "${steps}" --probs-diff-tol "${probs_diff_tol}" \
-        --memory-out "${out}/bench/memory_phases.json"
+        --memory-out "${out}/bench/memory_phases.json" ${cuda_flag}
 }
 
 # shellcheck disable=SC2329 # run by run_step
@@ -255,6 +331,14 @@ run_step train 300 -- step_train
 run_step bench 360 -- step_bench
 
 # --- summary ----------------------------------------------------------------------------------
+# Every step of the list must have an outcome: one aborted inside run_step (a shell error) left none,
+# and must not read as passed.
+for name in "${STEPS[@]}"; do
+    if [[ " ${names[*]} " != *" ${name} "* ]]; then
+        names+=("${name}"); statuses+=("FAILED (no outcome recorded: the step was aborted)"); seconds+=(0)
+        echo "[gpu_check] ${name}: FAILED, no outcome was recorded" >&2
+    fi
+done
 failed=0
 for status in "${statuses[@]}"; do
     [[ "${status}" == FAILED* ]] && failed=1
