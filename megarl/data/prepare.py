@@ -32,6 +32,7 @@ from megarl.data.parquet_io import write_parquet
 from megarl.data.tasks.rows import verl_row
 from megarl.errors import DataError, MegarlError
 from megarl.rewards.scorers.math import extract_boxed
+from megarl.rewards.scorers.numbers import parse_number
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
@@ -101,8 +102,56 @@ def local_split_files(local: str | os.PathLike[str], split: str) -> list[Path]:
     return files
 
 
-def read_local_split(local: str | os.PathLike[str], split: str) -> Iterator[Located]:
-    for path in local_split_files(local, split):
+# GSM8K ships two configurations of the same questions: "main" and "socratic" (the solution as
+# sub-questions). A local copy often holds both, as main/ and socratic/ folders (the hub) or as
+# train.jsonl and train_socratic.jsonl (OpenAI's release); reading both would give every row twice.
+GSM8K_VARIANTS = ("main", "socratic")
+GSM8K_MAIN = "main"
+# Name parts that tell no variant apart: the split-file shards' "-00000-of-00002", the suffixes.
+_SHARD_TOKEN = re.compile(r"\d+|of")
+
+
+def _variant_tokens(relative: Path, split: str) -> tuple[str, ...]:
+    """What distinguishes a split's file from its sibling variants: its folder and name parts less the
+    split name, shard numbers and the suffix (``main/train-00000-of-00001.parquet`` -> ("main",))."""
+    tokens = [*relative.parts[:-1], *re.split(r"[-_.]", relative.name)]
+    suffixes = {suffix.lstrip(".") for suffix in SOURCE_SUFFIXES}
+    return tuple(t for t in tokens if t and t != split and t not in suffixes and not _SHARD_TOKEN.fullmatch(t))
+
+
+def gsm8k_split_files(local: str | os.PathLike[str], split: str) -> list[Path]:
+    """``local_split_files`` with one GSM8K variant: the main one (files naming "main" or no variant)
+    when present, else the only one there. A DataError listing the files when a file names both
+    variants, or when the chosen files differ in other name parts (two copies of one split, such as
+    ``train.jsonl`` beside ``main/train-00000-of-00001.parquet``, cannot be told apart)."""
+    files = local_split_files(local, split)
+    root = Path(local)
+    if root.is_file():  # the user named the one file to read
+        return files
+    keys = {path: _variant_tokens(path.relative_to(root), split) for path in files}
+
+    def variant(key: tuple[str, ...]) -> str | None:
+        named = {t for t in key if t in GSM8K_VARIANTS}
+        return GSM8K_MAIN if not named else named.pop() if len(named) == 1 else None
+
+    groups: dict[str | None, list[Path]] = {}
+    for path in files:
+        groups.setdefault(variant(keys[path]), []).append(path)
+    chosen = groups.get(GSM8K_MAIN) or (next(iter(groups.values())) if len(groups) == 1 else [])
+    if None in groups or len({keys[path] for path in chosen}) != 1:
+        listing = "\n  ".join(f"{p.relative_to(root)} (variant {variant(keys[p]) or 'unclear'})" for p in files)
+        raise DataError(
+            f"{root}: the files for split '{split}' span several copies or variants that cannot be told "
+            f"apart, and reading them all would repeat rows:\n  {listing}\n"
+            f"Pass --local the folder or file of one variant (GSM8K's '{GSM8K_MAIN}' is the usual one)"
+        )
+    return chosen
+
+
+def read_local_split(local: str | os.PathLike[str], split: str,
+                     select: Callable[[str | os.PathLike[str], str], list[Path]] = local_split_files,
+                     ) -> Iterator[Located]:
+    for path in select(local, split):
         yield from _read_file(path)
 
 
@@ -173,6 +222,13 @@ def gsm8k_rows(
             final = gsm8k_final_answer(answer)
         except ValueError as exc:
             raise DataError(f"{file}: row {row}, column 'answer': {exc}") from None
+        if parse_number(final) is None:
+            # The gsm8k scorer compares parse_number of the response's answer with this one's: a
+            # ground truth it cannot parse scores 0 whatever the model writes.
+            raise DataError(
+                f"{file}: row {row}, column 'answer': the final answer after '####' is {final!r}, "
+                "not a number the gsm8k scorer can match (a number such as 18, -3, 2.5 or 1/2)"
+            )
         yield with_tools(verl_row(
             data_source=data_source,
             content=f"{question} {instruction}",
@@ -215,6 +271,9 @@ _TASKS: dict[str, tuple[Callable[..., Iterator[dict[str, Any]]], str, str | None
     "gsm8k": (gsm8k_rows, "openai/gsm8k", "main"),
     "math": (math_rows, "DigitalLearningGmbH/MATH-lighteval", "default"),
 }
+# How a local directory's files for a split are chosen; MATH's topic folders (train/algebra/...) are
+# all one dataset, so only GSM8K picks a variant.
+_LOCAL_FILES: dict[str, Callable[[str | os.PathLike[str], str], list[Path]]] = {"gsm8k": gsm8k_split_files}
 
 
 def prepare(
@@ -240,7 +299,7 @@ def prepare(
     counts = {}
     for split in splits:
         if local is not None:
-            source = read_local_split(local, split)
+            source = read_local_split(local, split, _LOCAL_FILES.get(task, local_split_files))
         else:
             source = read_hub_split(
                 hub_name or default_hub, hub_config or (default_config if hub_name is None else None), split
