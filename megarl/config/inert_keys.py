@@ -14,7 +14,8 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from megarl.config.schema import (ActorConfig, AlgorithmConfig, CriticConfig, CustomRewardFunctionConfig,
-                                  OverlongBufferConfig, RewardConfig, RewardModelConfig, RolloutCorrectionConfig)
+                                  ModelConfig, OverlongBufferConfig, RefConfig, RewardConfig,
+                                  RewardModelConfig, RolloutCorrectionConfig, TrainerConfig)
 
 # megarl.algorithms.policy_loss: the built-in losses that read each clipping key (clip_ratio is the
 # default of clip_ratio_low and clip_ratio_high).
@@ -54,10 +55,10 @@ def changed_keys(section: str, current: Any, default: Any, skip: tuple[str, ...]
     return out
 
 
-def inert_key_errors(cfg: DictConfig, *, critic_on: bool, builtin_estimators: set[str],
+def inert_key_errors(cfg: DictConfig, *, critic_on: bool, ref_on: bool, builtin_estimators: set[str],
                      builtin_losses: set[str]) -> list[str]:
     """A message for each group of keys set (to other than their default) where `cfg` never reads them."""
-    errors = _algorithm_errors(cfg, builtin_estimators, builtin_losses)
+    errors = _algorithm_errors(cfg, builtin_estimators, builtin_losses) + _role_and_run_errors(cfg, ref_on)
     actor, rm, reward = cfg.actor, cfg.reward_model, cfg.reward
     if not actor.use_kl_loss:
         changed = changed_keys("actor", actor, ActorConfig, only=("kl_loss_coef", "kl_loss_type"))
@@ -99,6 +100,31 @@ def inert_key_errors(cfg: DictConfig, *, critic_on: bool, builtin_estimators: se
             errors.append(f"reward.custom_reward_function.name = {name!r} without reward.custom_reward_function.path: "
                           "the built-in scorers score the rows; set the path of the file that defines it or remove "
                           "the name")
+    return errors
+
+
+def _role_and_run_errors(cfg: DictConfig, ref_on: bool) -> list[str]:
+    """The reference policy's, recomputation's and the run length's settings."""
+    errors = []
+    if not ref_on:
+        changed = changed_keys("ref", cfg.ref, RefConfig, skip=("enable",))
+        if changed:
+            errors.append(f"{', '.join(changed)} with no reference policy (ref.enable = {cfg.ref.enable}, and no KL "
+                          "term: actor.use_kl_loss and algorithm.use_kl_in_reward are false): only a reference reads "
+                          "them; remove them or turn a KL term on")
+    elif cfg.actor.use_dynamic_bsz and cfg.ref.log_prob_micro_batch_size_per_gpu != RefConfig.log_prob_micro_batch_size_per_gpu:
+        errors.append(f"ref.log_prob_micro_batch_size_per_gpu = {cfg.ref.log_prob_micro_batch_size_per_gpu} with "
+                      "actor.use_dynamic_bsz: the reference's pass follows the actor's and splits its micro-batches by "
+                      "actor.ppo_max_token_len_per_gpu tokens, not by sequences; remove it")
+    if not cfg.model.enable_gradient_checkpointing and cfg.model.recompute_granularity != ModelConfig.recompute_granularity:
+        errors.append(f"model.recompute_granularity = {cfg.model.recompute_granularity!r} without "
+                      "model.enable_gradient_checkpointing: nothing is recomputed; set "
+                      "model.enable_gradient_checkpointing: true or remove it")
+    trainer = cfg.trainer
+    if trainer.total_training_steps is not None and trainer.total_epochs != TrainerConfig.total_epochs:
+        errors.append(f"trainer.total_epochs = {trainer.total_epochs} with trainer.total_training_steps = "
+                      f"{trainer.total_training_steps}: the run takes that many steps whatever the epochs (the data "
+                      "loader starts another epoch as needed; verl stops at whichever comes first); set one of them")
     return errors
 
 

@@ -416,7 +416,7 @@ class AlgorithmConfig:
 class TrainerConfig:
     project_name: str = "megarl"
     experiment_name: str = "default"
-    total_epochs: int = 1
+    total_epochs: int = 1  # read only when total_training_steps is null (setting both is refused)
     # null: the run ends with the data of total_epochs epochs (with DAPO dynamic sampling a step may
     # take several batches, so it can end before epochs x batches per epoch steps)
     total_training_steps: Optional[int] = None

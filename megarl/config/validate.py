@@ -672,7 +672,8 @@ def validate_config(cfg: DictConfig) -> None:
               "reference policy's log-probs; set ref.enable: true (or null: on when a KL term needs it) or turn "
               "the KL term off")
     _check_reward_kl_keys(r, cfg.algorithm)
-    for message in inert_key_errors(cfg, critic_on=critic_enabled(cfg), builtin_estimators=_BUILTIN_ADV,
+    for message in inert_key_errors(cfg, critic_on=critic_enabled(cfg), ref_on=ref_enabled(cfg),
+                                    builtin_estimators=_BUILTIN_ADV,
                                     builtin_losses=_BUILTIN_POLICY_LOSSES):
         r.err(message)
     _check_filter_metric(r, cfg)

@@ -298,3 +298,33 @@ def test_a_temperature_vllm_would_take_as_greedy_is_refused(valid_file: Path) ->
     assert "rollout.val_kwargs.temperature = 5e-06: below 1e-05" in msg
     load_config(valid_file, ["rollout.temperature=1e-5"])
     load_config(valid_file, ["rollout.val_kwargs.temperature=1e-6"])  # argmax decoding: the temperature is unused
+
+
+def test_reference_keys_need_a_reference(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "ref.param_offload=true", "ref.log_prob_micro_batch_size_per_gpu=2")
+    assert ("ref.log_prob_micro_batch_size_per_gpu = 2, ref.param_offload = True with no reference policy "
+            "(ref.enable = None, and no KL term") in msg
+    assert load_config(valid_file, ["actor.use_kl_loss=true", "ref.param_offload=true"]).ref.param_offload
+
+
+def test_reference_micro_batch_with_dynamic_micro_batches(valid_file: Path) -> None:
+    # The reference's pass splits by tokens like the actor's (run_spec gives it actor.use_dynamic_bsz).
+    msg = errors_of(valid_file, "actor.use_kl_loss=true", "actor.use_dynamic_bsz=true",
+                    "ref.log_prob_micro_batch_size_per_gpu=16")
+    assert "ref.log_prob_micro_batch_size_per_gpu = 16 with actor.use_dynamic_bsz" in msg
+    cfg = load_config(valid_file, ["actor.use_kl_loss=true", "ref.log_prob_micro_batch_size_per_gpu=16"])
+    assert cfg.ref.log_prob_micro_batch_size_per_gpu == 16
+
+
+def test_recompute_granularity_needs_checkpointing(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "model.recompute_granularity=selective")
+    assert "model.recompute_granularity = 'selective' without model.enable_gradient_checkpointing" in msg
+    cfg = load_config(valid_file, ["model.enable_gradient_checkpointing=true", "model.recompute_granularity=selective"])
+    assert cfg.model.recompute_granularity == "selective"
+
+
+def test_epochs_and_a_step_count_are_not_both_set(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "trainer.total_epochs=7", "trainer.total_training_steps=100")
+    assert "trainer.total_epochs = 7 with trainer.total_training_steps = 100" in msg
+    assert load_config(valid_file, ["trainer.total_epochs=7"]).trainer.total_epochs == 7
+    assert load_config(valid_file, ["trainer.total_training_steps=100"]).trainer.total_training_steps == 100

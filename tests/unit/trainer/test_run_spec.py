@@ -121,8 +121,8 @@ def test_frozen_roles_are_built_untrained_and_the_trained_ones_trained(tmp_path:
 def test_reference_log_probs_are_micro_batched_like_the_actors(tmp_path: Path) -> None:
     """verl's ref.log_prob_use_dynamic_bsz defaults to the actor's use_dynamic_bsz: under it the
     reference splits its pass by the actor's token budget, as the actor's log-prob pass does."""
-    spec = resolve(tmp_path, "actor.use_kl_loss=true", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=96",
-                   "ref.log_prob_micro_batch_size_per_gpu=5")
+    # (ref.log_prob_micro_batch_size_per_gpu, which this pass would not read, is refused beside it.)
+    spec = resolve(tmp_path, "actor.use_kl_loss=true", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=96")
     ref, actor = spec.ref.engine, spec.actor.engine
     assert ref.use_dynamic_bsz and ref.max_token_len_per_micro_batch == actor.max_token_len_per_micro_batch == 96
     spec = resolve(tmp_path, "actor.use_kl_loss=true", "ref.log_prob_micro_batch_size_per_gpu=5")
