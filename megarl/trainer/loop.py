@@ -597,9 +597,12 @@ class RLTrainer:
 
     def rollout_sleep(self, after: str = "gen") -> None:
         """Put the rollout engines to sleep (`rollout.free_cache_engine`) once the generation of
-        `after` is done, unless they sleep since the last wake-up; when that discards their weights,
-        the next generation syncs them again."""
-        if not self.spec.rollout.free_cache_engine or self.rollout_asleep:
+        `after` is done (with a reward model in their processes, unless they sleep since the last
+        wake-up); when that discards their weights, the next generation syncs them again."""
+        # Skipped only where the reward model's scoring sent it already (`score`); elsewhere a sleep is
+        # sent as before, also to engines asleep since a validation (the queued path's trace and calls
+        # then equal those of the path without the queue).
+        if not self.spec.rollout.free_cache_engine or (self.rm_beside_rollout and self.rollout_asleep):
             return
         # Sent without waiting: a worker runs the driver's calls in the order they were sent, so the
         # training calls sent next run after it; whether it discarded the weights is read before the
