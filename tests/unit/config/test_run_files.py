@@ -284,7 +284,7 @@ def test_critic_checkpoint_must_read_the_actors_token_ids(tmp_path: Path, task: 
     assert critic_from(tmp_path, task, critic) == []
     build_char_tokenizer("0123456789+=", critic)
     assert critic_from(tmp_path, task, critic) == []
-    # The digits permuted and 4 tokens more (the audit's case): "0" is another id there.
+    # The digits permuted and 4 tokens more: "0" is another id there.
     permuted = save_model(tmp_path / "permuted")
     build_char_tokenizer("9876543210+=abcd", permuted)
     assert load_tokenizer(permuted).convert_tokens_to_ids("0") != actor.convert_tokens_to_ids("0")
