@@ -51,7 +51,7 @@ RESUME_MODES = ("auto", "disable", "resume_path")
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     """fsync a file or directory (directories: so that a rename inside them is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -149,7 +149,7 @@ class CheckpointDirs:
             for name in filenames:
                 path = Path(dirpath) / name
                 if fsync_files:
-                    _fsync_path(path)
+                    fsync_path(path)
                 files[str(path.relative_to(tmp))] = {"size": path.stat().st_size, "crc32": crc32_of_file(path)}
         # The commit order, for pruning: step numbers are not it once a run resumed an older checkpoint.
         seq = 1 + max((int(m.get("seq", 0)) for _, _, m in self._scan_markers()[0]), default=0)
@@ -159,7 +159,7 @@ class CheckpointDirs:
             json.dump(marker, f)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_path(tmp)
+        fsync_path(tmp)
         if before_rename is not None:
             before_rename()
         final = self.step_dir(step)
@@ -168,7 +168,7 @@ class CheckpointDirs:
             replaced = self.root / f"{TMP_PREFIX}replaced-step_{step}-{os.getpid()}"
             os.rename(final, replaced)
         os.rename(tmp, final)
-        _fsync_path(self.root)
+        fsync_path(self.root)
         # The latest file first: a kill while removing the replaced copy (slow) must not leave it
         # naming an older commit; the leftover ``.tmp-replaced-*`` dir is removed on the next start.
         self._write_latest(step)
@@ -185,7 +185,7 @@ class CheckpointDirs:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, latest)
-        _fsync_path(self.root)
+        fsync_path(self.root)
 
     def _scan_markers(self) -> tuple[list[tuple[int, Path, dict[str, Any]]], list[Path]]:
         """``(step, path, marker)`` of the complete checkpoints (by step) and the incomplete dirs."""

@@ -4,29 +4,18 @@ parts, and the bundle builder's choice among cached wheels of several versions."
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from test_gpu_modules import _load  # the same module names: one module each
 
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[3]
 
-
-def _load(path: Path, name: str) -> ModuleType:
-    """Import a file that is not in a package (same names as test_gpu_modules.py, so one module each)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 # ------------------------------------------------------------- tools/gpu_check.py metrics
