@@ -42,8 +42,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megarl.convert import MEGATRON_MARKER
+from megarl.convert.output_dir import fsync_path
 from megarl.errors import CheckpointError
-from megarl.trainer.checkpoint_dirs import LATEST_FILE, STEP_DIR_PREFIX, fsync_path
+from megarl.trainer.checkpoint_dirs import LATEST_FILE, STEP_DIR_PREFIX
 
 # What megatron.core.dist_checkpointing writes for the torch_dist backend (format version 1).
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,

@@ -19,12 +19,11 @@ from megarl.convert.dcp_io import CheckpointReader
 from megarl.convert.hf_files import INDEX_NAME, copy_non_weight_files, expected_hf_shapes, read_config
 from megarl.convert.hf_to_mcore import HF_FILES_DIR, ConversionResult, parse_dtype
 from megarl.convert.layout import CheckpointTensor, family_architecture, head_architecture, plan_checkpoint
-from megarl.convert.output_dir import staged_output_dir
+from megarl.convert.output_dir import fsync_path, staged_output_dir
 from megarl.convert.progress import Progress
 from megarl.errors import CheckpointError, ConfigError
 from megarl.models.spec import ModelSpec
 from megarl.models.weight_map import unfuse
-from megarl.trainer.checkpoint_dirs import fsync_path
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
 

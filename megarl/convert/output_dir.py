@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Iterator
 
 from megarl.errors import CheckpointError
-from megarl.trainer.checkpoint_dirs import fsync_path
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +31,16 @@ def check_not_overlapping(out_dir: str | Path, source: str | Path, source_flag: 
             f"--out {out_dir} {relation} the source {source_flag} {source}: writing there would destroy the "
             "source; choose an --out outside it"
         )
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file, or a directory (so that a file created or renamed in it stays). Here, in a module
+    that imports nothing heavy (`megarl convert --help` loads it), for the trainer's checkpoints too."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_tree(root: Path) -> None:

@@ -38,6 +38,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
+from megarl.convert.output_dir import fsync_path
 from megarl.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -49,15 +50,6 @@ STEP_DIR_PREFIX = "global_step_"
 TMP_PREFIX = ".tmp-"
 RESUME_MODES = ("auto", "disable", "resume_path")
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or directory (directories: so that a rename inside them is durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_marker(checkpoint: Union[str, Path]) -> dict[str, Any]:
