@@ -25,6 +25,13 @@ TRL with `bf16=True`. On a CPU with bf16 matrix units (AMX) this is several time
 a shared machine falls on both sides, and reports each round's ratios and their median and range
 (`rounds` in the JSON); the detailed sections (phases, MFU, the plot) are the first round's.
 
+`--seeds 1,2,3` runs one round per seed instead (megarl `trainer.seed` and `data.seed`, so its own
+initial weights and prompt order; TRL `--seed`, from that round's weights and prompts). Rounds of one
+seed repeat one learning curve per side (TRL's sampling is fixed by its seed), so whether one side
+learns faster than the other against time is a question of several seeds: `reward_over_seeds` in the
+JSON pools the rounds (each side's mean reward in equal windows of the span every run covered, each
+seed's megarl - TRL difference, its mean and standard error) and the plot shows the pooled curves.
+
 Step 1 is left out of the time averages. Generated tokens/s and training tokens/s are per step
 wall time (response tokens, and prompt + response tokens, over the step's seconds). Useful-token
 MFU of a phase: its useful FLOPs over its seconds, over the machine's matmul rate measured in the
@@ -198,6 +205,83 @@ def reward_vs_wall_clock(megarl_records: list[dict[str, Any]], trl_records: list
     return out
 
 
+def reward_over_seeds(pairs: Sequence[tuple[int, list[dict[str, Any]], list[dict[str, Any]]]],
+                      windows: int = 6) -> dict[str, Any]:
+    """Reward against training time over several seeds: `pairs` holds (seed, megarl records, TRL
+    records) per round. The span is the shortest of all the runs' training times (T), so every run
+    covers it; a step counts at the time its step ended (`reward_timeline`).
+
+    Returns the span, the edges of `windows` equal windows of [0, T], each side's mean step reward
+    per window pooled over the seeds (every seed ends about as many steps in a window on one side, so
+    this is close to the mean of the seeds' window means), per seed each side's mean reward over
+    [0, T] and their difference, the mean of the differences with its standard error (sample
+    standard deviation / sqrt(seeds); None with one seed), and megarl / TRL of the two sides' mean
+    rewards over [0, T] averaged over the seeds ("reward_ratio_at_equal_time").
+    """
+    timelines = [(seed, reward_timeline(m), reward_timeline(t)) for seed, m, t in pairs]
+    if not timelines or not all(m and t for _, m, t in timelines):
+        return {"error": "a run has no timed steps with a reward"}
+    span = min(points[-1][0] for _, m, t in timelines for points in (m, t))
+    edges = [span * i / windows for i in range(windows + 1)]
+    out: dict[str, Any] = {"seeds": [seed for seed, _, _ in timelines], "span_s": span, "window_edges_s": edges}
+    per_seed = []
+    for side, index in (("megarl", 1), ("trl", 2)):
+        in_window: list[list[float]] = [[] for _ in range(windows)]
+        for run in timelines:
+            for t, score in run[index]:
+                if t <= span:
+                    in_window[min(int(t / span * windows), windows - 1)].append(score)
+        out[f"{side}_window_mean"] = [mean(w) if w else None for w in in_window]
+    for seed, m, t in timelines:
+        m_mean = mean([score for time_s, score in m if time_s <= span])
+        t_mean = mean([score for time_s, score in t if time_s <= span])
+        if m_mean is None or t_mean is None:  # a first step longer than another run's whole run
+            return {"error": f"seed {seed}: a side ended no step within the {span:.2f} s every run covered"}
+        per_seed.append({"seed": seed, "megarl_mean_in_span": m_mean, "trl_mean_in_span": t_mean,
+                         "difference": m_mean - t_mean})
+    out["per_seed"] = per_seed
+    diffs = [r["difference"] for r in per_seed]
+    out["megarl_mean_in_span"] = mean([r["megarl_mean_in_span"] for r in per_seed])
+    out["trl_mean_in_span"] = mean([r["trl_mean_in_span"] for r in per_seed])
+    out["difference_mean"] = mean(diffs)
+    out["difference_standard_error"] = (
+        (sum((d - out["difference_mean"]) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs)) ** 0.5
+        if len(diffs) > 1 else None)
+    out["reward_ratio_at_equal_time"] = ratio(out["megarl_mean_in_span"], out["trl_mean_in_span"])
+    return out
+
+
+def plot_reward_over_seeds(pairs: Sequence[tuple[int, list[dict[str, Any]], list[dict[str, Any]]]],
+                           path: Path, windows: int = 12) -> Path:
+    """PNG: each side's step reward pooled over the seeds in `windows` equal windows of the span
+    every run covered (`reward_over_seeds`), against training time."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    pooled = reward_over_seeds(pairs, windows=windows)
+    if "error" in pooled:
+        raise ValueError(f"plot_reward_over_seeds: {pooled['error']}")
+    edges = pooled["window_edges_s"]
+    centres = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, key in (("megarl", "megarl"), ("TRL", "trl")):
+        points = [(c, v) for c, v in zip(centres, pooled[f"{key}_window_mean"]) if v is not None]
+        ax.plot([c for c, _ in points], [v for _, v in points], marker="o",
+                label=f"{name} (mean over the span {pooled[f'{key}_mean_in_span']:.3f})")
+    ax.set_xlabel("training time (s, sum of step times)")
+    ax.set_ylabel(f"mean step reward in {windows} windows, {len(pairs)} seeds pooled")
+    ax.set_title("Reward against wall-clock time over seeds, same task, model and prompts per seed")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=100)
+    plt.close(fig)
+    return path
+
+
 def plot_reward_vs_wall_clock(megarl_records: list[dict[str, Any]], trl_records: list[dict[str, Any]],
                               path: Path, smooth: int = 10) -> Path:
     """PNG: each side's step reward (moving mean over `smooth` steps) against its training time."""
@@ -227,16 +311,17 @@ def plot_reward_vs_wall_clock(megarl_records: list[dict[str, Any]], trl_records:
 def run_trl(python: Path, model_dir: Path, tokenizer: Path, prompts_file: Path, steps: int,
             work_dir: Path, timeout_s: float, response_length: int, lr: float, full_length: bool,
             reward_options: dict[str, Any], threads: int = THREADS, bf16: bool = False,
-            gradient_checkpointing: bool = False) -> dict[str, Any]:
+            gradient_checkpointing: bool = False, seed: int = 1) -> dict[str, Any]:
     """Run benchmarks/trl_grpo.py in the benchmark environment, sampling its memory. `bf16`: TRL's
     mixed precision (GRPOConfig bf16=True). `gradient_checkpointing`: recompute activations in the
-    backward pass, as the megarl run does or not (TRL's own default is to recompute)."""
+    backward pass, as the megarl run does or not (TRL's own default is to recompute). `seed`: TRL's
+    seed (its sampling)."""
     out = work_dir / f"e2e_trl_t{threads}.json"
     cmd = [str(python), str(REPO_ROOT / "benchmarks" / "trl_grpo.py"), "--model-dir", str(model_dir),
            "--tokenizer", str(tokenizer), "--prompts", str(prompts_file), "--steps", str(steps),
            "--prompts-per-step", str(PROMPTS), "--num-generations", str(N),
            "--max-completion-length", str(response_length), "--lr", str(lr), "--threads", str(threads),
-           "--reward-options", json.dumps(reward_options),
+           "--reward-options", json.dumps(reward_options), "--seed", str(seed),
            "--work-dir", str(work_dir / "e2e_trl_output"), "--out", str(out)] + (["--full-length"] if full_length else [])
     cmd += ["--bf16"] if bf16 else []
     cmd += ["--gradient-checkpointing"] if gradient_checkpointing else []
@@ -341,6 +426,23 @@ def summarise_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def parse_seeds(text: str) -> list[int]:
+    """--seeds: comma-separated distinct integers."""
+    try:
+        seeds = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"seeds repeat in {text!r}: each seed is one round")
+    return seeds
+
+
+def seed_overrides(seed: Optional[int]) -> list[str]:
+    """megarl overrides of one round's seed: the initial weights (trainer.seed) and the prompt order
+    (data.seed); none where the round keeps the config's."""
+    return [] if seed is None else [f"trainer.seed={seed}", f"data.seed={seed}"]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", choices=sorted(SIZES), default="quickstart")
@@ -348,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="3 steps: a smoke test of both sides")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the megarl/TRL pair this many times in turn; ratios per round, median and range")
+    p.add_argument("--seeds", type=parse_seeds, default=None, metavar="S1,S2,...",
+                   help="one round per seed (megarl trainer.seed and data.seed, TRL --seed; each round its own "
+                        "initial weights and prompts); the reward against time is pooled over the seeds")
     p.add_argument("--work-dir", type=Path, default=None, help="runs and data (default: a temporary folder)")
     p.add_argument("--bench-python", type=Path, default=BENCH_PYTHON, help="python of the TRL environment")
     p.add_argument("--megarl-python", type=Path, default=Path(sys.executable),
@@ -367,6 +472,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.seeds is not None:
+        if args.rounds not in (1, len(args.seeds)):
+            p.error(f"--rounds {args.rounds} with --seeds {','.join(map(str, args.seeds))}: --seeds runs one round per "
+                    "seed; give one of the two")
+        args.rounds = len(args.seeds)
     size = SIZES[args.size]
     steps = 3 if args.quick else (args.steps or size["steps"])
     default_out = RESULTS_DIR / "sections" / "e2e.json" if args.size == "quickstart" else RESULTS_DIR / f"e2e_{args.size}.json"
@@ -383,13 +493,15 @@ def main(argv: list[str] | None = None) -> int:
     def matmul_rate() -> float:
         return matmul_flops(1024, threads=THREADS, dtype=torch_dtype(args.precision))
 
+    seeds: list[Optional[int]] = list(args.seeds) if args.seeds else [None] * args.rounds
     rates = [matmul_rate()]
-    megarl = run_megarl(run_dir, base_overrides(task, run_dir, steps) + megarl_overrides,
+    megarl = run_megarl(run_dir, base_overrides(task, run_dir, steps) + megarl_overrides + seed_overrides(seeds[0]),
                         prompts=PROMPTS, n=N, timeout_s=args.timeout, python=str(args.megarl_python))
     rates.append(matmul_rate())
     prompts_file = work / "e2e_prompts.json"
     run_cfg = OmegaConf.load(run_dir / "config.yaml")  # the config the megarl run resolved and saved
     prompts_file.write_text(json.dumps(megarl_prompt_order(run_cfg, steps)))
+    trl_seed = int(run_cfg.trainer.seed)
     # Both sides score with the same rule: megarl's scorer options go to TRL's reward function.
     reward_options = megarl_reward_options(run_cfg)
     # The same work on both sides: TRL recomputes activations only when the megarl run does.
@@ -398,24 +510,33 @@ def main(argv: list[str] | None = None) -> int:
                     reward_options=reward_options, bf16=args.precision == "bf16",
                     gradient_checkpointing=gradient_checkpointing)
     trl = run_trl(args.bench_python, run_dir / "initial_model", task["tokenizer"], prompts_file, steps, work, args.timeout,
-                  **trl_args)
+                  seed=trl_seed, **trl_args)
     rates.append(matmul_rate())
-    rounds = [round_ratios(megarl, trl)]
-    for i in range(2, args.rounds + 1):  # same task, seed and prompts; TRL from round 1's initial model
+    rounds = [{"seed": trl_seed, **round_ratios(megarl, trl)}]
+    pairs = [(trl_seed, megarl["records"], trl["records"])]
+    for i in range(2, args.rounds + 1):
+        # Without --seeds: same task, seed and prompts, TRL from round 1's initial model. With them: this
+        # round's seed, its own initial model and prompt order on both sides.
         run_i = work / f"e2e_megarl_round{i}"
-        megarl_i = run_megarl(run_i, base_overrides(task, run_i, steps) + megarl_overrides,
+        megarl_i = run_megarl(run_i, base_overrides(task, run_i, steps) + megarl_overrides + seed_overrides(seeds[i - 1]),
                               prompts=PROMPTS, n=N, timeout_s=args.timeout,
                               python=str(args.megarl_python))
-        trl_i = run_trl(args.bench_python, run_dir / "initial_model", task["tokenizer"], prompts_file, steps, work,
-                        args.timeout, **trl_args)
-        rounds.append(round_ratios(megarl_i, trl_i))
+        model_i, prompts_i, seed_i = run_dir / "initial_model", prompts_file, trl_seed
+        if seeds[i - 1] is not None:
+            cfg_i = OmegaConf.load(run_i / "config.yaml")
+            model_i, prompts_i, seed_i = run_i / "initial_model", work / f"e2e_prompts_round{i}.json", int(cfg_i.trainer.seed)
+            prompts_i.write_text(json.dumps(megarl_prompt_order(cfg_i, steps)))
+        trl_i = run_trl(args.bench_python, model_i, task["tokenizer"], prompts_i, steps, work,
+                        args.timeout, seed=seed_i, **trl_args)
+        rounds.append({"seed": seed_i, **round_ratios(megarl_i, trl_i)})
+        pairs.append((seed_i, megarl_i["records"], trl_i["records"]))
         print(f"round {i}/{args.rounds}: {json.dumps(rounds[-1])}")
     variants = {}
     for threads in TRL_THREAD_VARIANTS:
         try:
             variants[f"threads={threads}"] = run_trl(args.bench_python, run_dir / "initial_model", task["tokenizer"],
                                                      prompts_file, steps, work, args.timeout, threads=threads,
-                                                     **trl_args)
+                                                     seed=trl_seed, **trl_args)
         except RuntimeError as err:  # a variant is extra information, not the comparison itself
             variants[f"threads={threads}"] = {"error": str(err)[-2000:]}
 
@@ -449,8 +570,10 @@ def main(argv: list[str] | None = None) -> int:
         "trl": trl,
         "ratios_megarl_over_trl": compare(megarl, trl),
         "rounds": {"per_round": rounds, "summary": summarise_rounds(rounds),
-                   "order": "megarl then TRL in each round, rounds one after another"},
+                   "order": "megarl then TRL in each round, rounds one after another",
+                   "seeds": "one per round (--seeds)" if args.seeds else "the config's in every round"},
         "reward_vs_wall_clock": reward_vs_wall_clock(megarl["records"], trl["records"]),
+        **({"reward_over_seeds": reward_over_seeds(pairs)} if args.seeds else {}),
         # Parameters that multiply each token: all but the input embedding table.
         "mfu": useful_mfu(megarl, trl, parameter_count(run_dir / "initial_model", skip=("embed_tokens.weight",)), rates,
                           args.precision),
@@ -464,11 +587,13 @@ def main(argv: list[str] | None = None) -> int:
     # Not beside the section's JSON by default: results/sections/ is not kept (bench.json sums it up).
     plot_path = args.plot or (RESULTS_DIR / reward_plot_name(args.size) if args.out is None
                               else out.with_name(f"{out.stem}_reward_vs_time.png"))
-    plot = plot_reward_vs_wall_clock(megarl["records"], trl["records"], plot_path)
+    plot = (plot_reward_over_seeds(pairs, plot_path) if args.seeds and len(pairs) > 1
+            else plot_reward_vs_wall_clock(megarl["records"], trl["records"], plot_path))
     print(f"wrote {plot}")
     print(json.dumps({"ratios_megarl_over_trl": result["ratios_megarl_over_trl"],
                       "rounds": result["rounds"]["summary"], "mfu": result["mfu"],
                       "reward_vs_wall_clock": result["reward_vs_wall_clock"],
+                      "reward_over_seeds": result.get("reward_over_seeds"),
                       "megarl": megarl["summary"], "trl": trl["summary"]}, indent=2, default=str))
     return 0
 

@@ -121,9 +121,31 @@ def _e2e(result: dict[str, Any]) -> list[str]:
         lines += table(["time", *windows, "whole span", "steps"],
                        [[name, *timed[f"{key}_window_mean"], timed[f"{key}_mean_in_span"], timed[f"{key}_steps_in_span"]]
                         for name, key in (("megarl", "megarl"), ("TRL", "trl"))])
+    lines += _e2e_seeds(result.get("reward_over_seeds") or {})
     setup = result.get("setup", {})
     if setup:
         lines += ["", "Setup:", ""] + [f"- {k}: {v}" for k, v in setup.items()]
+    return lines
+
+
+def _e2e_seeds(pooled: dict[str, Any]) -> list[str]:
+    """Reward against training time pooled over one round per seed (`e2e.py --seeds`)."""
+    if "window_edges_s" not in pooled:
+        return []
+    edges, seeds = pooled["window_edges_s"], pooled.get("seeds") or []
+    error = pooled.get("difference_standard_error")
+    lines = ["", (f"Reward against training time over {len(seeds)} seeds ({', '.join(map(str, seeds))}; one round each, "
+                  f"each its own initial weights and prompts on both sides), over the {fmt(pooled['span_s'])} s every run "
+                  f"covered: megarl / TRL {fmt(pooled['reward_ratio_at_equal_time'])}; megarl - TRL per seed "
+                  f"{fmt(pooled['difference_mean'])}" + (f" +- {fmt(error)} (standard error)" if error is not None else "")
+                  + ":"), ""]
+    windows = [f"{fmt(a, 2)}-{fmt(b, 2)} s" for a, b in zip(edges, edges[1:])]
+    lines += table(["time, seeds pooled", *windows, "whole span"],
+                   [[name, *pooled[f"{key}_window_mean"], pooled[f"{key}_mean_in_span"]]
+                    for name, key in (("megarl", "megarl"), ("TRL", "trl"))])
+    lines += ["", *table(["seed", "megarl", "TRL", "megarl - TRL"],
+                         [[str(r["seed"]), r["megarl_mean_in_span"], r["trl_mean_in_span"], r["difference"]]
+                          for r in pooled.get("per_seed", [])])]
     return lines
 
 

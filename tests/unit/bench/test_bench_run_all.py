@@ -327,3 +327,23 @@ def test_local_modules_component_headline_and_its_quick_run(tmp_path):
     assert set(written["swiglu_ms"]) == set(written["rms_norm_ms"]) == {"fp32", "bf16"}
     assert written["train_step_25m_s"] == {}
     assert component_headline("local_modules", written).startswith("fwd+bwd: SwiGLU fp32 ")
+
+
+def test_report_gives_the_reward_over_seeds_with_its_standard_error():
+    from e2e import reward_over_seeds
+    from report import render_report
+
+    bench = _fabricated_bench()
+    steps = [{"step": i + 1, "step_s": 1.0, "score_mean": s} for i, s in enumerate([0.0, 0.5, 1.0])]
+    bench["sections"]["e2e"]["result"]["reward_over_seeds"] = reward_over_seeds(
+        [(1, steps, steps[:2]), (5, steps[:2], steps)], windows=2)
+    md = render_report(bench)
+    assert ("Reward against training time over 2 seeds (1, 5; one round each, each its own initial weights and "
+            "prompts on both sides), over the 2 s every run covered: megarl / TRL 1; megarl - TRL per seed 0 +- 0 "
+            "(standard error):") in md
+    per_seed = next(t for t in _tables(md) if t[0] == ["seed", "megarl", "TRL", "megarl - TRL"])
+    assert per_seed[1:] == [["1", "0.25", "0.25", "0"], ["5", "0.25", "0.25", "0"]]
+    pooled = next(t for t in _tables(md) if t[0][0] == "time, seeds pooled")
+    assert pooled[0][1:] == ["0-1 s", "1-2 s", "whole span"]
+    # Both steps of each run end at 1 s and 2 s: in the second window ([1, 2]); none ends in [0, 1).
+    assert pooled[1] == ["megarl", "-", "0.25", "0.25"]

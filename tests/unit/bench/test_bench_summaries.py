@@ -198,3 +198,65 @@ def test_the_reward_timeline_runs_on_wall_clock_where_a_record_has_it():
                {"step": 2, "step_s": 1.0, "wall_s": 1.5, "score_mean": None},
                {"step": 3, "step_s": 2.0, "wall_s": 2.5, "score_mean": 0.7}]
     assert reward_timeline(records) == [(1.0, 0.1), (5.0, 0.7)]
+
+
+def test_reward_over_seeds_pools_the_rounds_over_the_span_every_run_covered():
+    from e2e import reward_over_seeds
+
+    def steps(seconds: float, scores: list[float]) -> list[dict]:
+        return [{"step": i + 1, "step_s": seconds, "score_mean": s} for i, s in enumerate(scores)]
+
+    # Seed 1: megarl's steps end at 1, 2, 3 s, TRL's at 1.5, 3.0 s; seed 2: megarl's at 1, 2, 3, 4 s,
+    # TRL's at 1, 2, 3 s. The shortest run covers 3 s: megarl's step at 4 s is left out.
+    pairs = [(1, steps(1.0, [0.0, 0.5, 1.0]), steps(1.5, [0.2, 0.4])),
+             (2, steps(1.0, [0.1, 0.1, 0.4, 1.0]), steps(1.0, [0.0, 0.3, 0.3]))]
+    out = reward_over_seeds(pairs, windows=3)
+    assert out["seeds"] == [1, 2]
+    assert out["span_s"] == pytest.approx(3.0)
+    assert out["window_edges_s"] == pytest.approx([0.0, 1.0, 2.0, 3.0])
+    # Windows [0, 1), [1, 2), [2, 3]: megarl's steps at 1, 2, 3 s of both seeds fall in windows 1, 2, 2.
+    assert out["megarl_window_mean"][0] is None
+    assert out["megarl_window_mean"][1:] == pytest.approx([(0.0 + 0.1) / 2, (0.5 + 1.0 + 0.1 + 0.4) / 4])
+    # TRL: seed 1 at 1.5 s (window 1) and 3.0 s (window 2); seed 2 at 1, 2, 3 s (windows 1, 2, 2).
+    assert out["trl_window_mean"][1:] == pytest.approx([(0.2 + 0.0) / 2, (0.4 + 0.3 + 0.3) / 3])
+    per_seed = {r["seed"]: r for r in out["per_seed"]}
+    assert per_seed[1]["megarl_mean_in_span"] == pytest.approx(0.5)
+    assert per_seed[1]["trl_mean_in_span"] == pytest.approx(0.3)
+    assert per_seed[2]["megarl_mean_in_span"] == pytest.approx(0.2)
+    assert per_seed[2]["trl_mean_in_span"] == pytest.approx(0.2)
+    assert [per_seed[1]["difference"], per_seed[2]["difference"]] == pytest.approx([0.2, 0.0])
+    assert out["difference_mean"] == pytest.approx(0.1)
+    # Sample standard deviation of (0.2, 0.0) is 0.2 / sqrt(2); over sqrt(2) seeds: 0.1.
+    assert out["difference_standard_error"] == pytest.approx(0.1)
+    assert out["megarl_mean_in_span"] == pytest.approx(0.35)
+    assert out["trl_mean_in_span"] == pytest.approx(0.25)
+    assert out["reward_ratio_at_equal_time"] == pytest.approx(1.4)
+    # One seed: no standard error.
+    assert reward_over_seeds(pairs[:1], windows=3)["difference_standard_error"] is None
+    assert "error" in reward_over_seeds([(1, steps(1.0, [0.5]), [])])
+
+
+def test_seeds_option_one_round_per_distinct_seed(tmp_path):
+    import argparse
+
+    from e2e import main, parse_seeds, seed_overrides
+
+    assert parse_seeds("3,1,2") == [3, 1, 2]
+    for bad in ("1,,2", "a", "1,1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_seeds(bad)
+    assert seed_overrides(7) == ["trainer.seed=7", "data.seed=7"]
+    assert seed_overrides(None) == []
+    # --rounds that disagrees with the number of seeds is refused before anything runs.
+    with pytest.raises(SystemExit) as err:
+        main(["--seeds", "1,2,3", "--rounds", "2", "--work-dir", str(tmp_path)])
+    assert err.value.code == 2
+    assert not any(tmp_path.iterdir())
+
+
+def test_reward_plot_over_seeds_is_written(tmp_path):
+    from e2e import plot_reward_over_seeds
+
+    records = [{"step": i + 1, "step_s": 0.1, "score_mean": i / 20} for i in range(20)]
+    path = plot_reward_over_seeds([(1, records, records[:15]), (2, records[:12], records)], tmp_path / "seeds.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
