@@ -10,7 +10,9 @@ which concatenates each token's keys and values onto a copy of the whole cache, 
 engine's preallocated cache (`megarl.rollout.hf_engine.decoding_cache`); `hf_repeat_kv` times it
 with transformers' sdpa attention, which under a padding mask repeats the key/value heads of each
 group at every token, against the engine's grouped-query attention
-(`megarl.rollout.hf_engine.grouped_sdpa_attention`). The variants alternate with the engine as it
+(`megarl.rollout.hf_engine.grouped_sdpa_attention`); `hf_fused_decode_attention` times a decoded
+token's attention through torch's fused CPU kernel against the engine's float32 matrix products
+(`megarl.rollout.hf_engine.decode_attention`). The variants alternate with the engine as it
 is call by call, on the same prompts and seeds.
 
     python benchmarks/rollout.py [--out benchmarks/results/rollout.json]
@@ -113,12 +115,25 @@ def _repeated_kv_heads(engine: Any) -> Callable[[], None]:
     return lambda: engine.model.set_attn_implementation(before)
 
 
+def _fused_decode_attention(engine: Any) -> Callable[[], None]:
+    """Route the engine's decoded-token attention to torch's fused kernel (what
+    `megarl.rollout.hf_engine.decode_attention` replaced); returns the undo."""
+    from megarl.rollout import hf_engine
+
+    hf_engine._decode_attention = hf_engine._fused_decode_attention
+
+    def undo() -> None:
+        hf_engine._decode_attention = hf_engine.decode_attention
+    return undo
+
+
 # Variants of the HF engine that `--engines` can name, each timed against the engine as it is: the
 # function that sets the variant up (returning the undo), and the JSON key of the engine-as-is /
 # variant throughput ratio (medians).
 HF_VARIANTS: dict[str, tuple[Callable[[Any], Callable[[], None]], str]] = {
     "hf_concat_cache": (_concatenating_cache, "preallocated_over_concat_cache"),
     "hf_repeat_kv": (_repeated_kv_heads, "grouped_attention_over_repeat_kv"),
+    "hf_fused_decode_attention": (_fused_decode_attention, "decode_attention_over_fused_kernel"),
 }
 
 
@@ -238,7 +253,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--vocab-size", type=int, default=320)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--engines", default="hf,vllm", help="comma-separated: hf,vllm,hf_concat_cache,hf_repeat_kv")
+    parser.add_argument("--engines", default="hf,vllm", help="comma-separated: hf,vllm,hf_concat_cache,hf_repeat_kv,hf_fused_decode_attention")
     parser.add_argument("--seed", type=int, default=0, help="model, prompts and engine seed")
     parser.add_argument("--size", default="tiny", choices=sorted(MODEL_SIZES),
                         help="tiny: 4 layers, hidden 256; 25m: the shape of benchmarks/e2e_25m.py")

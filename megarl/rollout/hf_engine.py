@@ -39,22 +39,68 @@ GROUPED_SDPA = "megarl_grouped_sdpa"
 def grouped_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                            **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' "sdpa" attention, without copying the KV cache at every decoded token.
+    """transformers' "sdpa" attention, with a decoded token's attention on CPU computed by
+    `decode_attention`.
 
     With grouped-query attention and a padding mask, transformers repeats each key and value head
     for every query head of its group (`repeat_kv`) before the attention call, because CUDA's
     kernels would fall back to the math one with both: at each decoded token a copy of the layer's
-    whole cache, group-size times over. On CPU torch's own grouped attention (`enable_gqa`) takes
-    the mask, so a decoded token on CPU goes straight to it. Prompts (several query tokens) and
-    other devices go to transformers' function.
+    whole cache, group-size times over. On CPU a decoded token (one query row per head) goes to
+    `decode_attention` instead, which reads the cache in place. Prompts (several query tokens),
+    other devices and attention with extra terms (dropout, sinks, position bias) go to transformers'
+    function.
     """
-    if (getattr(module, "num_key_value_groups", 1) == 1 or query.shape[2] != 1 or query.device.type != "cpu"
-            or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None):
+    if (query.shape[2] != 1 or query.device.type != "cpu" or dropout != 0.0
+            or any(kwargs.get(name) is not None for name in ("position_bias", "cache", "s_aux", "softcap"))
+            or (attention_mask is not None and attention_mask.shape[1] != 1)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                           dropout_p=dropout, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2), None  # [batch, 1, heads, head_dim], as transformers' function returns
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return _decode_attention(query, key, value, attention_mask, scale), None
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float) -> torch.Tensor:
+    """Attention of one decoded token per row over its KV cache, in float32 (float64 for a float64
+    model), whatever the model's dtype: query [batch, heads, 1, dim], key and value [batch, kv_heads, keys, dim] (query head h
+    reads key/value head h // (heads / kv_heads), as transformers' `repeat_kv` lays them out), mask
+    [batch, 1, 1, keys] (True or 0.0: attend) or None. Returns [batch, 1, heads, dim] in the query's
+    dtype, the layout transformers' attention functions return.
+
+    The query heads of a group become the rows of one matrix product against their key/value head,
+    so nothing is repeated or copied besides the float32 casts. torch's fused CPU kernel
+    (`scaled_dot_product_attention`) is slower at one query row: on one thread, 32 rows over 72
+    keys of 8 heads of 64 (a 25M model's decoding), 0.37 ms against 0.32 ms here in float32 and
+    1.96 ms against 0.44 ms in bfloat16, where it also rounds intermediate values to bfloat16 (its
+    error against float64 math exceeds the output's own rounding) and this does not
+    (`benchmarks/rollout.py --engines hf,hf_fused_decode_attention`).
+    """
+    batch, heads, _, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    compute = torch.promote_types(query.dtype, torch.float32)
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim).to(compute)
+    scores = torch.matmul(grouped, key.to(compute).transpose(-1, -2)).mul_(scale)
+    if mask is not None:
+        mask = mask.reshape(batch, 1, 1, keys)
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask, float("-inf"))
+        else:
+            scores.add_(mask)
+    weights = torch.softmax(scores, dim=-1)
+    return torch.matmul(weights, value.to(compute)).to(query.dtype).reshape(batch, 1, heads, dim)
+
+
+def _fused_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                            scale: float) -> torch.Tensor:
+    """The same attention through torch's fused kernel (its grouped-query form): what
+    `decode_attention` replaced, kept for `benchmarks/rollout.py` to time it against."""
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                           enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+# The decoded token's attention on CPU (`grouped_sdpa_attention`); benchmarks swap it.
+_decode_attention = decode_attention
 
 
 # Registered once for every model of the process; the masks are the "sdpa" ones.

@@ -335,6 +335,32 @@ def test_grouped_attention_of_a_decoded_token_equals_dense_math(groups: int) -> 
     torch.testing.assert_close(out, theirs, atol=1e-12, rtol=0)
 
 
+def test_decoded_token_attention_of_a_bf16_model_is_computed_in_float32() -> None:
+    """`decode_attention` on bfloat16 inputs: against float64 math over the same (bfloat16) values
+    the only error left is the final rounding to bfloat16 (at most its unit roundoff, 2**-8 of the
+    value: 8 significand bits) plus float32 rounding (about 1e-5 at these magnitudes; 1e-4 allowed).
+    torch's fused CPU kernel, which rounds intermediate values to bfloat16, exceeds it here by 0.007.
+    An additive float mask (0 / -inf) gives what the boolean one gives."""
+    generator = torch.Generator().manual_seed(5)
+    batch, kv_heads, groups, keys, head_dim = 4, 2, 4, 40, 64
+    heads = kv_heads * groups
+    query = torch.randn(batch, heads, 1, head_dim, generator=generator).mul(3).bfloat16()
+    key, value = (torch.randn(batch, kv_heads, keys, head_dim, generator=generator).mul(3).bfloat16() for _ in range(2))
+    mask = torch.ones(batch, 1, 1, keys, dtype=torch.bool)
+    mask[0, ..., :11] = False
+    mask[3, ..., :2] = False
+    out = hf_engine.decode_attention(query, key, value, mask, 0.125)
+    assert out.dtype == torch.bfloat16 and out.shape == (batch, 1, heads, head_dim)
+    q, k, v = (t.double() for t in (query, key, value))
+    scores = torch.einsum("bhd,bhkd->bhk", q[:, :, 0], k.repeat_interleave(groups, dim=1)) * 0.125
+    weights = torch.softmax(scores.masked_fill(~mask[:, 0], float("-inf")), dim=-1)
+    reference = torch.einsum("bhk,bhkd->bhd", weights, v.repeat_interleave(groups, dim=1))
+    error = (out[:, 0].double() - reference).abs()
+    assert bool((error <= reference.abs() * 2.0 ** -8 + 1e-4).all()), float((error - reference.abs() * 2.0 ** -8).max())
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    assert torch.equal(hf_engine.decode_attention(query, key, value, additive, 0.125), out)
+
+
 def test_the_engine_decodes_with_grouped_attention() -> None:
     """An sdpa model's decoding runs through `grouped_sdpa_attention` (4 query heads over 2
     key/value heads), and its greedy tokens and log-probs are those of a copy of the model left on
