@@ -19,6 +19,7 @@ must see at least one key (every mask megarl builds lets a position see itself).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Any, Optional
 
 import torch
@@ -42,6 +43,11 @@ from megarl.megatron.spec_rewrite import replace_modules
 # 38 / 48 / 157 ms, 32 of 68 40 / 55 / 135 ms, 16 of 128 61 / 70 / 96 ms, 8 of 192 48 / 74 / 50 ms.
 # In fp32 and without gradients the flash kernel is kept.
 HALF_PRECISION_EXPLICIT_MAX_KEYS = 128
+
+# Causal masks a `LocalAttention` keeps, one per query length (most recently used): a run with dynamic
+# micro-batches meets a new padded length at nearly every micro-batch, and keeping them all held
+# gigabytes per layer (one [sq, cp*sq] mask per length: 2.7 GiB for the lengths up to 4,096 at cp = 2).
+CAUSAL_MASKS_KEPT = 4
 
 
 def prefers_explicit_attention(query: torch.Tensor, keys: int) -> bool:
@@ -120,17 +126,24 @@ class LocalAttention(torch.nn.Module):
         self.hidden_per_partition = config.kv_channels * self.heads
         self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self._masks: dict[tuple[int, str], torch.Tensor] = {}
+        # The causal masks of the last few query lengths: a step's micro-batches (and their backward
+        # passes) reuse them, while a run meets many lengths over its steps.
+        self._masks: OrderedDict[tuple[int, str], torch.Tensor] = OrderedDict()
 
     def _causal_mask(self, sq: int, device: torch.device) -> torch.Tensor:
-        """[sq, cp*sq] True = masked: this CP rank's queries against the gathered keys."""
+        """[sq, cp*sq] True = masked: this CP rank's queries against the gathered keys. The last
+        `CAUSAL_MASKS_KEPT` lengths' masks are kept."""
         key = (sq, str(device))
-        if key not in self._masks:
-            width = sq * self.cp
-            q_pos = shard_index(width, self.cp, self.cp_rank, device)
-            k_pos = gathered_positions(width, self.cp, device)
-            self._masks[key] = k_pos.unsqueeze(0) > q_pos.unsqueeze(1)
-        return self._masks[key]
+        if key in self._masks:
+            self._masks.move_to_end(key)
+            return self._masks[key]
+        width = sq * self.cp
+        q_pos = shard_index(width, self.cp, self.cp_rank, device)
+        k_pos = gathered_positions(width, self.cp, device)
+        mask = self._masks[key] = k_pos.unsqueeze(0) > q_pos.unsqueeze(1)
+        while len(self._masks) > CAUSAL_MASKS_KEPT:
+            self._masks.popitem(last=False)
+        return mask
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Any = None,

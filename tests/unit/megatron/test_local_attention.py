@@ -253,3 +253,24 @@ def test_explicit_attention_only_for_short_half_precision_training_rows() -> Non
     attn = LocalAttention(_config(), 1, AttnMaskType.causal, "self", pg_collection=_Groups())
     q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in _inputs(HALF_PRECISION_EXPLICIT_MAX_KEYS + 1, 1))
     assert FLASH_BACKWARD in _graph_nodes(attn(q, k, v, None))
+
+
+def test_causal_masks_of_only_the_last_few_lengths_are_kept() -> None:
+    """The causal mask of each query length is built once and reused while it is among the last
+    `CAUSAL_MASKS_KEPT` used; a run meeting a new length at every micro-batch does not keep them all
+    (it held one per length seen: 2.7 GiB per layer for the lengths up to 4,096 at cp = 2)."""
+    from megarl.megatron.attention import CAUSAL_MASKS_KEPT
+
+    attn = LocalAttention(_config(), 1, AttnMaskType.causal, "self", pg_collection=_Groups())
+    cpu = torch.device("cpu")
+    first = attn._causal_mask(5, cpu)
+    assert torch.equal(first, torch.ones(5, 5, dtype=torch.bool).triu(1))  # True above the diagonal: masked
+    assert attn._causal_mask(5, cpu) is first  # reused
+    for sq in range(6, 200):
+        attn._causal_mask(sq, cpu)
+    assert len(attn._masks) == CAUSAL_MASKS_KEPT
+    assert [sq for sq, _ in attn._masks] == list(range(200 - CAUSAL_MASKS_KEPT, 200))
+    attn._causal_mask(200 - CAUSAL_MASKS_KEPT, cpu)  # a use makes a length the most recent
+    attn._causal_mask(7, cpu)
+    assert [sq for sq, _ in attn._masks][-2:] == [200 - CAUSAL_MASKS_KEPT, 7]
+    assert torch.equal(attn._causal_mask(7, cpu), torch.ones(7, 7, dtype=torch.bool).triu(1))
