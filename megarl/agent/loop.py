@@ -32,14 +32,13 @@ import dataclasses
 import enum
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 from megarl.agent.chat import ToolTurnEncoder
 from megarl.agent.parsers import ParseError, ToolCall, get_parser
 from megarl.agent.tools import ToolResult, ToolSet
-from megarl.errors import DataError
 from megarl.rollout.base import SamplingParams, TokenContinuation
 
 TOOL_KWARGS_KEYS = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")
@@ -133,22 +132,30 @@ class Episode:
         self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(ids)
 
 
-def check_tools_kwargs(row: int, value: Any, tools: ToolSet) -> dict[str, dict[str, Any]]:
-    """A row's `extra_info.tools_kwargs`: {tool: {create_kwargs|execute_kwargs|calc_reward_kwargs|release_kwargs: {...}}}."""
+def parse_tools_kwargs(value: Any, tool_names: Collection[str]) -> dict[str, dict[str, Any]]:
+    """A row's `extra_info.tools_kwargs` (verl's layout): {tool: {create_kwargs|execute_kwargs|calc_reward_kwargs|
+    release_kwargs: {...}}}, each tool one of `tool_names`; {} for None. ValueError saying what is wrong
+    (the caller names the row)."""
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise DataError(f"row {row}: extra_info.tools_kwargs must be a mapping tool -> kwargs, got {type(value).__name__}")
+        raise ValueError(f"tools_kwargs must be a mapping tool -> kwargs, got {type(value).__name__}")
     # Parquet stores the rows' dicts as one struct type: keys a row lacks come back as None.
     value = {name: kwargs for name, kwargs in value.items() if kwargs is not None}
     for name, kwargs in value.items():
-        if name not in tools.tools:
-            raise DataError(f"row {row}: extra_info.tools_kwargs names tool {name!r}; the run's tools "
-                            f"(rollout.multi_turn.tools) are {sorted(tools.tools)}")
-        bad = [k for k in (kwargs or {}) if k not in TOOL_KWARGS_KEYS]
-        if not isinstance(kwargs, dict) or bad:
-            raise DataError(f"row {row}: extra_info.tools_kwargs.{name} may hold only {list(TOOL_KWARGS_KEYS)} "
-                            f"(mappings); got {bad or type(kwargs).__name__}")
+        if name not in tool_names:
+            raise ValueError(f"tools_kwargs names tool {name!r}; the run's tools (rollout.multi_turn.tools) are "
+                             f"{sorted(tool_names)}")
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"tools_kwargs.{name} must be a mapping of {list(TOOL_KWARGS_KEYS)}, got "
+                             f"{type(kwargs).__name__}")
+        bad = [k for k in kwargs if k not in TOOL_KWARGS_KEYS]
+        if bad:
+            raise ValueError(f"tools_kwargs.{name} may hold only {list(TOOL_KWARGS_KEYS)} (mappings); got {bad}")
+        for key, kw in kwargs.items():
+            if kw is not None and not isinstance(kw, dict):
+                raise ValueError(f"tools_kwargs.{name}.{key} must be a mapping of keyword arguments, got "
+                                 f"{type(kw).__name__}")
     return {name: {key: dict(kw or {}) for key, kw in kwargs.items()} for name, kwargs in value.items()}
 
 

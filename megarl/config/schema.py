@@ -70,8 +70,9 @@ class DataConfig:
     # prompts that filter_overlong_prompts keeps: with it on (the default) none is over the limit.
     truncation: str = "error"
     filter_overlong_prompts: bool = True  # drop prompts over max_prompt_length when the data is opened
-    # A row that fails its checks (prompt, data_source, ground truth, text that is not UTF-8) is
-    # skipped, counted and logged when the dataset is opened, instead of stopping the run.
+    # A row that fails its checks (prompt, one the chat template refuses, data_source, ground truth,
+    # text that is not UTF-8; with multi-turn tools its extra_info.tools_kwargs) is skipped, counted
+    # and logged when the dataset is opened, instead of stopping the run.
     skip_bad_rows: bool = False
     apply_chat_template: str = "auto"  # auto | true | false
     # Extra arguments of the tokenizer's chat template, as verl's data.apply_chat_template_kwargs

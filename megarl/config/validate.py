@@ -52,6 +52,8 @@ ENUMS: dict[str, set[str]] = {
 }
 TRACKING_BACKENDS = {"console", "jsonl", "mlflow"}
 MIN_SAMPLING_TEMPERATURE = 1e-5  # vllm.sampling_params: below it a request is greedy
+# megarl.trainer.run_spec seeds rollout engine r with trainer.seed x 1000 + r (a test keeps them equal).
+VLLM_SEED_FACTOR = 1000
 # megarl.rewards.model_scores.COMBINES, which imports torch (a test keeps them equal).
 REWARD_MODEL_COMBINES = ("by_style", "weighted_sum")
 # HF config keys that change weight shapes: model.override_config cannot set them over a checkpoint.
@@ -626,6 +628,7 @@ def validate_config(cfg: DictConfig) -> None:
     if rollout.probe_prompts < 1:
         r.err(f"rollout.probe_prompts = {rollout.probe_prompts}: must be >= 1 (training prompts in the probe batch)")
     _check_multi_turn(r, rollout.multi_turn)
+    _check_chat_template_kwargs(r, cfg)
     _check_old_log_probs(r, cfg)  # actor.old_log_prob_source, algorithm.rollout_correction, max_logprob_gap
     if actor.clip_ratio_c <= 1.0:
         r.err(f"actor.clip_ratio_c = {actor.clip_ratio_c}: the dual-clip bound must be > 1.0 (verl's default is 3.0)")
@@ -766,6 +769,7 @@ def validate_config(cfg: DictConfig) -> None:
                   "(resources.ref_pool is null); set ref.megatron to null (the actor's layout) or give the reference its own pool")
 
     _check_async(r, cfg, world)
+    _check_seeds(r, cfg, world)
     rtp = rollout.tensor_model_parallel_size
     if rtp < 1 or world % rtp != 0:
         where = ("the rollout pool has as many ranks" if cfg.resources.rollout_pool is not None
@@ -837,6 +841,50 @@ def _check_multi_turn(r: Any, multi_turn: Any) -> None:
               f"one of {list(TRUNCATE_SIDES)} (the part of a cut tool output the model reads)")
     if multi_turn.format not in MULTI_TURN_FORMATS:
         r.err(f"rollout.multi_turn.format = {multi_turn.format!r}: must be one of {sorted(MULTI_TURN_FORMATS)}")
+
+
+# Arguments of the tokenizer's apply_chat_template that megarl sets itself (the prompt's messages, the
+# generation prompt, text out) or that only act on its tokenisation, which megarl does after rendering.
+CHAT_TEMPLATE_OWN_ARGS = ("conversation", "messages", "add_generation_prompt", "continue_final_message", "tokenize")
+CHAT_TEMPLATE_TOKENIZE_ARGS = ("padding", "truncation", "max_length", "return_tensors", "return_dict",
+                               "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+def _check_chat_template_kwargs(r: _Rules, cfg: DictConfig) -> None:
+    """data.apply_chat_template_kwargs: extra arguments of the chat template, read where it renders the
+    prompts (data.apply_chat_template auto or true) and the tool turns (rollout.multi_turn.enable)."""
+    kwargs = _as_dict(cfg.data.apply_chat_template_kwargs)
+    if not kwargs:
+        return
+    own = [key for key in kwargs if key in CHAT_TEMPLATE_OWN_ARGS]
+    if own:
+        r.err(f"data.apply_chat_template_kwargs sets {own}: megarl passes these to the chat template itself (the "
+              "messages, add_generation_prompt: true, tokenize: false); remove them (the keys are the template's own "
+              "variables, e.g. enable_thinking)")
+    tokenizing = [key for key in kwargs if key in CHAT_TEMPLATE_TOKENIZE_ARGS]
+    if tokenizing:
+        r.err(f"data.apply_chat_template_kwargs sets {tokenizing}: these act only when the template tokenises, and "
+              "megarl renders text and tokenises it itself (prompt length: data.max_prompt_length, data.truncation); "
+              "remove them")
+    if str(cfg.data.apply_chat_template).strip().lower() == "false" and not cfg.rollout.multi_turn.enable:
+        r.err(f"data.apply_chat_template_kwargs = {kwargs!r} with data.apply_chat_template = "
+              f"{cfg.data.apply_chat_template!r} and no multi-turn rollout: no chat template is applied, nothing "
+              "reads them; set data.apply_chat_template auto or true (or rollout.multi_turn.enable), or remove them")
+
+
+def _check_seeds(r: _Rules, cfg: DictConfig, world: int) -> None:
+    """data.seed and trainer.seed where their generators refuse them. data.seed orders the data
+    (numpy's default_rng: integers >= 0). trainer.seed seeds torch (any integer) and, times 1000 plus the
+    rank, vLLM's engines, which seed numpy's legacy generator with it (0 .. 2**32 - 1); `auto` may pick vLLM."""
+    if cfg.data.seed < 0:
+        r.err(f"data.seed = {cfg.data.seed}: must be an integer >= 0 (numpy's generator, which orders the data, "
+              "takes no negative seed)")
+    seed, engine = cfg.trainer.seed, cfg.rollout.engine
+    highest = (2**32 - world) // VLLM_SEED_FACTOR
+    if engine in ("auto", "vllm") and not 0 <= seed <= highest:
+        r.err(f"trainer.seed = {seed} with rollout.engine = {engine!r}: must be in [0, {highest}] (vLLM seeds its "
+              f"engines with trainer.seed x {VLLM_SEED_FACTOR} + rank, which numpy takes in [0, 2**32 - 1]); or "
+              "rollout.engine: hf")
 
 
 # megarl.workers.losses.OLD_LOG_PROB_SOURCES (+ auto) and megarl.algorithms.rollout_correction's

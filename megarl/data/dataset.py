@@ -96,8 +96,12 @@ class RLDataset:
         require_ground_truth: ``reward_model.ground_truth`` must be present (rule-based rewards).
         model_scored_rows: rows whose ``reward_model.style`` is "model" are judged by a reward model:
             they need no ground truth, and their data sources need no rule scorer.
-        skip_bad_rows: leave out rows that fail their checks (prompt, data_source, ground truth, text
-            that is not UTF-8) instead of raising; counted in ``num_skipped_bad_rows`` and logged.
+        skip_bad_rows: leave out rows that fail their checks (prompt, one the chat template refuses
+            included, data_source, ground truth, ``extra_info`` with ``tools``, text that is not UTF-8)
+            instead of raising; counted in ``num_skipped_bad_rows`` and logged.
+        tools: the names of the run's multi-turn tools (``rollout.multi_turn.tools``, as the tools name
+            themselves); every row's ``extra_info`` is then checked when the dataset is opened: null or
+            a mapping whose ``tools_kwargs`` names only these tools. None: a run without tools.
         num_proc: processes for the length pass (None: this process).
         cache_dir: ``datasets`` cache directory (None: its default).
     """
@@ -117,6 +121,7 @@ class RLDataset:
         require_ground_truth: bool = True,
         model_scored_rows: bool = False,
         skip_bad_rows: bool = False,
+        tools: Sequence[str] | None = None,
         num_proc: int | None = None,
         cache_dir: str | None = None,
     ) -> None:
@@ -146,6 +151,7 @@ class RLDataset:
         self.require_ground_truth = require_ground_truth
         self.model_scored_rows = model_scored_rows
         self.skip_bad_rows = skip_bad_rows
+        self.tools = None if tools is None else sorted(tools)
         self.renderer = PromptRenderer(tokenizer, apply_chat_template, chat_template_kwargs)
 
         required = [prompt_key, DATA_SOURCE] + ([REWARD_MODEL] if require_ground_truth else [])
@@ -168,6 +174,8 @@ class RLDataset:
             REWARD_MODEL in self._table.column_names,
             model_scored_rows,
             skip_bad_rows,
+            self.tools,
+            EXTRA_INFO in self._table.column_names,
         )
 
         # Dataset index -> global row; None keeps every row (index == row).
@@ -194,6 +202,8 @@ class RLDataset:
                     max_prompt_length,
                     files,
                 )
+        elif self._checker.reads_extra_info:  # no pass over the rows: check the tools' arguments now
+            self._check_extra_info()
         if len(self) == 0:
             raise DataError(
                 f"{files}: no rows left (read {self.num_rows_read}, "
@@ -245,6 +255,7 @@ class RLDataset:
             str(self.model_scored_rows),
             str(self.skip_bad_rows),
             ",".join(map(str, sorted(problems))),
+            repr(self.tools),
             *map(_file_fingerprint, self.files),
             *self.renderer.fingerprint_parts(),
         ]:
@@ -281,6 +292,18 @@ class RLDataset:
                     len(problems), self.num_rows_read, "; ".join(problems[r] for r in first),
                 )
         return lengths
+
+    def _check_extra_info(self) -> None:
+        """Every row's ``extra_info`` against the run's tools (:meth:`RowChecker.check_extra_info`)."""
+        column = self._table.select_columns([EXTRA_INFO])
+        row = 0
+        try:
+            for batch in column.iter(batch_size=10000):
+                for extra_info in batch[EXTRA_INFO]:
+                    self._checker.check_extra_info(row, extra_info)
+                    row += 1
+        except UnicodeDecodeError:
+            raise self._utf8_error() from None
 
     def _non_utf8(self) -> dict[int, str]:
         """Global row -> problem, for every row holding text that is not valid UTF-8."""
@@ -364,14 +387,15 @@ class RLDataset:
         missing = [None] * len(rows)
         sources = columns[DATA_SOURCE]
         reward_models = columns.get(REWARD_MODEL, missing)
+        extra_infos = columns.get(EXTRA_INFO, missing)
         prompts = [
             self._checker.check(*fields)
-            for fields in zip(rows, columns[self.prompt_key], sources, reward_models)
+            for fields in zip(rows, columns[self.prompt_key], sources, reward_models, extra_infos)
         ]
-        token_ids = self.renderer.encode_batch(prompts)
+        token_ids = self.renderer.encode_texts([self._checker.render(row, p) for row, p in zip(rows, prompts)])
         examples = []
         for k, (row, reward_model, extra_info, ability) in enumerate(
-            zip(rows, reward_models, columns.get(EXTRA_INFO, missing), columns.get(ABILITY, missing))
+            zip(rows, reward_models, extra_infos, columns.get(ABILITY, missing))
         ):
             try:
                 ids = truncate_ids(token_ids[k], self.max_prompt_length, self.truncation)

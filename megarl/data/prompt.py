@@ -10,7 +10,19 @@ from transformers import PreTrainedTokenizerBase
 
 from megarl.errors import ConfigError
 
+try:  # jinja2 renders chat templates: an optional dependency of transformers, which imports it when present
+    from jinja2 import TemplateError
+
+    _TEMPLATE_ERRORS: tuple[type[Exception], ...] = (TemplateError,)
+except ImportError:  # pragma: no cover - then no chat template renders at all
+    _TEMPLATE_ERRORS = ()
+
 Prompt = str | list[dict[str, str]]
+
+
+class ChatTemplateError(ValueError):
+    """The tokenizer's chat template refused a prompt (its ``raise_exception``, e.g. Gemma's "System
+    role not supported"); the message is the template's. The caller names the row."""
 
 
 def parse_chat_template_mode(value: bool | str | None) -> bool | None:
@@ -59,22 +71,29 @@ class PromptRenderer:
         self._plain: Tokenizer | None = None  # `plain_backend`, made on first use
 
     def text(self, prompt: Prompt) -> str:
-        """The prompt as the model will see it (before tokenisation)."""
+        """The prompt as the model will see it (before tokenisation); ChatTemplateError when the chat
+        template refuses it."""
         if self.use_chat_template:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **self.chat_template_kwargs
-            )
+            try:
+                return self.tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=True, **self.chat_template_kwargs
+                )
+            except _TEMPLATE_ERRORS as exc:
+                raise ChatTemplateError(str(exc)) from exc
         if isinstance(prompt, str):
             return prompt
         return "\n\n".join(message["content"] for message in prompt)
 
     def encode_batch(self, prompts: Sequence[Prompt]) -> list[list[int]]:
         """Token ids of each prompt (unpadded, untruncated)."""
-        if not prompts:
+        return self.encode_texts([self.text(p) for p in prompts])
+
+    def encode_texts(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of prompts already rendered by :meth:`text` (unpadded, untruncated)."""
+        if not texts:
             return []
-        texts = [self.text(p) for p in prompts]
-        return self.tokenizer(texts, add_special_tokens=not self.use_chat_template)["input_ids"]
+        return self.tokenizer(list(texts), add_special_tokens=not self.use_chat_template)["input_ids"]
 
     def plain_backend(self) -> Tokenizer | None:
         """A copy of the fast tokenizer's Rust backend without padding or truncation; None for a slow
@@ -92,13 +111,16 @@ class PromptRenderer:
 
     def lengths(self, prompts: Sequence[Prompt]) -> list[int]:
         """Token count of each prompt (what :meth:`encode_batch` would return, counted)."""
+        return self.text_lengths([self.text(p) for p in prompts])
+
+    def text_lengths(self, texts: Sequence[str]) -> list[int]:
+        """Token count of each prompt already rendered by :meth:`text` (:meth:`encode_texts`, counted)."""
         backend = self.plain_backend()
         if backend is None:
-            return [len(ids) for ids in self.encode_batch(prompts)]
+            return [len(ids) for ids in self.encode_texts(texts)]
         # A fast tokenizer's ids come from its Rust backend; asking it directly skips building
         # Python lists for every token (several times faster on large datasets).
-        texts = [self.text(p) for p in prompts]
-        return [len(e) for e in backend.encode_batch(texts, add_special_tokens=not self.use_chat_template)]
+        return [len(e) for e in backend.encode_batch(list(texts), add_special_tokens=not self.use_chat_template)]
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.encode_batch([prompt])[0]

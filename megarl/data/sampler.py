@@ -27,6 +27,9 @@ class StatefulSampler:
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            # numpy's default_rng takes non-negative integers only (and would fail at the first batch)
+            raise ConfigError(f"seed (data.seed) must be an integer >= 0, got {seed!r}")
         if num_rows < (batch_size if drop_last else 1):
             raise ConfigError(
                 f"a dataset of {num_rows} rows gives no batch of {batch_size}"

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from megarl.agent.chat import ToolTurnEncoder
+from megarl.agent.tools import ToolSet
 from megarl.config.model_files import weights_problems
 from megarl.config.run_files import check_run_files
 from megarl.data.dataset import RLDataset
@@ -185,6 +186,10 @@ def build_datasets(cfg: DictConfig, tokenizer: Any) -> tuple[Any, Optional[Any]]
         chat_template_kwargs=OmegaConf.to_container(data.apply_chat_template_kwargs, resolve=True),
         # With a reward model, rows of reward_model.style "model" are its to judge.
         model_scored_rows=bool(cfg.reward_model.enable),
+        # With tools, each row's extra_info.tools_kwargs is checked against them when the data is
+        # opened: by the name each tool gives itself (a "pkg.mod:Class" tool's differs from its config string).
+        tools=(sorted(ToolSet.from_names(list(cfg.rollout.multi_turn.tools)).tools)
+               if cfg.rollout.multi_turn.enable else None),
     )
     train = RLDataset(list(data.train_files), tokenizer, **common)
     if len(train) < data.train_batch_size:

@@ -22,8 +22,9 @@ import torch
 
 from megarl.agent.chat import ToolTurnEncoder, retokenize_mismatch
 from megarl.agent.loop import AgentLoop, AgentSettings, cut_tool_output
-from megarl.agent.rollout import agent_metrics, multi_turn_generate
+from megarl.agent.rollout import agent_metrics, multi_turn_generate, rows_tools_kwargs
 from megarl.agent.tools import CalculatorTool, Tool, ToolResult, ToolSet
+from megarl.cluster.dispatch import split_for_data_parallel
 from megarl.data.tokenizer import CHATML_SPECIAL_TOKENS, CHATML_TEMPLATE, build_char_tokenizer
 from megarl.errors import DataError
 from megarl.protocol import Batch
@@ -194,8 +195,29 @@ def test_tools_kwargs_absent_keys_from_parquet_structs_are_empty(tokenizer: Any)
 def test_bad_tools_kwargs_name_the_row_and_the_valid_tools(tokenizer: Any) -> None:
     loop, _ = make_loop(tokenizer, calculator_script)
     bad = [{}, {"tools_kwargs": {"search": {"create_kwargs": {}}}}]
-    with pytest.raises(DataError, match=r"row 1: .*'search'.*\['calculator'\]"):
+    with pytest.raises(DataError, match=r"row 1 of the prompt batch: extra_info.tools_kwargs names tool 'search'; "
+                                        r"the run's tools \(rollout.multi_turn.tools\) are \['calculator'\]"):
         multi_turn_generate(loop, prompt_batch(tokenizer, ["1+1", "2+2"], bad), SamplingParams(max_new_tokens=200))
+
+
+def test_bad_tools_kwargs_on_a_rank_name_the_rows_uid_and_index_not_its_place_in_the_shard(tokenizer: Any) -> None:
+    """Each rollout rank sees a shard of the batch: the row's position there says nothing about which
+    row of the data it is, its uid and dataset index do."""
+    loop, _ = make_loop(tokenizer, calculator_script)
+    extra: list[Any] = [{"tools_kwargs": {"calculator": {"create_kwargs": {"ground_truth": 2}}}} for _ in range(4)]
+    extra[3] = {"tools_kwargs": {"search": {"create_kwargs": {}}}}
+    batch = prompt_batch(tokenizer, ["1+1", "2+2", "3+3", "4+4"], extra)
+    batch["uid"] = [f"0-{r}" for r in (5, 9, 2, 7)]  # as RLDataLoader names them: epoch-row
+    batch["index"] = [4, 8, 1, 6]
+    shards, _ = split_for_data_parallel(batch, 2)
+    assert rows_tools_kwargs(shards[0], loop)[1] == {"calculator": {"create_kwargs": {"ground_truth": 2}}}
+    with pytest.raises(DataError, match=r"^prompt uid '0-7', dataset index 6: extra_info.tools_kwargs names tool "
+                                        r"'search'"):
+        rows_tools_kwargs(shards[1], loop)
+    extra[3] = "a note, not a mapping"
+    shard = split_for_data_parallel(prompt_batch(tokenizer, ["1+1", "2+2", "3+3", "4+4"], extra), 2)[0][1]
+    with pytest.raises(DataError, match=r"^row 1 of the prompt batch: extra_info must be a mapping .* got str"):
+        rows_tools_kwargs(shard, loop)
 
 
 def test_max_turns_and_response_budget(tokenizer: Any) -> None:

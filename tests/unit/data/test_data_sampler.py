@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -145,3 +146,12 @@ def test_loader_iterates_one_epoch_per_for_loop(
     second = [list(b["uid"]) for b in loader]
     assert first == [["0-0", "0-1"], ["0-2", "0-3"], ["0-4", "0-5"]]
     assert second == [["1-0", "1-1"], ["1-2", "1-3"], ["1-4", "1-5"]]
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**40), 1.5])
+def test_a_seed_numpy_refuses_is_a_config_error_when_the_sampler_is_built(seed: Any) -> None:
+    # numpy's default_rng takes integers >= 0: the first batch, after the workers started, would fail.
+    with pytest.raises(ConfigError, match=rf"seed \(data.seed\) must be an integer >= 0, got {seed!r}"):
+        StatefulSampler(10, 2, seed=seed)
+    assert StatefulSampler(10, 2, seed=0).next_batch()[1].shape == (2,)
+    assert StatefulSampler(10, 2, seed=2**70).next_batch()[1].shape == (2,)  # no upper bound

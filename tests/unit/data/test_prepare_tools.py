@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from megarl.agent.loop import check_tools_kwargs
+from megarl.agent.loop import parse_tools_kwargs
 from megarl.agent.parsers import HermesParser
 from megarl.agent.tools import CalculatorTool, PythonTool, ToolSet
 from megarl.data.prepare import GSM8K_INSTRUCTION, main, prepare, tools_system_message
@@ -49,7 +49,7 @@ def test_gsm8k_rows_with_the_code_interpreter(tmp_path: Path) -> None:
         assert row["reward_model"]["ground_truth"] == answer
         assert row["extra_info"]["tools_kwargs"] == {"code_interpreter": {"create_kwargs": {"ground_truth": answer}}}
         # what the agent loop accepts for a run with the code interpreter
-        kwargs = check_tools_kwargs(0, row["extra_info"]["tools_kwargs"], ToolSet.from_names(["code_interpreter"]))
+        kwargs = parse_tools_kwargs(row["extra_info"]["tools_kwargs"], ToolSet.from_names(["code_interpreter"]).tools)
         assert kwargs["code_interpreter"]["create_kwargs"] == {"ground_truth": answer}
 
 
@@ -61,7 +61,7 @@ def test_prepared_rows_give_the_calculator_its_reward(tmp_path: Path) -> None:
                  "--tools", "calculator"]) == 0
     rows = pq.read_table(tmp_path / "out" / "train.parquet").to_pylist()
     for row, (right, wrong) in zip(rows, [("3 + 4", "3 * 4"), ("2 * 1000", "2 + 1000")]):
-        kwargs = check_tools_kwargs(0, row["extra_info"]["tools_kwargs"], ToolSet.from_names(["calculator"]))
+        kwargs = parse_tools_kwargs(row["extra_info"]["tools_kwargs"], ToolSet.from_names(["calculator"]).tools)
         for expression, reward in ((right, 1.0), (wrong, 0.0)):
             tool = CalculatorTool()
             tool.create("episode", **kwargs["calculator"]["create_kwargs"])

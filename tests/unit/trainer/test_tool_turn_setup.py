@@ -46,3 +46,32 @@ def test_the_tool_turn_check_gets_the_chat_template_kwargs(tmp_path: Path, monke
     with pytest.raises(Checked):
         setup.prepare_run(cfg)
     assert seen == [{"enable_thinking": False}]
+
+
+def test_the_training_data_is_checked_against_the_runs_tools_when_opened(tmp_path: Path) -> None:
+    """`build_datasets` hands the run's tools (by the names the tools give themselves) to the dataset,
+    so a row whose extra_info.tools_kwargs names a tool the run lacks is refused by file and row
+    before any worker starts."""
+    from megarl.data.tokenizer import load_tokenizer
+    from megarl.errors import DataError
+
+    rows = [{"data_source": "arithmetic", "prompt": [{"role": "user", "content": f"{i}+1="}],
+             "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+             "extra_info": {"tools_kwargs": {"search" if i == 2 else "calculator": {"create_kwargs": {"x": "1"}}}}}
+            for i in range(4)]
+    write_parquet(rows, tmp_path / "train.parquet")
+    build_char_tokenizer("0123456789+=\nabcdefghijklmnopqrstuvwxyz_<>|", tmp_path / "tok", chat_template=CHATML_TEMPLATE,
+                         extra_special_tokens=CHATML_SPECIAL_TOKENS)
+    (tmp_path / "exp.yaml").write_text(
+        f"data: {{train_files: [{tmp_path / 'train.parquet'}], tokenizer: {tmp_path / 'tok'}, train_batch_size: 4,\n"
+        "       max_prompt_length: 32, max_response_length: 8, shuffle: false}\n"
+        "model: {hf_config: {model_type: qwen2, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2,\n"
+        "        num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 64, max_position_embeddings: 64}}\n"
+        f"actor: {{ppo_mini_batch_size: 4, ppo_micro_batch_size_per_gpu: 2}}\nrollout: {{n: 2}}\n"
+        f"trainer: {{default_local_dir: {tmp_path / 'run'}}}\n")
+    tokenizer = load_tokenizer(str(tmp_path / "tok"))
+    with_tools = load_config(tmp_path / "exp.yaml", ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]"])
+    with pytest.raises(DataError, match=r"train\.parquet.*row 2.*extra_info.*search.*calculator"):
+        setup.build_datasets(with_tools, tokenizer)
+    loader, _ = setup.build_datasets(load_config(tmp_path / "exp.yaml"), tokenizer)  # without tools it is not read
+    assert len(loader.dataset) == 4
