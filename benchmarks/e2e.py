@@ -271,8 +271,8 @@ def plot_reward_over_seeds(pairs: Sequence[tuple[int, list[dict[str, Any]], list
         ax.plot([c for c, _ in points], [v for _, v in points], marker="o",
                 label=f"{name} (mean over the span {pooled[f'{key}_mean_in_span']:.3f})")
     ax.set_xlabel("training time (s, sum of step times)")
-    ax.set_ylabel(f"mean step reward in {windows} windows, {len(pairs)} seeds pooled")
-    ax.set_title("Reward against wall-clock time over seeds, same task, model and prompts per seed")
+    ax.set_ylabel(f"mean step reward ({windows} windows)")
+    ax.set_title(f"Reward against training time, {len(pairs)} seeds pooled")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -573,7 +573,11 @@ def main(argv: list[str] | None = None) -> int:
                    "order": "megarl then TRL in each round, rounds one after another",
                    "seeds": "one per round (--seeds)" if args.seeds else "the config's in every round"},
         "reward_vs_wall_clock": reward_vs_wall_clock(megarl["records"], trl["records"]),
-        **({"reward_over_seeds": reward_over_seeds(pairs)} if args.seeds else {}),
+        **({"reward_over_seeds": reward_over_seeds(pairs),
+            # Each round's reward timeline (end of step in training seconds, step reward), so that the
+            # pooled numbers and the plot can be recomputed from the JSON.
+            "reward_timelines": [{"seed": seed, "megarl": reward_timeline(m), "trl": reward_timeline(t)}
+                                 for seed, m, t in pairs]} if args.seeds else {}),
         # Parameters that multiply each token: all but the input embedding table.
         "mfu": useful_mfu(megarl, trl, parameter_count(run_dir / "initial_model", skip=("embed_tokens.weight",)), rates,
                           args.precision),
