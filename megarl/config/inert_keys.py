@@ -14,8 +14,9 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from megarl.config.schema import (ActorConfig, AlgorithmConfig, CriticConfig, CustomRewardFunctionConfig,
-                                  ModelConfig, OverlongBufferConfig, RefConfig, RewardConfig,
-                                  RewardModelConfig, RolloutCorrectionConfig, TrainerConfig)
+                                  ModelConfig, MultiTurnConfig, OptimConfig, OverlongBufferConfig, RefConfig,
+                                  RewardConfig, RewardModelConfig, RolloutConfig, RolloutCorrectionConfig,
+                                  TrackingConfig, TrainerConfig, ValidationSamplingConfig)
 
 # megarl.algorithms.policy_loss: the built-in losses that read each clipping key (clip_ratio is the
 # default of clip_ratio_low and clip_ratio_high).
@@ -32,6 +33,9 @@ CORRECTION_KEYS = {"threshold": {"tis"}, "lower": {"mis", "icepop", "reject"}, "
 # reward.* keys that configure the worker pool of a custom reward function (megarl.rewards.manager:
 # built-in scorers run in the driver process).
 POOL_KEYS = ("num_workers", "timeout_s", "batch_timeout_s", "worker_memory_mb")
+# rollout.val_kwargs keys that only sampled validation reads (megarl.rollout.sampling and vLLM's
+# request take none of them for argmax decoding); n is refused apart (n identical responses).
+VAL_SAMPLING_KEYS = ("temperature", "top_p", "top_k")
 
 
 def changed_keys(section: str, current: Any, default: Any, skip: tuple[str, ...] = (),
@@ -58,7 +62,8 @@ def changed_keys(section: str, current: Any, default: Any, skip: tuple[str, ...]
 def inert_key_errors(cfg: DictConfig, *, critic_on: bool, ref_on: bool, builtin_estimators: set[str],
                      builtin_losses: set[str]) -> list[str]:
     """A message for each group of keys set (to other than their default) where `cfg` never reads them."""
-    errors = _algorithm_errors(cfg, builtin_estimators, builtin_losses) + _role_and_run_errors(cfg, ref_on)
+    errors = (_algorithm_errors(cfg, builtin_estimators, builtin_losses) + _role_and_run_errors(cfg, ref_on)
+              + _schedule_errors(cfg, critic_on) + _rollout_and_tracking_errors(cfg))
     actor, rm, reward = cfg.actor, cfg.reward_model, cfg.reward
     if not actor.use_kl_loss:
         changed = changed_keys("actor", actor, ActorConfig, only=("kl_loss_coef", "kl_loss_type"))
@@ -161,4 +166,78 @@ def _algorithm_errors(cfg: DictConfig, builtin_estimators: set[str], builtin_los
         errors.append(f"{', '.join(changed)} with algorithm.rollout_correction.mode = {corr.mode!r}: that mode does "
                       "not read them (threshold: tis; lower and upper: mis, icepop, reject; level: every mode but "
                       "none); remove them or set the mode that uses them")
+    return errors
+
+
+def _schedule_errors(cfg: DictConfig, critic_on: bool) -> list[str]:
+    """`<role>.optim.total_training_steps`, the LR schedule's length (megarl.trainer.run_spec._engine_config):
+    read by a decaying schedule (the decay ends there) and by a warmup of lr_warmup_steps_ratio x it
+    (lr_warmup_steps 0); a constant schedule warmed up over lr_warmup_steps, or not at all, never
+    reaches it. The critic's with no critic are refused with the other critic.* keys."""
+    errors = []
+    for role in ("actor", "critic") if critic_on else ("actor",):
+        key, optim = f"{role}.optim", cfg[role].optim
+        steps = optim.total_training_steps
+        if steps == OptimConfig.total_training_steps or optim.lr_scheduler != "constant":
+            continue
+        if optim.lr_warmup_steps == 0 and optim.lr_warmup_steps_ratio > 0:
+            continue  # the warmup is that share of the schedule's steps
+        warmup = (f"{key}.lr_warmup_steps = {optim.lr_warmup_steps} (the warmup counted in steps)"
+                  if optim.lr_warmup_steps > 0 else f"no warmup ({key}.lr_warmup_steps_ratio = 0)")
+        errors.append(f"{key}.total_training_steps = {steps} with {key}.lr_scheduler = 'constant' and {warmup}: "
+                      "the schedule's length is read only by a decaying schedule (cosine, linear: the decay ends "
+                      "there) and by a warmup of lr_warmup_steps_ratio of it; remove it or set one of those")
+    return errors
+
+
+def logprob_gap_uncheckable(rollout: Any) -> Optional[str]:
+    """Why the rollout's log-probs are not the trainer's quantity under this sampling, so the per-step
+    check of rollout.max_logprob_gap is skipped (megarl.algorithms.rollout_correction.
+    logprob_gap_uncheckable, which imports torch; a test keeps the two equal); None when it runs."""
+    if rollout.logprobs_mode == "raw" and rollout.temperature != 1.0:
+        return f"rollout.logprobs_mode = 'raw' at rollout.temperature = {rollout.temperature}"
+    filters = [f for f, on in ((f"rollout.top_p = {rollout.top_p}", rollout.top_p < 1.0),
+                               (f"rollout.top_k = {rollout.top_k}", rollout.top_k > 0)) if on]
+    if rollout.logprobs_mode == "processed" and filters:
+        return f"{' and '.join(filters)} with rollout.logprobs_mode = 'processed'"
+    return None
+
+
+def _rollout_and_tracking_errors(cfg: DictConfig) -> list[str]:
+    """Multi-turn settings, validation sampling, the weight-sync probe and the log-prob gap, mlflow's store."""
+    errors = []
+    rollout = cfg.rollout
+    if not rollout.multi_turn.enable:
+        # tools is left out (megarl.trainer.setup and run_spec read it only with enable, too): a config that
+        # names its tools is turned off by `rollout.multi_turn.enable=false` (tests/unit/agent/test_multi_turn_config.py).
+        changed = changed_keys("rollout.multi_turn", rollout.multi_turn, MultiTurnConfig, skip=("enable", "tools"))
+        if changed:
+            errors.append(f"{', '.join(changed)} with rollout.multi_turn.enable = false: only the multi-turn agent "
+                          "loop reads them (each response is one turn, no tool runs); set rollout.multi_turn.enable: "
+                          "true or remove them")
+    if not rollout.val_kwargs.do_sample:
+        changed = changed_keys("rollout.val_kwargs", rollout.val_kwargs, ValidationSamplingConfig,
+                               only=VAL_SAMPLING_KEYS)
+        if changed:
+            errors.append(f"{', '.join(changed)} with rollout.val_kwargs.do_sample = false: validation decodes by "
+                          "argmax, which takes no temperature, top_p or top_k; set do_sample: true or remove them")
+    probe_off = rollout.probe_freq == 0
+    if probe_off and rollout.probe_prompts != RolloutConfig.probe_prompts:
+        errors.append(f"rollout.probe_prompts = {rollout.probe_prompts} with rollout.probe_freq = 0: only the "
+                      "weight-sync probe reads it (the size of its batch); set rollout.probe_freq >= 1 or remove it")
+    gap, uncheckable = rollout.max_logprob_gap, logprob_gap_uncheckable(rollout)
+    # null is read (no warning at the start that the check is skipped); calculate_log_probs false is left
+    # out: tests/integration/trainer/test_sync_probe_e2e.py sets a gap with it and no probe.
+    if probe_off and uncheckable and gap is not None and gap != RolloutConfig.max_logprob_gap:
+        # The probe samples without top-p / top-k, and is refused with raw log-probs at a temperature.
+        fix = ("use logprobs_mode processed (or temperature 1)" if rollout.logprobs_mode == "raw"
+               else "set rollout.probe_freq >= 1 (the probe samples without the filters), sample without them")
+        errors.append(f"rollout.max_logprob_gap = {gap} with {uncheckable} and rollout.probe_freq = 0: the per-step "
+                      "check is skipped under that sampling (the rollout's log-probs are not the trainer's quantity) "
+                      f"and no probe runs, so nothing compares a gap with it; {fix}, or remove it")
+    tracking = cfg.tracking
+    if tracking.mlflow_tracking_uri != TrackingConfig.mlflow_tracking_uri and "mlflow" not in tracking.backends:
+        errors.append(f"tracking.mlflow_tracking_uri = {tracking.mlflow_tracking_uri!r} with tracking.backends = "
+                      f"{list(tracking.backends)}: only the mlflow backend reads it; add mlflow to tracking.backends "
+                      "or remove it")
     return errors

@@ -46,6 +46,7 @@ class OptimConfig:
     # ppo_epochs x (data.train_batch_size / ppo_mini_batch_size) optimizer steps a trainer step.
     lr_warmup_steps: int = 0
     lr_warmup_steps_ratio: float = 0.0
+    # Read by a decaying schedule and by a warmup ratio; set beside a constant schedule without one: refused.
     total_training_steps: Optional[int] = None
     # Megatron's distributed optimizer: the Adam state is split over the DP ranks (gradients
     # reduce-scattered, parameters all-gathered after the step). false: every DP rank keeps all of
@@ -268,7 +269,7 @@ class RewardConfig:
 @dataclass
 class ValidationSamplingConfig:
     n: int = 1
-    do_sample: bool = False  # false: greedy
+    do_sample: bool = False  # false: greedy, which reads none of the keys below (set with it: refused)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -278,6 +279,7 @@ class ValidationSamplingConfig:
 class MultiTurnConfig:
     """Multi-turn rollouts with tool calls (megarl.agent): the model's turns alternate with tool outputs."""
 
+    # The keys below are read only with enable; set without it (tools aside): refused.
     enable: bool = False
     # Tools by name: built-ins (calculator, code_interpreter) or "package.module:ClassName" (a megarl.agent.tools.Tool)
     tools: list[str] = field(default_factory=list)
@@ -339,7 +341,8 @@ class RolloutConfig:
     # optimizer steps not synced to the rollout (tiny model, lr 1e-3). Not yet measured on GPU bf16
     # engines: look at the metric of a first run there. null: never. Needs calculate_log_probs. Not
     # checked (metrics only) under top_p < 1 / top_k > 0 with logprobs_mode processed, or raw at a
-    # temperature other than 1: the rollout's log-probs are then not the trainer's quantity.
+    # temperature other than 1: the rollout's log-probs are then not the trainer's quantity (a value
+    # other than the default there with probe_freq 0, where nothing compares it: refused).
     max_logprob_gap: Optional[float] = 0.1
     # End-to-end check of the weight sync on a fixed probe batch: after a sync of the weights of
     # version v (actor updates so far) with v a multiple of probe_freq (the initial weights included),
@@ -349,7 +352,7 @@ class RolloutConfig:
     # calculate_log_probs and trainer.async_mode (whose older-weights batches the per-step check above
     # leaves out), single-turn; it costs one short generation and one actor forward pass. 0: never.
     probe_freq: int = 0
-    probe_prompts: int = 8
+    probe_prompts: int = 8  # set with probe_freq 0: refused
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
@@ -505,7 +508,8 @@ class ResourcesConfig:
 @dataclass
 class TrackingConfig:
     backends: list[str] = field(default_factory=lambda: ["console", "jsonl", "mlflow"])
-    mlflow_tracking_uri: Optional[str] = None  # null: sqlite store under the run directory
+    # null: sqlite store under the run directory; set without mlflow in backends: refused
+    mlflow_tracking_uri: Optional[str] = None
     report_plots: bool = True
 
 

@@ -297,7 +297,9 @@ def test_a_temperature_vllm_would_take_as_greedy_is_refused(valid_file: Path) ->
     msg = errors_of(valid_file, "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=5e-6")
     assert "rollout.val_kwargs.temperature = 5e-06: below 1e-05" in msg
     load_config(valid_file, ["rollout.temperature=1e-5"])
-    load_config(valid_file, ["rollout.val_kwargs.temperature=1e-6"])  # argmax decoding: the temperature is unused
+    # Argmax decoding takes no temperature: refused as unread (test_inert_rollout_keys), not as vLLM's greedy.
+    msg = errors_of(valid_file, "rollout.val_kwargs.temperature=1e-6")
+    assert "below 1e-05" not in msg and "rollout.val_kwargs.temperature = 1e-06 with rollout.val_kwargs.do_sample" in msg
 
 
 def test_reference_keys_need_a_reference(valid_file: Path) -> None:

@@ -1,0 +1,113 @@
+"""Keys refused where this config never reads them (megarl/config/inert_keys.py): the multi-turn
+settings without multi-turn rollouts, validation sampling under argmax validation, a constant
+schedule's length, the probe's batch without the probe, a log-prob gap nothing compares, mlflow's
+store without mlflow. Each value is refused naming the key and accepted where it is read; the
+defaults are never refused."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from megarl.config import load_config
+from megarl.config.inert_keys import logprob_gap_uncheckable
+from test_config import VALID, errors_of, write
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def valid_file(tmp_path: Path) -> Path:
+    return write(tmp_path, "exp.yaml", VALID)
+
+
+def test_defaults_are_never_refused(valid_file: Path) -> None:
+    cfg = load_config(valid_file)
+    assert not cfg.rollout.multi_turn.enable and not cfg.rollout.val_kwargs.do_sample
+    assert cfg.rollout.probe_freq == 0 and cfg.actor.optim.lr_scheduler == "constant"
+    assert "mlflow" in cfg.tracking.backends
+    # Off by default, each setting's default stays accepted beside a change of what reads it.
+    load_config(valid_file, ["tracking.backends=[console]", "rollout.top_p=0.5", "critic.enable=true"])
+
+
+def test_multi_turn_settings_need_multi_turn_rollouts(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "rollout.multi_turn.max_turns=3", "rollout.multi_turn.tool_timeout_s=5",
+                    "rollout.multi_turn.wait_for_tools=false")
+    assert ("rollout.multi_turn.max_turns = 3, rollout.multi_turn.tool_timeout_s = 5.0, "
+            "rollout.multi_turn.wait_for_tools = False with rollout.multi_turn.enable = false: only the multi-turn "
+            "agent loop reads them") in msg
+    msg = errors_of(valid_file, "rollout.multi_turn.max_tool_response_chars=64",
+                    "rollout.multi_turn.tool_response_truncate_side=right")
+    assert "rollout.multi_turn.max_tool_response_chars = 64, rollout.multi_turn.tool_response_truncate_side = 'right'" in msg
+    on = ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]"]
+    cfg = load_config(valid_file, [*on, "rollout.multi_turn.max_turns=3", "rollout.multi_turn.tool_timeout_s=5",
+                                   "rollout.multi_turn.wait_for_tools=false"])
+    assert cfg.rollout.multi_turn.max_turns == 3
+    # A config that names its tools and turns multi-turn off is accepted (tools are not refused).
+    assert not load_config(valid_file, ["rollout.multi_turn.tools=[calculator]"]).rollout.multi_turn.enable
+
+
+def test_validation_sampling_keys_need_sampled_validation(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "rollout.val_kwargs.temperature=0.6", "rollout.val_kwargs.top_p=0.9",
+                    "rollout.val_kwargs.top_k=20")
+    assert ("rollout.val_kwargs.temperature = 0.6, rollout.val_kwargs.top_p = 0.9, rollout.val_kwargs.top_k = 20 "
+            "with rollout.val_kwargs.do_sample = false: validation decodes by argmax") in msg
+    cfg = load_config(valid_file, ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=0.6",
+                                   "rollout.val_kwargs.top_p=0.9", "rollout.val_kwargs.top_k=20"])
+    assert (cfg.rollout.val_kwargs.temperature, cfg.rollout.val_kwargs.top_k) == (0.6, 20)
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_a_constant_schedule_reads_no_length(valid_file: Path, role: str) -> None:
+    on = ["critic.enable=true"] if role == "critic" else []
+    key = f"{role}.optim"
+    msg = errors_of(valid_file, *on, f"{key}.total_training_steps=50")
+    assert (f"{key}.total_training_steps = 50 with {key}.lr_scheduler = 'constant' and no warmup "
+            f"({key}.lr_warmup_steps_ratio = 0): the schedule's length is read only by a decaying schedule") in msg
+    msg = errors_of(valid_file, *on, f"{key}.total_training_steps=50", f"{key}.lr_warmup_steps=5")
+    assert (f"{key}.total_training_steps = 50 with {key}.lr_scheduler = 'constant' and {key}.lr_warmup_steps = 5 "
+            "(the warmup counted in steps)") in msg
+    for reads in ([f"{key}.lr_scheduler=cosine"], [f"{key}.lr_scheduler=linear", f"{key}.lr_warmup_steps=5"],
+                  [f"{key}.lr_warmup_steps_ratio=0.1"]):
+        assert load_config(valid_file, [*on, f"{key}.total_training_steps=50", *reads])[role].optim.total_training_steps == 50
+
+
+def test_probe_prompts_need_the_probe(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "rollout.probe_prompts=3")
+    assert "rollout.probe_prompts = 3 with rollout.probe_freq = 0: only the weight-sync probe reads it" in msg
+    assert load_config(valid_file, ["rollout.probe_freq=2", "rollout.probe_prompts=3"]).rollout.probe_prompts == 3
+
+
+def test_a_logprob_gap_nothing_compares(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "rollout.top_p=0.5", "rollout.max_logprob_gap=0.5")
+    assert ("rollout.max_logprob_gap = 0.5 with rollout.top_p = 0.5 with rollout.logprobs_mode = 'processed' and "
+            "rollout.probe_freq = 0: the per-step check is skipped") in msg
+    msg = errors_of(valid_file, "rollout.logprobs_mode=raw", "rollout.temperature=0.7", "rollout.max_logprob_gap=0.5")
+    assert "rollout.max_logprob_gap = 0.5 with rollout.logprobs_mode = 'raw' at rollout.temperature = 0.7" in msg
+    assert "use logprobs_mode processed (or temperature 1), or remove it" in msg
+    # Read: by the per-step check (no filter; raw at temperature 1), by the probe, or null (no warning).
+    for reads in (["rollout.top_k=0"], ["rollout.logprobs_mode=raw", "rollout.top_p=0.5"],
+                  ["rollout.top_p=0.5", "rollout.probe_freq=1"]):
+        assert load_config(valid_file, [*reads, "rollout.max_logprob_gap=0.5"]).rollout.max_logprob_gap == 0.5
+    assert load_config(valid_file, ["rollout.top_p=0.5", "rollout.max_logprob_gap=null"]).rollout.max_logprob_gap is None
+    # Without the rollout's log-probs and the probe it is not refused (left out: see inert_keys).
+    load_config(valid_file, ["rollout.calculate_log_probs=false", "rollout.max_logprob_gap=1e-5"])
+
+
+def test_the_gap_rule_skips_where_the_trainer_does() -> None:
+    from megarl.algorithms import logprob_gap_uncheckable as trainers
+
+    for temperature, top_p, top_k, mode in itertools.product((1.0, 0.7), (1.0, 0.5), (-1, 0, 20), ("processed", "raw")):
+        rollout = OmegaConf.create({"temperature": temperature, "top_p": top_p, "top_k": top_k, "logprobs_mode": mode})
+        assert (logprob_gap_uncheckable(rollout) is None) == (trainers(temperature, top_p, top_k, mode) is None), rollout
+
+
+def test_mlflow_store_needs_the_mlflow_backend(valid_file: Path) -> None:
+    msg = errors_of(valid_file, "tracking.backends=[console,jsonl]", "tracking.mlflow_tracking_uri=http://mlflow:5000")
+    assert ("tracking.mlflow_tracking_uri = 'http://mlflow:5000' with tracking.backends = ['console', 'jsonl']: only "
+            "the mlflow backend reads it") in msg
+    cfg = load_config(valid_file, ["tracking.mlflow_tracking_uri=http://mlflow:5000"])  # the default backends
+    assert cfg.tracking.mlflow_tracking_uri == "http://mlflow:5000"
