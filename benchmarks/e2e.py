@@ -251,61 +251,62 @@ def reward_over_seeds(pairs: Sequence[tuple[int, list[dict[str, Any]], list[dict
     return out
 
 
-def plot_reward_over_seeds(pairs: Sequence[tuple[int, list[dict[str, Any]], list[dict[str, Any]]]],
-                           path: Path, windows: int = 12) -> Path:
-    """PNG: each side's step reward pooled over the seeds in `windows` equal windows of the span
-    every run covered (`reward_over_seeds`), against training time."""
+def _reward_axes() -> tuple[Any, Any]:
+    """A figure and axes for a reward-against-training-time plot (matplotlib without a display)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.set_xlabel("training time (s, sum of step times)")
+    ax.grid(alpha=0.3)
+    return fig, ax
+
+
+def _save_reward_plot(fig: Any, ax: Any, path: Path) -> Path:
+    """Legend, layout, the PNG at `path`; the figure closed."""
+    import matplotlib.pyplot as plt
+
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_reward_over_seeds(pairs: Sequence[tuple[int, list[dict[str, Any]], list[dict[str, Any]]]],
+                           path: Path, windows: int = 12) -> Path:
+    """PNG: each side's step reward pooled over the seeds in `windows` equal windows of the span
+    every run covered (`reward_over_seeds`), against training time."""
     pooled = reward_over_seeds(pairs, windows=windows)
     if "error" in pooled:
         raise ValueError(f"plot_reward_over_seeds: {pooled['error']}")
     edges = pooled["window_edges_s"]
     centres = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = _reward_axes()
     for name, key in (("megarl", "megarl"), ("TRL", "trl")):
         points = [(c, v) for c, v in zip(centres, pooled[f"{key}_window_mean"]) if v is not None]
         ax.plot([c for c, _ in points], [v for _, v in points], marker="o",
                 label=f"{name} (mean over the span {pooled[f'{key}_mean_in_span']:.3f})")
-    ax.set_xlabel("training time (s, sum of step times)")
     ax.set_ylabel(f"mean step reward ({windows} windows)")
     ax.set_title(f"Reward against training time, {len(pairs)} seeds pooled")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=100)
-    plt.close(fig)
-    return path
+    return _save_reward_plot(fig, ax, path)
 
 
 def plot_reward_vs_wall_clock(megarl_records: list[dict[str, Any]], trl_records: list[dict[str, Any]],
                               path: Path, smooth: int = 10) -> Path:
     """PNG: each side's step reward (moving mean over `smooth` steps) against its training time."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = _reward_axes()
     for name, records in (("megarl", megarl_records), ("TRL", trl_records)):
         points = reward_timeline(records)
         times, scores = [t for t, _ in points], [score for _, score in points]
         smoothed = [mean(scores[max(0, i + 1 - smooth):i + 1]) for i in range(len(scores))]
         ax.plot(times, smoothed, label=f"{name} ({len(scores)} steps)")
-    ax.set_xlabel("training time (s, sum of step times)")
     ax.set_ylabel(f"mean reward (moving mean of {smooth} steps)")
     ax.set_title("Reward against wall-clock time, same task, model and prompts")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=100)
-    plt.close(fig)
-    return path
+    return _save_reward_plot(fig, ax, path)
 
 
 def run_trl(python: Path, model_dir: Path, tokenizer: Path, prompts_file: Path, steps: int,

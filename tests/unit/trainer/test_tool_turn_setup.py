@@ -21,9 +21,8 @@ class Checked(Exception):
     """Stops prepare_run once the tool turn was checked."""
 
 
-def test_the_tool_turn_check_gets_the_chat_template_kwargs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    rows = [{"data_source": "arithmetic", "prompt": [{"role": "user", "content": f"{i}+1="}],
-             "reward_model": {"style": "rule", "ground_truth": str(i + 1)}} for i in range(4)]
+def _write_run(tmp_path: Path, rows: list[dict[str, Any]]) -> None:
+    """`rows` as the training data, a ChatML character tokenizer and a run's `exp.yaml` under `tmp_path`."""
     write_parquet(rows, tmp_path / "train.parquet")
     build_char_tokenizer("0123456789+=\nabcdefghijklmnopqrstuvwxyz_<>|", tmp_path / "tok", chat_template=CHATML_TEMPLATE,
                          extra_special_tokens=CHATML_SPECIAL_TOKENS)
@@ -34,6 +33,12 @@ def test_the_tool_turn_check_gets_the_chat_template_kwargs(tmp_path: Path, monke
         "        num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 64, max_position_embeddings: 64}}\n"
         f"actor: {{ppo_mini_batch_size: 4, ppo_micro_batch_size_per_gpu: 2}}\nrollout: {{n: 2}}\n"
         f"trainer: {{default_local_dir: {tmp_path / 'run'}}}\n")
+
+
+def test_the_tool_turn_check_gets_the_chat_template_kwargs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = [{"data_source": "arithmetic", "prompt": [{"role": "user", "content": f"{i}+1="}],
+             "reward_model": {"style": "rule", "ground_truth": str(i + 1)}} for i in range(4)]
+    _write_run(tmp_path, rows)
     seen: list[Any] = []
 
     def encoder(tokenizer: Any, chat_template_kwargs: Any = None) -> None:
@@ -59,16 +64,7 @@ def test_the_training_data_is_checked_against_the_runs_tools_when_opened(tmp_pat
              "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
              "extra_info": {"tools_kwargs": {"search" if i == 2 else "calculator": {"create_kwargs": {"x": "1"}}}}}
             for i in range(4)]
-    write_parquet(rows, tmp_path / "train.parquet")
-    build_char_tokenizer("0123456789+=\nabcdefghijklmnopqrstuvwxyz_<>|", tmp_path / "tok", chat_template=CHATML_TEMPLATE,
-                         extra_special_tokens=CHATML_SPECIAL_TOKENS)
-    (tmp_path / "exp.yaml").write_text(
-        f"data: {{train_files: [{tmp_path / 'train.parquet'}], tokenizer: {tmp_path / 'tok'}, train_batch_size: 4,\n"
-        "       max_prompt_length: 32, max_response_length: 8, shuffle: false}\n"
-        "model: {hf_config: {model_type: qwen2, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2,\n"
-        "        num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 64, max_position_embeddings: 64}}\n"
-        f"actor: {{ppo_mini_batch_size: 4, ppo_micro_batch_size_per_gpu: 2}}\nrollout: {{n: 2}}\n"
-        f"trainer: {{default_local_dir: {tmp_path / 'run'}}}\n")
+    _write_run(tmp_path, rows)
     tokenizer = load_tokenizer(str(tmp_path / "tok"))
     with_tools = load_config(tmp_path / "exp.yaml", ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]"])
     with pytest.raises(DataError, match=r"train\.parquet.*row 2.*extra_info.*search.*calculator"):
