@@ -208,9 +208,7 @@ def _rollout_and_tracking_errors(cfg: DictConfig) -> list[str]:
     errors = []
     rollout = cfg.rollout
     if not rollout.multi_turn.enable:
-        # tools is left out (megarl.trainer.setup and run_spec read it only with enable, too): a config that
-        # names its tools is turned off by `rollout.multi_turn.enable=false` (tests/unit/agent/test_multi_turn_config.py).
-        changed = changed_keys("rollout.multi_turn", rollout.multi_turn, MultiTurnConfig, skip=("enable", "tools"))
+        changed = changed_keys("rollout.multi_turn", rollout.multi_turn, MultiTurnConfig, skip=("enable",))
         if changed:
             errors.append(f"{', '.join(changed)} with rollout.multi_turn.enable = false: only the multi-turn agent "
                           "loop reads them (each response is one turn, no tool runs); set rollout.multi_turn.enable: "

@@ -279,7 +279,7 @@ class ValidationSamplingConfig:
 class MultiTurnConfig:
     """Multi-turn rollouts with tool calls (megarl.agent): the model's turns alternate with tool outputs."""
 
-    # The keys below are read only with enable; set without it (tools aside): refused.
+    # The keys below are read only with enable; set without it: refused.
     enable: bool = False
     # Tools by name: built-ins (calculator, code_interpreter) or "package.module:ClassName" (a megarl.agent.tools.Tool)
     tools: list[str] = field(default_factory=list)

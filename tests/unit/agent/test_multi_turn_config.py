@@ -52,7 +52,8 @@ def test_settings_resolve_from_every_key(config_file: Path) -> None:
     assert settings == AgentSettings(max_turns=5, max_response_length=48, tool_timeout_s=2.5, max_parallel_calls=3,
                                      max_tool_response_chars=100, tool_response_truncate_side="right", format="hermes",
                                      tools=("calculator", "code_interpreter"), wait_for_tools=False)
-    assert multi_turn_settings(load_config(config_file, ["rollout.multi_turn.enable=false"]).rollout.multi_turn, 48) is None
+    off = load_config(config_file, ["rollout.multi_turn.enable=false", "rollout.multi_turn.tools=[]"])
+    assert multi_turn_settings(off.rollout.multi_turn, 48) is None
 
 
 def test_the_tool_turn_takes_the_prompts_chat_template_kwargs(config_file: Path) -> None:

@@ -46,8 +46,10 @@ def test_multi_turn_settings_need_multi_turn_rollouts(valid_file: Path) -> None:
     cfg = load_config(valid_file, [*on, "rollout.multi_turn.max_turns=3", "rollout.multi_turn.tool_timeout_s=5",
                                    "rollout.multi_turn.wait_for_tools=false"])
     assert cfg.rollout.multi_turn.max_turns == 3
-    # A config that names its tools and turns multi-turn off is accepted (tools are not refused).
-    assert not load_config(valid_file, ["rollout.multi_turn.tools=[calculator]"]).rollout.multi_turn.enable
+    # Tools named with multi-turn off are refused like the other settings; an empty list is the default.
+    assert "rollout.multi_turn.tools = ['calculator'] with rollout.multi_turn.enable = false" in errors_of(
+        valid_file, "rollout.multi_turn.tools=[calculator]")
+    assert not load_config(valid_file, ["rollout.multi_turn.tools=[]"]).rollout.multi_turn.enable
 
 
 def test_validation_sampling_keys_need_sampled_validation(valid_file: Path) -> None:
