@@ -132,6 +132,13 @@ class Episode:
         self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(ids)
 
 
+def encodable(text: str) -> str:
+    """`text` with what UTF-8 cannot encode written as backslash escapes (`\\ud800`). A model can write
+    a lone surrogate as a JSON escape in a tool call (`{"name": "\\ud800"}`), error messages quote the
+    call back, and a tokenizer refuses such a string: the step would fail on the model's own output."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def parse_tools_kwargs(value: Any, tool_names: Collection[str]) -> dict[str, dict[str, Any]]:
     """A row's `extra_info.tools_kwargs` (verl's layout): {tool: {create_kwargs|execute_kwargs|calc_reward_kwargs|
     release_kwargs: {...}}}, each tool one of `tool_names`; {} for None. ValueError saying what is wrong
@@ -310,7 +317,7 @@ class AgentLoop:
         ep.tool_seconds += sum(a.seconds for a in answers)
         ep.calls = []
         cap, side = self.settings.max_tool_response_chars, self.settings.tool_response_truncate_side
-        ids = self.encoder.encode([cut_tool_output(a.text, cap, side) for a in answers],
+        ids = self.encoder.encode([encodable(cut_tool_output(a.text, cap, side)) for a in answers],
                                   ended_on=ep.response_ids[-1])  # the model's last token
         room = self.settings.max_response_length - len(ep.response_ids)
         ep.append(ids[:room], model=False)

@@ -239,6 +239,22 @@ def test_malformed_call_is_answered_as_a_tool_error(tokenizer: Any) -> None:
     assert out["agent/tool_errors"].tolist() == [1.0]
 
 
+@pytest.mark.parametrize("turn", [
+    '<tool_call>{"name": "\\ud800", "arguments": "x"}</tool_call><|im_end|>',  # quoted by the parser's error
+    '<tool_call>{"name": "\\ud800"}</tool_call><tool_call>{"name": "\\udfff"}</tool_call><|im_end|>',  # "not run"
+])
+def test_a_lone_surrogate_the_model_writes_in_a_call_is_answered_not_a_crash(tokenizer: Any, turn: str) -> None:
+    """A JSON escape of half a surrogate pair in a tool call's name is quoted back in the error answer;
+    the tokenizer cannot take that string (it stopped the rollout with a TypeError): the answer
+    reaches the model with the character written as a backslash escape."""
+    loop, _ = make_loop(tokenizer, one_turn_of(turn), max_parallel_calls=1, max_response_length=400)
+    out = multi_turn_generate(loop, prompt_batch(tokenizer, ["q"]), SamplingParams(max_new_tokens=400))
+    answers = tool_answers(tokenizer, out)
+    assert answers and all(a.startswith("error: ") for a in answers), answers
+    assert any("\\ud800" in a or "\\udfff" in a for a in answers), answers
+    assert out["agent/tool_errors"].tolist() == [float(len(answers))]
+
+
 def tool_answers(tokenizer: Any, out: Batch, row: int = 0) -> list[str]:
     """The tool messages of a response, in order (its mask-0 tokens split at each tool turn)."""
     tool_ids = [t for t, m in zip(out["responses"][row].tolist(), out["response_mask"][row].tolist()) if m == 0 and t]
