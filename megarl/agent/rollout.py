@@ -32,22 +32,22 @@ def rows_tools_kwargs(prompts: Batch, loop: AgentLoop) -> list[dict[str, dict[st
     """Each prompt row's `extra_info.tools_kwargs` (verl's layout), checked against the run's tools. A
     problem names the row by the identity the batch carries (`uid`, dataset `index`): its position here
     is only its place in this rank's shard."""
-    keys = prompts.keys()
-    extra = prompts["extra_info"] if "extra_info" in keys else [None] * len(prompts)
+    extra = prompts["extra_info"] if "extra_info" in prompts.keys() else [None] * len(prompts)
     out = []
     for i, e in enumerate(extra):
         if e is not None and not isinstance(e, dict):
-            raise DataError(f"{_row_identity(prompts, keys, i)}: extra_info must be a mapping (holding tools_kwargs: "
+            raise DataError(f"{_row_identity(prompts, i)}: extra_info must be a mapping (holding tools_kwargs: "
                             f"{{tool: {{create_kwargs: ...}}}}) or null, got {type(e).__name__}")
         try:
             out.append(parse_tools_kwargs((e or {}).get("tools_kwargs"), loop.tools.tools))
         except ValueError as exc:
-            raise DataError(f"{_row_identity(prompts, keys, i)}: extra_info.{exc}") from None
+            raise DataError(f"{_row_identity(prompts, i)}: extra_info.{exc}") from None
     return out
 
 
-def _row_identity(prompts: Batch, keys: Any, i: int) -> str:
+def _row_identity(prompts: Batch, i: int) -> str:
     """How a message names prompt row `i`: its uid and dataset index where the batch has them."""
+    keys = prompts.keys()
     named = ([f"uid '{prompts['uid'][i]}'"] if "uid" in keys else []) + \
         ([f"dataset index {prompts['index'][i]}"] if "index" in keys else [])
     return f"prompt {', '.join(named)}" if named else f"row {i} of the prompt batch"

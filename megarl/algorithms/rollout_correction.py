@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from megarl.algorithms.utils import masked_mean, masked_sum
+# Torch-free, defined beside the config check that also needs it; part of this module's interface.
+from megarl.config.inert_keys import logprob_gap_uncheckable  # noqa: F401
 from megarl.errors import ConfigError, MegarlError
 
 CORRECTION_MODES = ("none", "tis", "mis", "icepop", "reject")
@@ -190,21 +192,6 @@ def rollout_mismatch_metrics(trainer_log_prob: torch.Tensor, rollout_log_prob: t
     return {**logprob_gap(trainer_log_prob, rollout_log_prob, mask),
             "training/rollout_logprob_num_nonfinite": float(nonfinite.sum()),
             **mismatch_metrics(trainer_log_prob, rollout_log_prob, mask, settings)}
-
-
-def logprob_gap_uncheckable(temperature: float, top_p: float, top_k: int, logprobs_mode: str) -> str | None:
-    """Why the rollout engine's log-probs of sampled tokens are not the trainer's quantity,
-    ``log_softmax(logits / temperature)``, under this sampling (then their gap measures the sampling,
-    not the weights, and `rollout.max_logprob_gap` cannot be checked on it); None when they are."""
-    if logprobs_mode == "raw" and temperature != 1.0:
-        return (f"rollout.logprobs_mode = 'raw' gives log_softmax(logits), the trainer log_softmax(logits / "
-                f"{temperature:g}) (rollout.temperature)")
-    filters = [f"rollout.top_p = {top_p:g}" if top_p < 1.0 else "", f"rollout.top_k = {top_k}" if top_k > 0 else ""]
-    if logprobs_mode == "processed" and any(filters):
-        return (f"{' and '.join(f for f in filters if f)} with rollout.logprobs_mode = 'processed': the rollout's "
-                "log-probs are of the filtered, renormalised distribution, the trainer's of the whole one (their gap "
-                "is -log of the mass kept)")
-    return None
 
 
 def check_logprob_gap(step: int, gap_mean: float, threshold: float | None, where: str = "the response tokens",

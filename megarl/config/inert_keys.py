@@ -190,16 +190,19 @@ def _schedule_errors(cfg: DictConfig, critic_on: bool) -> list[str]:
     return errors
 
 
-def logprob_gap_uncheckable(rollout: Any) -> Optional[str]:
-    """Why the rollout's log-probs are not the trainer's quantity under this sampling, so the per-step
-    check of rollout.max_logprob_gap is skipped (megarl.algorithms.rollout_correction.
-    logprob_gap_uncheckable, which imports torch; a test keeps the two equal); None when it runs."""
-    if rollout.logprobs_mode == "raw" and rollout.temperature != 1.0:
-        return f"rollout.logprobs_mode = 'raw' at rollout.temperature = {rollout.temperature}"
-    filters = [f for f, on in ((f"rollout.top_p = {rollout.top_p}", rollout.top_p < 1.0),
-                               (f"rollout.top_k = {rollout.top_k}", rollout.top_k > 0)) if on]
-    if rollout.logprobs_mode == "processed" and filters:
-        return f"{' and '.join(filters)} with rollout.logprobs_mode = 'processed'"
+def logprob_gap_uncheckable(temperature: float, top_p: float, top_k: int, logprobs_mode: str) -> Optional[str]:
+    """Why the rollout engine's log-probs of sampled tokens are not the trainer's quantity,
+    ``log_softmax(logits / temperature)``, under this sampling (then their gap measures the sampling,
+    not the weights, and `rollout.max_logprob_gap` cannot be checked on it); None when they are.
+    Torch-free, here for the config check; the trainer takes it through `megarl.algorithms`."""
+    if logprobs_mode == "raw" and temperature != 1.0:
+        return (f"rollout.logprobs_mode = 'raw' gives log_softmax(logits), the trainer log_softmax(logits / "
+                f"{temperature:g}) (rollout.temperature)")
+    filters = [f"rollout.top_p = {top_p:g}" if top_p < 1.0 else "", f"rollout.top_k = {top_k}" if top_k > 0 else ""]
+    if logprobs_mode == "processed" and any(filters):
+        return (f"{' and '.join(f for f in filters if f)} with rollout.logprobs_mode = 'processed': the rollout's "
+                "log-probs are of the filtered, renormalised distribution, the trainer's of the whole one (their gap "
+                "is -log of the mass kept)")
     return None
 
 
@@ -223,16 +226,17 @@ def _rollout_and_tracking_errors(cfg: DictConfig) -> list[str]:
     if probe_off and rollout.probe_prompts != RolloutConfig.probe_prompts:
         errors.append(f"rollout.probe_prompts = {rollout.probe_prompts} with rollout.probe_freq = 0: only the "
                       "weight-sync probe reads it (the size of its batch); set rollout.probe_freq >= 1 or remove it")
-    gap, uncheckable = rollout.max_logprob_gap, logprob_gap_uncheckable(rollout)
+    gap = rollout.max_logprob_gap
+    uncheckable = logprob_gap_uncheckable(rollout.temperature, rollout.top_p, rollout.top_k, rollout.logprobs_mode)
     # null is read (no warning at the start that the check is skipped); calculate_log_probs false is left
     # out: tests/integration/trainer/test_sync_probe_e2e.py sets a gap with it and no probe.
     if probe_off and uncheckable and gap is not None and gap != RolloutConfig.max_logprob_gap:
         # The probe samples without top-p / top-k, and is refused with raw log-probs at a temperature.
         fix = ("use logprobs_mode processed (or temperature 1)" if rollout.logprobs_mode == "raw"
                else "set rollout.probe_freq >= 1 (the probe samples without the filters), sample without them")
-        errors.append(f"rollout.max_logprob_gap = {gap} with {uncheckable} and rollout.probe_freq = 0: the per-step "
-                      "check is skipped under that sampling (the rollout's log-probs are not the trainer's quantity) "
-                      f"and no probe runs, so nothing compares a gap with it; {fix}, or remove it")
+        errors.append(f"rollout.max_logprob_gap = {gap} with rollout.probe_freq = 0: the per-step check is skipped "
+                      f"under this sampling ({uncheckable}) and no probe runs, so nothing compares a gap with it; "
+                      f"{fix}, or remove it")
     tracking = cfg.tracking
     if tracking.mlflow_tracking_uri != TrackingConfig.mlflow_tracking_uri and "mlflow" not in tracking.backends:
         errors.append(f"tracking.mlflow_tracking_uri = {tracking.mlflow_tracking_uri!r} with tracking.backends = "

@@ -52,8 +52,8 @@ ENUMS: dict[str, set[str]] = {
 }
 TRACKING_BACKENDS = {"console", "jsonl", "mlflow"}
 MIN_SAMPLING_TEMPERATURE = 1e-5  # vllm.sampling_params: below it a request is greedy
-# megarl.trainer.run_spec seeds rollout engine r with trainer.seed x 1000 + r (a test keeps them equal).
-VLLM_SEED_FACTOR = 1000
+# Rollout engine r is seeded with trainer.seed x ROLLOUT_SEED_FACTOR + r (megarl.trainer.run_spec).
+ROLLOUT_SEED_FACTOR = 1000
 # megarl.rewards.model_scores.COMBINES, which imports torch (a test keeps them equal).
 REWARD_MODEL_COMBINES = ("by_style", "weighted_sum")
 # HF config keys that change weight shapes: model.override_config cannot set them over a checkpoint.
@@ -880,10 +880,10 @@ def _check_seeds(r: _Rules, cfg: DictConfig, world: int) -> None:
         r.err(f"data.seed = {cfg.data.seed}: must be an integer >= 0 (numpy's generator, which orders the data, "
               "takes no negative seed)")
     seed, engine = cfg.trainer.seed, cfg.rollout.engine
-    highest = (2**32 - world) // VLLM_SEED_FACTOR
+    highest = (2**32 - world) // ROLLOUT_SEED_FACTOR
     if engine in ("auto", "vllm") and not 0 <= seed <= highest:
         r.err(f"trainer.seed = {seed} with rollout.engine = {engine!r}: must be in [0, {highest}] (vLLM seeds its "
-              f"engines with trainer.seed x {VLLM_SEED_FACTOR} + rank, which numpy takes in [0, 2**32 - 1]); or "
+              f"engines with trainer.seed x {ROLLOUT_SEED_FACTOR} + rank, which numpy takes in [0, 2**32 - 1]); or "
               "rollout.engine: hf")
 
 

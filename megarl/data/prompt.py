@@ -85,10 +85,6 @@ class PromptRenderer:
             return prompt
         return "\n\n".join(message["content"] for message in prompt)
 
-    def encode_batch(self, prompts: Sequence[Prompt]) -> list[list[int]]:
-        """Token ids of each prompt (unpadded, untruncated)."""
-        return self.encode_texts([self.text(p) for p in prompts])
-
     def encode_texts(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of prompts already rendered by :meth:`text` (unpadded, untruncated)."""
         if not texts:
@@ -98,7 +94,7 @@ class PromptRenderer:
     def plain_backend(self) -> Tokenizer | None:
         """A copy of the fast tokenizer's Rust backend without padding or truncation; None for a slow
         tokenizer. The tokenizer's own backend keeps whatever its tokenizer.json or an earlier call
-        with padding / truncation set, which would change every count; :meth:`encode_batch` (the
+        with padding / truncation set, which would change every count; :meth:`encode_texts` (the
         tokenizer's __call__ without them) switches both off."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is None:
@@ -109,10 +105,6 @@ class PromptRenderer:
             self._plain.no_truncation()
         return self._plain
 
-    def lengths(self, prompts: Sequence[Prompt]) -> list[int]:
-        """Token count of each prompt (what :meth:`encode_batch` would return, counted)."""
-        return self.text_lengths([self.text(p) for p in prompts])
-
     def text_lengths(self, texts: Sequence[str]) -> list[int]:
         """Token count of each prompt already rendered by :meth:`text` (:meth:`encode_texts`, counted)."""
         backend = self.plain_backend()
@@ -121,9 +113,6 @@ class PromptRenderer:
         # A fast tokenizer's ids come from its Rust backend; asking it directly skips building
         # Python lists for every token (several times faster on large datasets).
         return [len(e) for e in backend.encode_batch(list(texts), add_special_tokens=not self.use_chat_template)]
-
-    def encode(self, prompt: Prompt) -> list[int]:
-        return self.encode_batch([prompt])[0]
 
     def fingerprint_parts(self) -> list[str]:
         """What determines the token ids (for dataset cache fingerprints)."""

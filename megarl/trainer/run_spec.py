@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from megarl.agent.loop import AgentSettings
 from megarl.config import critic_enabled, ref_enabled
 from megarl.algorithms import RolloutCorrectionSettings, logprob_gap_uncheckable
-from megarl.config.validate import optimizer_steps_per_step, role_parallel, update_is_on_policy
+from megarl.config.validate import ROLLOUT_SEED_FACTOR, optimizer_steps_per_step, role_parallel, update_is_on_policy
 from megarl.dtypes import long_name, short_name
 from megarl.layout import ParallelLayout
 from megarl.megatron.optim import EngineConfig
@@ -209,7 +209,7 @@ def resolve_run_spec(cfg: DictConfig, model_dir: str, pad_token_id: int, eos_tok
             pad_token_id=int(pad_token_id),
             eos_token_ids=tuple(int(t) for t in eos_token_ids),
             dtype=long_name(ro.dtype or cfg.model.dtype, "rollout.dtype"),
-            seed=int(cfg.trainer.seed) * 1000,  # rank r's engine uses seed + r
+            seed=int(cfg.trainer.seed) * ROLLOUT_SEED_FACTOR,  # rank r's engine uses seed + r
             tensor_parallel_size=int(ro.tensor_model_parallel_size),
             logprobs_mode=str(ro.logprobs_mode),
             max_model_len=int(cfg.data.max_prompt_length) + resp,

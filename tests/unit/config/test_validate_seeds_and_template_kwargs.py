@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megarl.config import load_config
-from megarl.config.validate import VLLM_SEED_FACTOR
+from megarl.config.validate import ROLLOUT_SEED_FACTOR
 from megarl.trainer.run_spec import resolve_run_spec
 from test_config import errors_of, valid_file  # noqa: F401 (valid_file: the fixture)
 
@@ -45,7 +45,7 @@ def test_the_hf_engine_and_torch_take_any_trainer_seed(valid_file: Path) -> None
 def test_the_rule_knows_how_run_spec_seeds_the_rollout_engines(valid_file: Path) -> None:
     cfg = load_config(valid_file, ["trainer.seed=7"])
     spec = resolve_run_spec(cfg, "model", pad_token_id=0, eos_token_ids=[1], total_steps=1)
-    assert spec.rollout.options.seed == 7 * VLLM_SEED_FACTOR
+    assert spec.rollout.options.seed == 7 * ROLLOUT_SEED_FACTOR
 
 
 @pytest.mark.parametrize("key", ["add_generation_prompt", "tokenize", "messages", "conversation",
