@@ -8,9 +8,12 @@ A round gives every GENERATING request its next turn in one batched engine call
 (`generate_tokens`, token ids in and out). Tool calls run in a thread pool: a request whose tools
 are still running need not hold the others. With `wait_for_tools` (the default) each round waits for
 every running call first, so which requests share a round, and so the sampled tokens, never depend on
-how fast a tool answered: a run with a fixed seed is reproducible. Without it, requests whose tools
-answered generate their next turns meanwhile and the loop waits for tools only when no request is
-ready to generate (faster with slow tools; rounds then depend on timing). Limits: `max_turns` assistant turns, a
+how fast a tool answered, and one request's calls of a turn run one after another in the order
+written, so a tool's per-request state follows that order: a run with a fixed seed is reproducible.
+Without it, a turn's calls run together, requests whose tools answered generate their next turns
+meanwhile and the loop waits for tools only when no request is ready to generate (faster with slow
+tools; rounds and tool state then depend on timing). Every round samples a request from its own
+row's random stream (`SamplingParams.prompt_indices`), whichever requests are still running. Limits: `max_turns` assistant turns, a
 response budget of `max_response_length` tokens over all turns (model and tool tokens),
 `max_parallel_calls` calls run per turn (as verl's key; each later call of the turn is answered that it
 was not run, so every call gets its answer in the order written), and a
@@ -82,12 +85,12 @@ class AgentSettings:
     max_turns: int = 4  # assistant turns
     max_response_length: int = 64  # model and tool tokens together, over all turns
     tool_timeout_s: float = 10.0  # per call
-    max_parallel_calls: int = 8  # calls of one turn that run (together); later ones are answered "not run"
+    max_parallel_calls: int = 8  # calls of one turn that run; later ones are answered "not run"
     max_tool_response_chars: int = 256  # a longer tool output is cut (`cut_tool_output`)
     tool_response_truncate_side: str = "middle"  # left | middle | right: the part of a cut output kept
     format: str = "hermes"  # tool-call parser
     tools: tuple[str, ...] = ()  # tool names for `ToolSet.from_names` (the roles build the set)
-    wait_for_tools: bool = True  # each round waits for every running tool call (reproducible rounds)
+    wait_for_tools: bool = True  # rounds wait for every running call; a turn's calls run in order (reproducible)
     tool_threads: int = 16  # threads running the tool calls of all requests (not a config key)
     # data.apply_chat_template_kwargs: the tool turn is rendered with them, as the prompt was
     chat_template_kwargs: Optional[dict[str, Any]] = None
@@ -96,10 +99,11 @@ class AgentSettings:
 @dataclass
 class _Call:
     name: str
-    future: Optional[concurrent.futures.Future]  # None: answered already (a malformed call, one not run)
+    future: Optional[concurrent.futures.Future]  # None: not queued yet (`run`), or answered already
     submitted: float  # time.monotonic() when the call was queued
-    answer: Optional[ToolResult] = None
+    answer: Optional[ToolResult] = None  # set from the start for a malformed call or one not run
     started: Optional[float] = None  # when a thread began running it (set by that thread)
+    run: Optional[Callable[[], ToolResult]] = None  # what a thread runs, until it is queued
 
 
 @dataclass
@@ -187,9 +191,10 @@ class AgentLoop:
     def run(self, prompts: Sequence[Sequence[int]], tools_kwargs: Sequence[dict[str, dict[str, Any]]],
             params: SamplingParams, driver: bool = True,
             share: Callable[[Any], Any] = lambda obj: obj) -> list[Episode]:
-        """One episode per prompt (ids without padding). Every rank of the engine calls this; only
-        the `driver`'s arguments besides `params` are used, and `share(obj)` must return the
-        driver's `obj` on every rank."""
+        """One episode per prompt (ids without padding); episode i samples as row
+        `params.row_offset` + i of the whole batch (`params.n` is ignored). Every rank of the engine
+        calls this; only the `driver`'s arguments besides `params` are used, and `share(obj)` must
+        return the driver's `obj` on every rank."""
         episodes = [Episode(i, uuid.uuid4().hex, list(p), kw) for i, (p, kw) in enumerate(zip(prompts, tools_kwargs))] \
             if driver else []
         if driver:
@@ -206,7 +211,12 @@ class AgentLoop:
                     break
                 rows, contexts, budgets = plan
                 seed = None if params.seed is None else params.seed + 7919 * rounds
-                outs = self.engine.generate_tokens(contexts, dataclasses.replace(params, n=1, seed=seed), budgets)
+                # Every round samples each request from its own row's stream (`params.row_offset` +
+                # its row), whichever others are still running: a seeded batch samples the same
+                # whatever its split over ranks.
+                turn = dataclasses.replace(params, n=1, seed=seed,
+                                           prompt_indices=tuple(params.row_offset + row for row in rows))
+                outs = self.engine.generate_tokens(contexts, turn, budgets)
                 self.engine_calls += 1
                 rounds += 1
                 if driver:
@@ -276,6 +286,7 @@ class AgentLoop:
         self._collect(ep)
 
     def _submit(self, ep: Episode, call: ToolCall, submitted: float) -> _Call:
+        """A call to run; `_collect` queues it (in turn, with `wait_for_tools`)."""
         kwargs = ep.tools_kwargs.get(call.name, {}).get("execute_kwargs", {})
         record = _Call(call.name, None, submitted)
 
@@ -283,7 +294,7 @@ class AgentLoop:
             record.started = self._last_start = time.monotonic()
             return self.tools.call(ep.episode_id, call.name, call.arguments, **kwargs)
 
-        record.future = self._pool.submit(run)
+        record.run = run
         return record
 
     def _deadline(self, call: _Call) -> float:
@@ -296,11 +307,16 @@ class AgentLoop:
         return max(call.submitted, self._last_start) + self.settings.tool_timeout_s
 
     def _collect(self, ep: Episode) -> None:
-        """When every call of the turn is answered (or past its deadline): append the tool turn."""
+        """Queue the turn's calls that may run now; when every call is answered (or past its
+        deadline), append the tool turn. With `wait_for_tools` one episode's calls run one after
+        another in the order written, so the tools' per-episode state (the calculator's last
+        result) follows that order in every run; without it they run together."""
         now = time.monotonic()
         for call in ep.calls:
             if call.answer is not None:
                 continue
+            if call.future is None:
+                call.submitted, call.future = now, self._pool.submit(call.run)
             if call.future.done():
                 call.answer = call.future.result()
             elif now >= self._deadline(call):
@@ -308,6 +324,8 @@ class AgentLoop:
                 text = (f"error: {call.name} did not start: every tool thread is held by a call past its timeout"
                         if queued else f"error: {call.name} timed out after {self.settings.tool_timeout_s:g} s")
                 call.answer = ToolResult(text, error="timeout", timed_out=True, seconds=self.settings.tool_timeout_s)
+            elif self.settings.wait_for_tools:
+                break  # the calls after it are queued once it is answered
         if any(c.answer is None for c in ep.calls):
             return
         answers = [c.answer for c in ep.calls]

@@ -285,14 +285,15 @@ class MultiTurnConfig:
     tools: list[str] = field(default_factory=list)
     max_turns: int = 4  # assistant turns per episode; rollout.response_length caps model + tool tokens over all turns
     tool_timeout_s: float = 10.0  # per tool call, from when it begins running; past it the model reads a timeout error
-    # tool calls of one assistant turn that run (together), as verl's key; unlike verl, which drops them,
+    # tool calls of one assistant turn that run, as verl's key; unlike verl, which drops them,
     # each later call of the turn is answered with an error saying it was not run (answers pair by position)
     max_parallel_calls: int = 8
     max_tool_response_chars: int = 256  # a longer tool output is cut before it is tokenised, marked "(truncated)"
     tool_response_truncate_side: str = "middle"  # what of a cut output is kept: left (its start) | middle | right (its end)
     format: str = "hermes"  # tool-call format of the model's turns (megarl.agent.parsers)
-    # true: each round of generation waits for every running tool call, so rounds (and the sampled
-    # tokens) do not depend on tool timing and a seeded run is reproducible; false: requests whose
+    # true: each round of generation waits for every running tool call and one episode's calls of a
+    # turn run in the order written, so rounds, sampled tokens and tool state do not depend on tool
+    # timing and a seeded run is reproducible; false: a turn's calls run together and requests whose
     # tools answered go on meanwhile (faster when some tools are slow, not reproducible)
     wait_for_tools: bool = True
 

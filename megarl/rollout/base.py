@@ -60,6 +60,10 @@ class SamplingParams:
             split over several engines (data-parallel ranks): prompt i's samples are rows
             (row_offset + i) * n + c of the batch, so each rank draws its own random numbers and
             a seeded batch samples the same whatever its split.
+        prompt_indices: each prompt's index in the whole batch (counted as `row_offset` counts),
+            where they are not row_offset, row_offset + 1, ...: a call that continues only some
+            requests (an agent loop's later turns, a partial rollout's open rows) keeps each one on
+            its own random stream. Replaces `row_offset` when set; see `batch_indices`.
         greedy: argmax decoding (validation); temperature/top_p/top_k are then ignored.
         ignore_eos: keep generating after EOS / stop tokens (benchmarks).
     """
@@ -74,9 +78,14 @@ class SamplingParams:
     greedy: bool = False
     ignore_eos: bool = False
     row_offset: int = 0
+    prompt_indices: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.prompt_indices is not None:
+            object.__setattr__(self, "prompt_indices", tuple(int(i) for i in self.prompt_indices))
+            if any(i < 0 for i in self.prompt_indices):
+                raise ConfigError(f"SamplingParams.prompt_indices must be >= 0, got {list(self.prompt_indices)}")
         if self.n < 1:
             raise ConfigError(f"SamplingParams.n must be >= 1, got {self.n}")
         if self.row_offset < 0:
@@ -92,6 +101,22 @@ class SamplingParams:
             raise ConfigError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ConfigError(f"SamplingParams.top_k must be -1, 0 (off) or positive, got {self.top_k}")
+
+    def batch_indices(self, count: int) -> list[int]:
+        """The index in the whole batch of each of a call's `count` prompts: `prompt_indices`, or
+        `row_offset`, `row_offset` + 1, ... (prompt i's c-th sample is response row index x n + c)."""
+        if self.prompt_indices is None:
+            return list(range(self.row_offset, self.row_offset + count))
+        if len(self.prompt_indices) != count:
+            raise ValueError(f"SamplingParams.prompt_indices names {len(self.prompt_indices)} prompts, "
+                             f"the call has {count}")
+        return list(self.prompt_indices)
+
+    def for_prompts(self, count: int, chosen: Sequence[int], **changes: Any) -> SamplingParams:
+        """These params (for a call on `count` prompts) for a call on the prompts at places `chosen`
+        of them, each keeping its index in the whole batch, with `changes` applied."""
+        indices = self.batch_indices(count)
+        return dataclasses.replace(self, prompt_indices=tuple(indices[i] for i in chosen), **changes)
 
     @classmethod
     def make_greedy(cls, max_new_tokens: int, n: int = 1, **kwargs: Any) -> SamplingParams:
@@ -291,7 +316,8 @@ class RolloutEngine(abc.ABC):
             todo = [i for i in range(len(contexts)) if not stopped[i] and len(tokens[i]) < budgets[i]]
             if not todo:
                 break
-            chunk = dataclasses.replace(params, seed=None if params.seed is None else params.seed + 7_919 * checks)
+            chunk = params.for_prompts(len(contexts), todo,
+                                       seed=None if params.seed is None else params.seed + 7_919 * checks)
             new = self.generate_tokens([list(contexts[i]) + tokens[i] for i in todo], chunk,
                                        [min(every, budgets[i] - len(tokens[i])) for i in todo])
             for i, cont in zip(todo, new):

@@ -195,8 +195,8 @@ class _RowStreams:
     """The random numbers of a decode: one stream per row (`megarl.rollout.seeds`), drawn one
     uniform per row and step, computed `chunk` steps at a time for all rows at once."""
 
-    def __init__(self, seed: int, first_row: int, rows: int, device: torch.device, chunk: int = 64) -> None:
-        self.seeds = row_seeds(seed, first_row, rows)
+    def __init__(self, seed: int, rows: Sequence[int], device: torch.device, chunk: int = 64) -> None:
+        self.seeds = row_seeds(seed, rows)
         self.device = device
         self.chunk = chunk
         self.start = 0
@@ -332,8 +332,9 @@ class HFRolloutEngine(RolloutEngine):
         rows = input_ids.shape[0] * n
 
         stop_ids = torch.tensor(sorted(set(self.options.eos_token_ids) | set(params.stop_token_ids)), device=self.device)
-        streams = None if params.greedy else _RowStreams(self._call_seed(params), params.row_offset * n, rows,
-                                                         self.device)
+        streams = None if params.greedy else _RowStreams(
+            self._call_seed(params), [p * n + c for p in params.batch_indices(input_ids.shape[0]) for c in range(n)],
+            self.device)
 
         responses = torch.full((rows, r), self.options.pad_token_id, dtype=torch.long, device=self.device)
         log_probs = torch.zeros((rows, r), dtype=torch.float32, device=self.device)

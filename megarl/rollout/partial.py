@@ -19,7 +19,6 @@ Columns of a partial rollout batch besides those of `megarl.rollout.output`:
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,7 +81,8 @@ def advance_rows(engine: Any, rows: Batch, params: SamplingParams, version: int,
         if open_[i] and restart_stale and any(v != version for v in versions[i]):
             tokens[i], log_probs[i], versions[i] = [], [], []
     todo = [i for i, o in enumerate(open_) if o]
-    one = dataclasses.replace(params, n=1, seed=call_seed(params.seed, version))
+    # Each open row keeps its own random stream (its index in the whole batch), whichever rows closed.
+    one = params.for_prompts(len(rows), todo, n=1, seed=call_seed(params.seed, version))
     continued = engine.generate_interruptible([prompts[i] + tokens[i] for i in todo], one,
                                               [width - len(tokens[i]) for i in todo], chunk_tokens, interrupted)
     for i, new in zip(todo, continued):

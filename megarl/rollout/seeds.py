@@ -21,6 +21,8 @@ computed for all rows at once, so per-row streams cost no Python loop over rows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 SEED_SPACE = 2**62  # row seeds live in [0, 2^62): seed + (n - 1) still fits an int64 (vLLM adds the sample index)
@@ -44,10 +46,10 @@ def row_seed(seed: int, row: int) -> int:
     return (call_base(seed) + int(row)) % SEED_SPACE
 
 
-def row_seeds(seed: int, first_row: int, rows: int) -> np.ndarray:
-    """(rows,) uint64: `row_seed(seed, first_row + i)` for i in range(rows)."""
-    base = np.uint64((call_base(seed) + int(first_row)) % SEED_SPACE)
-    return (base + np.arange(rows, dtype=np.uint64)) % np.uint64(SEED_SPACE)
+def row_seeds(seed: int, rows: Sequence[int] | np.ndarray) -> np.ndarray:
+    """(len(rows),) uint64: `row_seed(seed, r)` for each response row r of the whole batch."""
+    base = np.uint64(call_base(seed))
+    return (base + np.asarray(rows, dtype=np.uint64)) % np.uint64(SEED_SPACE)
 
 
 def _mix64_array(x: np.ndarray) -> np.ndarray:

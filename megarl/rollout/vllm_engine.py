@@ -165,6 +165,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
         stop_ids = [] if params.ignore_eos else sorted(set(self.options.eos_token_ids) | set(params.stop_token_ids))
         requests, sampling = [], []
+        indices = params.batch_indices(len(prompt_ids))
         for i, ids in enumerate(prompt_ids):
             requests.append({"prompt_token_ids": ids})
             sampling.append(
@@ -182,7 +183,7 @@ class VLLMRolloutEngine(RolloutEngine):
                     # vLLM gives the n children of a request seeds seed, seed+1, ...: the request's
                     # seed is that of its first row in the whole batch (`megarl.rollout.seeds`).
                     seed=None if params.seed is None or params.greedy
-                    else row_seed(params.seed, (params.row_offset + i) * params.n),
+                    else row_seed(params.seed, indices[i] * params.n),
                 )
             )
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)

@@ -6,6 +6,8 @@ the CPU build refuses smaller heads. References are uncached HF forwards in floa
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -154,6 +156,18 @@ def test_seed_reproduces(engine: VLLMRolloutEngine) -> None:
     other = engine.generate(prompt_batch(PROMPTS), SamplingParams(n=2, max_new_tokens=R, seed=22))
     assert torch.equal(first["responses"], again["responses"])
     assert not torch.equal(first["responses"], other["responses"])
+
+
+def test_a_call_on_some_prompts_samples_them_as_the_call_on_all(engine: VLLMRolloutEngine) -> None:
+    """`prompt_indices` (an agent loop's later turns, a partial rollout's open rows): each prompt keeps
+    the random stream of its index in the whole batch; `row_offset` shifts it as a DP shard's start."""
+    params = SamplingParams(n=2, max_new_tokens=R, seed=21)
+    whole = engine.generate(prompt_batch(PROMPTS), params)
+    last = len(PROMPTS) - 1
+    some = engine.generate(prompt_batch([PROMPTS[last]]), params.for_prompts(len(PROMPTS), [last]))
+    assert torch.equal(some["responses"], whole["responses"][2 * last:2 * last + 2])
+    shard = engine.generate(prompt_batch([PROMPTS[last]]), dataclasses.replace(params, row_offset=last))
+    assert torch.equal(shard["responses"], some["responses"])
 
 
 def test_stop_token_ends_the_response_and_is_kept(engine: VLLMRolloutEngine) -> None:

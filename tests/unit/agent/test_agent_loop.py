@@ -335,7 +335,7 @@ def test_multi_turn_validation_batches_draw_streams_of_their_own(tokenizer: Any)
 
     def recording(contexts: Any, params: SamplingParams, max_new_tokens: Any = None) -> list[TokenContinuation]:
         if recording.fresh:
-            first_round.append([params.row_offset + k for k in range(len(contexts))])
+            first_round.append(params.batch_indices(len(contexts)))
             recording.fresh = False
         return generate_tokens(contexts, params, max_new_tokens)
 
@@ -360,6 +360,72 @@ def test_multi_turn_validation_batches_draw_streams_of_their_own(tokenizer: Any)
     assert first_round == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert len({tuple(r) for r in batch0 + batch1}) == 8, "a validation batch reused another's random streams"
     assert generate(1, first=0) == batch1 and first_round[-1] == [4, 5, 6, 7]  # DP rank 1's shard: prompts 2, 3
+
+
+class SlowFirstCalculator(CalculatorTool):
+    """The calculator, but the expression 1+1 takes 0.3 s: run together, the turn's calls finish in
+    the other order. Records when each call began and ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spans: dict[str, tuple[float, float]] = {}
+
+    def execute(self, episode: str, arguments: dict[str, Any], **kwargs: Any) -> ToolResult:
+        start = time.monotonic()
+        if arguments["expression"] == "1+1":
+            time.sleep(0.3)
+        result = super().execute(episode, arguments, **kwargs)
+        self.spans[arguments["expression"]] = (start, time.monotonic())
+        return result
+
+
+def test_a_turns_calls_change_tool_state_in_the_order_written(tokenizer: Any) -> None:
+    """The calculator rewards its last result. With `wait_for_tools` (the default) a turn's calls run
+    one after another in the order written, so "last" is the last call written however long each
+    took (before, calls ran together and "last" was the one that finished last: the reward varied
+    between runs of a seeded batch). Without it they run together."""
+    call = lambda expr: CALL.replace("EXPR", expr).replace("<|im_end|>", "")  # noqa: E731
+    turn = call("1+1") + call("2+2") + "<|im_end|>"
+    truth = [{"tools_kwargs": {"calculator": {"create_kwargs": {"ground_truth": "4"}}}}]
+    tool = SlowFirstCalculator()
+    loop, _ = make_loop(tokenizer, one_turn_of(turn), ToolSet({"calculator": tool}), max_response_length=600)
+    out = multi_turn_generate(loop, prompt_batch(tokenizer, ["q"], truth), SamplingParams(max_new_tokens=600))
+    assert tool_answers(tokenizer, out) == ["2", "4"]
+    assert out["tool_reward"].tolist() == [1.0]
+    assert tool.spans["2+2"][0] >= tool.spans["1+1"][1]  # the second began after the first ended
+    tool = SlowFirstCalculator()
+    loop, _ = make_loop(tokenizer, one_turn_of(turn), ToolSet({"calculator": tool}), max_response_length=600,
+                        wait_for_tools=False)
+    out = multi_turn_generate(loop, prompt_batch(tokenizer, ["q"], truth), SamplingParams(max_new_tokens=600))
+    assert tool_answers(tokenizer, out) == ["2", "4"]  # answers still in the order written
+    assert tool.spans["2+2"][0] < tool.spans["1+1"][1]  # together: the second began before the first ended
+
+
+def test_every_round_samples_each_request_from_its_own_rows_stream(tokenizer: Any) -> None:
+    """After the first turn only the requests still running go to the engine; each must keep the
+    random stream of its row in the whole batch (`row_offset` + its row), not take the k-th row's
+    because k requests before it are still running (a seeded batch would then sample differently on
+    another data-parallel split)."""
+    indices: list[list[int]] = []
+
+    def script(text: str) -> str:
+        # prompts 0 and 2 answer at once; 1 and 3 call the calculator first
+        if "<|im_start|>tool\n" in text or "0=" in text or "2=" in text:
+            return "done<|im_end|>"
+        return CALL.replace("EXPR", "1+1")
+
+    loop, engine = make_loop(tokenizer, script)
+    generate_tokens = engine.generate_tokens
+
+    def recording(contexts: Any, params: SamplingParams, max_new_tokens: Any = None) -> list[TokenContinuation]:
+        indices.append(params.batch_indices(len(contexts)))
+        return generate_tokens(contexts, params, max_new_tokens)
+
+    engine.generate_tokens = recording
+    out = multi_turn_generate(loop, prompt_batch(tokenizer, ["0", "1", "2", "3"]),
+                              SamplingParams(n=2, max_new_tokens=200, seed=3, row_offset=10))
+    assert out["agent/num_turns"].tolist() == [1.0, 1.0, 2.0, 2.0, 1.0, 1.0, 2.0, 2.0]
+    assert indices == [list(range(10, 18)), [12, 13, 16, 17]]
 
 
 class SleepyTool(Tool):

@@ -177,3 +177,21 @@ def test_weight_signal_counts_up_to_the_newest_version() -> None:
     server.raise_to(2)  # never lowered
     server.raise_to(5)
     assert reader.newest() == 5
+
+
+def test_open_rows_keep_their_own_random_streams_whichever_rows_closed(models) -> None:
+    """Only the open rows go to the engine; each still samples from the stream of its index in the
+    batch (before, the k-th open row took row k's), so a seeded continuation does not depend on
+    which other rows finished (nor on how the batch was split over ranks)."""
+    old, _ = models
+    sampling = SamplingParams(n=1, temperature=1.5, max_new_tokens=R, seed=21)
+    rows = open_rows(prompt_batch(PROMPTS), 2, R, PAD)
+    every = advance_rows(engine_of(old), rows, sampling, version=0, chunk_tokens=4, interrupted=never)
+    some = rows.select(*rows.keys())
+    closed = [0, 2]
+    some[OPEN] = torch.tensor([int(i not in closed) for i in range(len(rows))])
+    part = advance_rows(engine_of(old), some, sampling, version=0, chunk_tokens=4, interrupted=never)
+    for row in range(len(rows)):
+        expected = [] if row in closed else kept_response(every, row)
+        assert kept_response(part, row) == expected, row
+    assert len({tuple(kept_response(every, row)) for row in range(len(rows))}) == len(rows)

@@ -14,7 +14,8 @@ import torch
 from rollout_helpers import PAD, prompt_batch, tiny_model
 
 from megarl.protocol import Batch
-from megarl.rollout.base import EngineOptions, SamplingParams
+from megarl.errors import ConfigError
+from megarl.rollout.base import EngineOptions, RolloutEngine, SamplingParams
 from megarl.rollout.hf_engine import HFRolloutEngine
 from megarl.rollout.sampling import inverse_cdf_sample, sample_next_tokens
 from megarl.rollout.seeds import SEED_SPACE, call_base, mix64, row_seed, row_seeds, row_uniforms
@@ -57,7 +58,8 @@ def test_mix64_is_splitmix64s_finaliser() -> None:
 
 
 def test_row_seeds_are_consecutive_from_a_hash_of_the_call_seed() -> None:
-    assert row_seeds(11, 3, 4).tolist() == [row_seed(11, r) for r in range(3, 7)]
+    assert row_seeds(11, range(3, 7)).tolist() == [row_seed(11, r) for r in range(3, 7)]
+    assert row_seeds(11, [9, 2]).tolist() == [row_seed(11, 9), row_seed(11, 2)]
     assert all(0 <= row_seed(s, r) < SEED_SPACE for s in (-5, 0, 2**70) for r in (0, 10**6))
     # nearby call seeds (seed + attempt, + 7919 x chunk, ...) start far apart
     bases = [call_base(s) for s in range(1000)]
@@ -85,12 +87,12 @@ def test_dapo_attempts_and_steps_share_no_row_stream() -> None:
 
 
 def test_row_uniforms_are_a_function_of_seed_and_draw_index() -> None:
-    seeds = row_seeds(7, 0, 5)
+    seeds = row_seeds(7, range(5))
     whole = row_uniforms(seeds, 0, 100)
     assert whole.shape == (5, 100) and ((whole >= 0) & (whole < 1)).all()
     assert np.array_equal(row_uniforms(seeds, 37, 20), whole[:, 37:57])  # any chunk alone
     assert np.array_equal(row_uniforms(seeds[2:4], 0, 100), whole[2:4])  # any subset of rows alone
-    many = row_uniforms(row_seeds(1, 0, 200), 0, 500)
+    many = row_uniforms(row_seeds(1, range(200)), 0, 500)
     assert abs(many.mean() - 0.5) < 0.005 and abs(many.var() - 1 / 12) < 0.002
     assert abs(np.corrcoef(many[:, :-1].ravel(), many[:, 1:].ravel())[0, 1]) < 0.01  # draw to draw
     assert abs(np.corrcoef(many[:-1].ravel(), many[1:].ravel())[0, 1]) < 0.01  # neighbouring rows
@@ -98,7 +100,7 @@ def test_row_uniforms_are_a_function_of_seed_and_draw_index() -> None:
 
 def test_inverse_cdf_sampling_follows_the_distribution_and_skips_zero_mass() -> None:
     probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
-    u = torch.from_numpy(row_uniforms(row_seeds(3, 0, 1), 0, 40000)[0])
+    u = torch.from_numpy(row_uniforms(row_seeds(3, [0]), 0, 40000)[0])
     tokens = inverse_cdf_sample(probs.expand(len(u), -1), u)
     counts = torch.bincount(tokens, minlength=6).double() / len(u)
     assert counts[[0, 2, 5]].sum() == 0
@@ -153,6 +155,35 @@ def test_the_token_in_token_out_call_gives_each_context_its_own_stream(model64: 
     assert len({tuple(c.token_ids) for c in out}) == 4
     shifted = engine.generate_tokens(contexts[:2], SamplingParams(**{**params.__dict__, "row_offset": 2}))
     assert [c.token_ids for c in shifted] == [c.token_ids for c in out[2:]]
+
+
+def test_a_call_on_some_of_the_requests_keeps_each_on_its_own_stream(model64: torch.nn.Module) -> None:
+    """An agent loop's later turn or a partial rollout's continuation runs only the requests still
+    open: `prompt_indices` names each one's index in the whole batch, so each samples as it would
+    have in a call on all of them (before, they sampled from the streams of the first rows)."""
+    contexts = [BATCH[0]] * 4
+    params = SamplingParams(max_new_tokens=R, temperature=1.5, seed=5, row_offset=6)
+    engine = engine_of(model64)
+    every = engine.generate_tokens(contexts, params)
+    some = engine.generate_tokens([contexts[1], contexts[3]], params.for_prompts(4, [1, 3]))
+    assert [c.token_ids for c in some] == [every[1].token_ids, every[3].token_ids]
+    assert params.for_prompts(4, [1, 3]).batch_indices(2) == [7, 9]
+    assert params.for_prompts(4, [1, 3]).for_prompts(2, [1]).prompt_indices == (9,)
+    # n > 1: prompt index p's samples are rows p x n + c, as in a call on every prompt
+    two = SamplingParams(n=2, max_new_tokens=R, temperature=1.5, seed=5)
+    whole = engine.generate(prompt_batch(BATCH), two)
+    picked = engine.generate(prompt_batch([BATCH[1], BATCH[3]]), two.for_prompts(4, [1, 3]))
+    assert rows(picked) == rows(whole)[2:4] + rows(whole)[6:8]
+    # interrupted decoding (the base class chunks through generate_tokens; the HF engine keeps one loop)
+    chunked = RolloutEngine.generate_interruptible(engine, [contexts[1], contexts[3]], params.for_prompts(4, [1, 3]),
+                                                   [R, R], every=3, interrupted=lambda checks: False)
+    whole_chunked = RolloutEngine.generate_interruptible(engine, contexts, params, [R] * 4, every=3,
+                                                         interrupted=lambda checks: False)
+    assert [c.token_ids for c in chunked] == [whole_chunked[1].token_ids, whole_chunked[3].token_ids]
+    with pytest.raises(ValueError, match="prompt_indices names 2 prompts, the call has 3"):
+        engine.generate_tokens(contexts[:3], params.for_prompts(4, [1, 3]))
+    with pytest.raises(ConfigError, match="prompt_indices must be >= 0"):
+        SamplingParams(prompt_indices=(0, -1))
 
 
 def make_role(path: Path, rank: int, tp: int = 1) -> RolloutRole:
