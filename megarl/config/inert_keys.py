@@ -63,7 +63,8 @@ def inert_key_errors(cfg: DictConfig, *, critic_on: bool, ref_on: bool, builtin_
                      builtin_losses: set[str]) -> list[str]:
     """A message for each group of keys set (to other than their default) where `cfg` never reads them."""
     errors = (_algorithm_errors(cfg, builtin_estimators, builtin_losses) + _role_and_run_errors(cfg, ref_on)
-              + _schedule_errors(cfg, critic_on) + _rollout_and_tracking_errors(cfg))
+              + _micro_batch_errors(cfg, critic_on) + _schedule_errors(cfg, critic_on)
+              + _rollout_and_tracking_errors(cfg))
     actor, rm, reward = cfg.actor, cfg.reward_model, cfg.reward
     if not actor.use_kl_loss:
         changed = changed_keys("actor", actor, ActorConfig, only=("kl_loss_coef", "kl_loss_type"))
@@ -130,6 +131,31 @@ def _role_and_run_errors(cfg: DictConfig, ref_on: bool) -> list[str]:
         errors.append(f"trainer.total_epochs = {trainer.total_epochs} with trainer.total_training_steps = "
                       f"{trainer.total_training_steps}: the run takes that many steps whatever the epochs (the data "
                       "loader starts another epoch as needed; verl stops at whichever comes first); set one of them")
+    return errors
+
+
+def _micro_batch_errors(cfg: DictConfig, critic_on: bool) -> list[str]:
+    """Micro-batches by sequences or by tokens (megarl.megatron.engine): `use_dynamic_bsz` reads
+    `ppo_max_token_len_per_gpu` and no micro-batch size, otherwise the reverse. The actor's budget is
+    also the reference's (read under actor.use_dynamic_bsz only); the reward model's pass always
+    splits by its own micro_batch_size_per_gpu."""
+    roles = [("actor", cfg.actor, ActorConfig, ("ppo_micro_batch_size_per_gpu", "log_prob_micro_batch_size_per_gpu"))]
+    if critic_on:  # else the critic's rule refuses every critic key set
+        roles.append(("critic", cfg.critic, CriticConfig, ("ppo_micro_batch_size_per_gpu",)))
+    errors = []
+    for role, sec, schema, sizes in roles:
+        if sec.use_dynamic_bsz:
+            changed = changed_keys(role, sec, schema, only=sizes)
+            if changed:
+                errors.append(f"{', '.join(changed)} with {role}.use_dynamic_bsz: the micro-batches are formed by "
+                              f"{role}.ppo_max_token_len_per_gpu tokens, not by sequences; remove them or set "
+                              f"{role}.use_dynamic_bsz: false")
+        else:
+            changed = changed_keys(role, sec, schema, only=("ppo_max_token_len_per_gpu",))
+            if changed:
+                errors.append(f"{changed[0]} without {role}.use_dynamic_bsz: the micro-batches take "
+                              f"{role}.ppo_micro_batch_size_per_gpu sequences; set {role}.use_dynamic_bsz: true "
+                              "or remove it")
     return errors
 
 

@@ -295,8 +295,10 @@ def test_reference_role_follows_the_actors_dynamic_batching_on_the_frozen_path(t
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(config))
     budget = 24
+    # (REF_CONFIG's actor micro-batch of 2 sequences, unread by tokens, back to its default.)
     cfg = load_config(path, ["actor.use_dynamic_bsz=true", f"actor.ppo_max_token_len_per_gpu={budget}",
-                             "ref.param_offload=true", "ref.log_prob_micro_batch_size_per_gpu=8", "rollout.temperature=1.0"])
+                             "actor.ppo_micro_batch_size_per_gpu=4", "ref.param_offload=true",
+                             "ref.log_prob_micro_batch_size_per_gpu=8", "rollout.temperature=1.0"])
     spec = resolve_run_spec(cfg, hf_dir, pad_token_id=0, eos_token_ids=[1], total_steps=2).ref
     batch = make_batch(seed=2, batch=6)
     res = run_distributed(_ref_role, 1, spec, batch)[0]

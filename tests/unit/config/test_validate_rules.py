@@ -318,6 +318,30 @@ def test_reference_micro_batch_with_dynamic_micro_batches(valid_file: Path) -> N
     assert cfg.ref.log_prob_micro_batch_size_per_gpu == 16
 
 
+def test_micro_batches_are_counted_in_sequences_or_in_tokens_not_both(valid_file: Path) -> None:
+    # megarl.megatron.engine: use_dynamic_bsz splits by the token budget and reads no sequence count;
+    # without it, the count decides and the budget is unread.
+    msg = errors_of(valid_file, "actor.use_dynamic_bsz=true", "actor.ppo_micro_batch_size_per_gpu=2",
+                    "actor.log_prob_micro_batch_size_per_gpu=8")
+    assert ("actor.ppo_micro_batch_size_per_gpu = 2, actor.log_prob_micro_batch_size_per_gpu = 8 with "
+            "actor.use_dynamic_bsz: the micro-batches are formed by actor.ppo_max_token_len_per_gpu tokens") in msg
+    msg = errors_of(valid_file, "actor.ppo_max_token_len_per_gpu=2048")
+    assert "actor.ppo_max_token_len_per_gpu = 2048 without actor.use_dynamic_bsz" in msg
+    msg = errors_of(valid_file, "algorithm.adv_estimator=gae", "critic.use_dynamic_bsz=true",
+                    "critic.ppo_micro_batch_size_per_gpu=2")
+    assert "critic.ppo_micro_batch_size_per_gpu = 2 with critic.use_dynamic_bsz" in msg
+    msg = errors_of(valid_file, "algorithm.adv_estimator=gae", "critic.ppo_max_token_len_per_gpu=1024")
+    assert "critic.ppo_max_token_len_per_gpu = 1024 without critic.use_dynamic_bsz" in msg
+    # Each key where it is read: accepted.
+    assert load_config(valid_file, ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=2048",
+                                    "actor.ppo_micro_batch_size_per_gpu=4"]).actor.ppo_max_token_len_per_gpu == 2048
+    assert load_config(valid_file, ["actor.ppo_micro_batch_size_per_gpu=2",
+                                    "actor.log_prob_micro_batch_size_per_gpu=8"]).actor.ppo_micro_batch_size_per_gpu == 2
+    cfg = load_config(valid_file, ["algorithm.adv_estimator=gae", "critic.use_dynamic_bsz=true",
+                                   "critic.ppo_max_token_len_per_gpu=1024"])
+    assert cfg.critic.ppo_max_token_len_per_gpu == 1024
+
+
 def test_recompute_granularity_needs_checkpointing(valid_file: Path) -> None:
     msg = errors_of(valid_file, "model.recompute_granularity=selective")
     assert "model.recompute_granularity = 'selective' without model.enable_gradient_checkpointing" in msg

@@ -120,6 +120,10 @@ CONFIG = {
 }
 
 
+# Micro-batches by tokens: CONFIG's sequence count goes (back to its default), as nothing reads it then.
+DYNAMIC = ("actor.use_dynamic_bsz=true", "actor.ppo_micro_batch_size_per_gpu=4")
+
+
 def _load(tmp_path: Path, *overrides: str) -> object:
     from megarl.config import load_config
 
@@ -134,18 +138,18 @@ def test_config_accepts_cp_and_checks_layout_and_budget(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="TP x PP x CP = 1 x 1 x 3 = 3 does not divide the 4 devices"):
         _load(tmp_path, "actor.megatron.context_parallel_size=3")
     # 32 + 16 = 48 tokens: 24 positions per rank at CP 2, 12 at CP 4.
-    _load(tmp_path, "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=24")
+    _load(tmp_path, *DYNAMIC, "actor.ppo_max_token_len_per_gpu=24")
     with pytest.raises(ConfigError, match="context_parallel_size = 2, 24 positions per rank\\); set it to at least 24"):
-        _load(tmp_path, "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=20")
-    _load(tmp_path, "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=12",
+        _load(tmp_path, *DYNAMIC, "actor.ppo_max_token_len_per_gpu=20")
+    _load(tmp_path, *DYNAMIC, "actor.ppo_max_token_len_per_gpu=12",
           "actor.megatron.context_parallel_size=4")
     # The reference's pass splits by the actor's budget, at the reference's own layout.
     ref = ("ref.enable=true", "ref.megatron.context_parallel_size=1", "resources.ref_pool.nnodes=1",
            "resources.ref_pool.devices_per_node=2")
     with pytest.raises(ConfigError, match="48 tokens in the reference's layout \(ref.megatron\)\); set it to at "
                                           "least 48"):
-        _load(tmp_path, "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=24", *ref)
-    _load(tmp_path, "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=48", *ref)
+        _load(tmp_path, *DYNAMIC, "actor.ppo_max_token_len_per_gpu=24", *ref)
+    _load(tmp_path, *DYNAMIC, "actor.ppo_max_token_len_per_gpu=48", *ref)
 
 
 def _inputs(use_te: bool, cp_rank: int, cp: int = 2, seq_multiple: int = 4, packed: bool = True,

@@ -28,6 +28,10 @@ BASE = {
 }
 
 
+# Micro-batches by tokens: BASE's sequence count goes (back to its default), as nothing reads it then.
+DYNAMIC = ("actor.use_dynamic_bsz=true", "actor.ppo_micro_batch_size_per_gpu=4")
+
+
 def resolve(tmp_path: Path, *overrides: str, total_steps: int = 10):
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(BASE))
@@ -40,7 +44,7 @@ def test_actor_engine_settings_come_from_their_keys(tmp_path: Path) -> None:
                    "actor.optim.lr_warmup_steps_ratio=0.2", "actor.log_prob_micro_batch_size_per_gpu=6",
                    "actor.megatron.sequence_parallel=true", "model.enable_gradient_checkpointing=true",
                    "model.recompute_granularity=selective", "model.use_remove_padding=true", "model.dtype=bf16",
-                   "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=96", "model.spec=qwen2")
+                   "model.spec=qwen2")
     engine = spec.actor.engine
     # The schedule counts trainer steps (10, warmup 0.2 of them: 2); the engine advances it at each of
     # the 8 / 4 = 2 optimizer steps of a trainer step.
@@ -48,12 +52,15 @@ def test_actor_engine_settings_come_from_their_keys(tmp_path: Path) -> None:
     assert (engine.micro_batch_size, engine.log_prob_micro_batch_size) == (2, 6)
     assert engine.sequence_parallel and engine.recompute_granularity == "selective"
     assert engine.use_sequence_packing and engine.dtype == "bf16" and engine.torch_dtype == torch.bfloat16
-    assert engine.use_dynamic_bsz and engine.max_token_len_per_micro_batch == 96
+    assert not engine.use_dynamic_bsz
     assert engine.total_training_steps == 10 * 2 and engine.role == "policy"
     assert spec.actor.layout == ParallelLayout(tp=2, pp=1, cp=1, ep=1, dp=0)
     assert spec.actor.family == "qwen2" and spec.actor.model_dir == "/models/initial"
     assert spec.actor.update.mini_batch_sequences == 4 * 4  # prompts x rollout.n
     assert spec.response_length == 16 and spec.actor.max_response_length == 16
+    # By tokens: the budget decides (the sequence counts, unread then, are refused beside it).
+    engine = resolve(tmp_path, *DYNAMIC, "actor.ppo_max_token_len_per_gpu=96").actor.engine
+    assert engine.use_dynamic_bsz and engine.max_token_len_per_micro_batch == 96
 
 
 def test_lr_schedule_spans_the_run_in_optimizer_steps(tmp_path: Path) -> None:
@@ -122,7 +129,7 @@ def test_reference_log_probs_are_micro_batched_like_the_actors(tmp_path: Path) -
     """verl's ref.log_prob_use_dynamic_bsz defaults to the actor's use_dynamic_bsz: under it the
     reference splits its pass by the actor's token budget, as the actor's log-prob pass does."""
     # (ref.log_prob_micro_batch_size_per_gpu, which this pass would not read, is refused beside it.)
-    spec = resolve(tmp_path, "actor.use_kl_loss=true", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=96")
+    spec = resolve(tmp_path, "actor.use_kl_loss=true", *DYNAMIC, "actor.ppo_max_token_len_per_gpu=96")
     ref, actor = spec.ref.engine, spec.actor.engine
     assert ref.use_dynamic_bsz and ref.max_token_len_per_micro_batch == actor.max_token_len_per_micro_batch == 96
     spec = resolve(tmp_path, "actor.use_kl_loss=true", "ref.log_prob_micro_batch_size_per_gpu=5")
