@@ -343,7 +343,8 @@ class RolloutConfig:
     # engines: look at the metric of a first run there. null: never. Needs calculate_log_probs. Not
     # checked (metrics only) under top_p < 1 / top_k > 0 with logprobs_mode processed, or raw at a
     # temperature other than 1: the rollout's log-probs are then not the trainer's quantity (a value
-    # other than the default there with probe_freq 0, where nothing compares it: refused).
+    # other than the default there, or without calculate_log_probs, with probe_freq 0, where nothing
+    # compares it: refused).
     max_logprob_gap: Optional[float] = 0.1
     # End-to-end check of the weight sync on a fixed probe batch: after a sync of the weights of
     # version v (actor updates so far) with v a multiple of probe_freq (the initial weights included),

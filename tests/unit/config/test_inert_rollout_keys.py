@@ -93,5 +93,10 @@ def test_a_logprob_gap_nothing_compares(valid_file: Path) -> None:
                   ["rollout.top_p=0.5", "rollout.probe_freq=1"]):
         assert load_config(valid_file, [*reads, "rollout.max_logprob_gap=0.5"]).rollout.max_logprob_gap == 0.5
     assert load_config(valid_file, ["rollout.top_p=0.5", "rollout.max_logprob_gap=null"]).rollout.max_logprob_gap is None
-    # Without the rollout's log-probs and the probe it is not refused (left out: see inert_keys).
-    load_config(valid_file, ["rollout.calculate_log_probs=false", "rollout.max_logprob_gap=1e-5"])
+    # Without the rollout's log-probs the per-step check has nothing to compare: read by the probe only.
+    msg = errors_of(valid_file, "rollout.calculate_log_probs=false", "rollout.max_logprob_gap=1e-5")
+    assert ("rollout.max_logprob_gap = 1e-05 with rollout.calculate_log_probs = false and rollout.probe_freq = 0: "
+            "the per-step check compares the rollout's log-probs, which are not kept") in msg
+    cfg = load_config(valid_file, ["rollout.calculate_log_probs=false", "rollout.max_logprob_gap=1e-5",
+                                   "rollout.probe_freq=1"])
+    assert cfg.rollout.max_logprob_gap == 1e-5
