@@ -48,6 +48,7 @@ def base_overrides(task: dict[str, Path], run_dir: Path, steps: int) -> list[str
     return [
         f"data.train_files=[{task['train']}]",
         "data.val_files=[]",
+        "data.val_batch_size=null",
         f"data.tokenizer={task['tokenizer']}",
         f"trainer.total_training_steps={steps}",
         "trainer.val_before_train=false",

@@ -14,7 +14,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from megarl.config.schema import (ActorConfig, AlgorithmConfig, CriticConfig, CustomRewardFunctionConfig,
-                                  ModelConfig, MultiTurnConfig, OptimConfig, OverlongBufferConfig, RefConfig,
+                                  DataConfig, ModelConfig, MultiTurnConfig, OptimConfig, OverlongBufferConfig, RefConfig,
                                   RewardConfig, RewardModelConfig, RolloutConfig, RolloutCorrectionConfig,
                                   TrackingConfig, TrainerConfig, ValidationSamplingConfig)
 
@@ -64,7 +64,7 @@ def inert_key_errors(cfg: DictConfig, *, critic_on: bool, ref_on: bool, builtin_
     """A message for each group of keys set (to other than their default) where `cfg` never reads them."""
     errors = (_algorithm_errors(cfg, builtin_estimators, builtin_losses) + _role_and_run_errors(cfg, ref_on)
               + _micro_batch_errors(cfg, critic_on) + _schedule_errors(cfg, critic_on)
-              + _rollout_and_tracking_errors(cfg))
+              + _validation_errors(cfg) + _rollout_and_tracking_errors(cfg))
     actor, rm, reward = cfg.actor, cfg.reward_model, cfg.reward
     if not actor.use_kl_loss:
         changed = changed_keys("actor", actor, ActorConfig, only=("kl_loss_coef", "kl_loss_type"))
@@ -157,6 +157,20 @@ def _micro_batch_errors(cfg: DictConfig, critic_on: bool) -> list[str]:
                               f"{role}.ppo_micro_batch_size_per_gpu sequences; set {role}.use_dynamic_bsz: true "
                               "or remove it")
     return errors
+
+
+def _validation_errors(cfg: DictConfig) -> list[str]:
+    """Keys only validation reads (megarl.trainer.loop), set where there is no validation set.
+    `trainer.val_before_train: false` is left out: it agrees with a run that never validates."""
+    if cfg.data.val_files:
+        return []
+    changed = (changed_keys("data", cfg.data, DataConfig, only=("val_batch_size",))
+               + changed_keys("trainer", cfg.trainer, TrainerConfig, only=("test_freq", "validation_data_dir"))
+               + changed_keys("rollout.val_kwargs", cfg.rollout.val_kwargs, ValidationSamplingConfig))
+    if not changed:
+        return []
+    return [f"{', '.join(changed)} with no data.val_files: only validation reads them, and without a validation "
+            "set the run never validates; add data.val_files or remove them"]
 
 
 def _algorithm_errors(cfg: DictConfig, builtin_estimators: set[str], builtin_losses: set[str]) -> list[str]:

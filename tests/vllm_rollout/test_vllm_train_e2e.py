@@ -61,6 +61,7 @@ def quickstart_overrides(task_dir: Path, run_dir: Path) -> list[str]:
         "actor.megatron.tensor_model_parallel_size=2",
         f"data.train_files=[{task_dir / 'train.parquet'}]",
         "data.val_files=[]",
+        "data.val_batch_size=null",
         f"data.tokenizer={task_dir / 'tokenizer'}",
         f"trainer.total_training_steps={STEPS}",
         "trainer.val_before_train=false",

@@ -339,7 +339,8 @@ def test_sampling_keys_are_checked_before_workers(valid_file: Path) -> None:
     assert "rollout.val_kwargs.n = 4 with do_sample: false: argmax decoding gives n identical responses" in msg
     msg = errors_of(valid_file, "rollout.engine=hf", "rollout.tensor_model_parallel_size=2")
     assert "rollout.tensor_model_parallel_size = 2 with rollout.engine = 'hf'" in msg
-    load_config(valid_file, ["rollout.top_k=0", "rollout.val_kwargs.n=4", "rollout.val_kwargs.do_sample=true"])
+    load_config(valid_file, ["rollout.top_k=0", "rollout.val_kwargs.n=4", "rollout.val_kwargs.do_sample=true",
+                             "data.val_files=[val.parquet]"])
 
 
 def test_reward_kl_keys_need_the_kl_in_reward(valid_file: Path) -> None:

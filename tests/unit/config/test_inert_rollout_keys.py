@@ -55,7 +55,8 @@ def test_validation_sampling_keys_need_sampled_validation(valid_file: Path) -> N
     assert ("rollout.val_kwargs.temperature = 0.6, rollout.val_kwargs.top_p = 0.9, rollout.val_kwargs.top_k = 20 "
             "with rollout.val_kwargs.do_sample = false: validation decodes by argmax") in msg
     cfg = load_config(valid_file, ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=0.6",
-                                   "rollout.val_kwargs.top_p=0.9", "rollout.val_kwargs.top_k=20"])
+                                   "rollout.val_kwargs.top_p=0.9", "rollout.val_kwargs.top_k=20",
+                                   "data.val_files=[val.parquet]"])
     assert (cfg.rollout.val_kwargs.temperature, cfg.rollout.val_kwargs.top_k) == (0.6, 20)
 
 
@@ -100,3 +101,16 @@ def test_a_logprob_gap_nothing_compares(valid_file: Path) -> None:
     cfg = load_config(valid_file, ["rollout.calculate_log_probs=false", "rollout.max_logprob_gap=1e-5",
                                    "rollout.probe_freq=1"])
     assert cfg.rollout.max_logprob_gap == 1e-5
+
+
+def test_validation_keys_without_a_validation_set(valid_file: Path) -> None:
+    # megarl.trainer.loop validates only when data.val_files is set; every key below is read only there.
+    msg = errors_of(valid_file, "data.val_files=[]", "data.val_batch_size=16", "trainer.test_freq=5",
+                    "trainer.validation_data_dir=dumps", "rollout.val_kwargs.n=2", "rollout.val_kwargs.do_sample=true")
+    assert ("data.val_batch_size = 16, trainer.test_freq = 5, trainer.validation_data_dir = 'dumps', "
+            "rollout.val_kwargs.n = 2, rollout.val_kwargs.do_sample = True with no data.val_files: only validation "
+            "reads them") in msg
+    # With a validation set they are read; without one, turning validation off is not refused.
+    cfg = load_config(valid_file, ["data.val_files=[val.parquet]", "data.val_batch_size=16", "trainer.test_freq=5"])
+    assert (cfg.data.val_batch_size, cfg.trainer.test_freq) == (16, 5)
+    assert not load_config(valid_file, ["data.val_files=[]", "trainer.val_before_train=false"]).trainer.val_before_train

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.unit
 MODEL = {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
          "num_hidden_layers": 4, "intermediate_size": 128, "vocab_size": 64, "max_position_embeddings": 128}
 BASE = {
-    "data": {"train_files": ["train.parquet"], "train_batch_size": 8, "max_prompt_length": 32, "max_response_length": 16},
+    "data": {"train_files": ["train.parquet"], "val_files": ["val.parquet"], "train_batch_size": 8,
+             "max_prompt_length": 32, "max_response_length": 16},
     "model": {"hf_config": MODEL},
     "actor": {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2,
               "megatron": {"tensor_model_parallel_size": 2}},
