@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from megarl.config.chat_template import chat_template_kwargs_errors
 from megarl.config.inert_keys import changed_keys, inert_key_errors
 from megarl.config.model_files import family_specs
 from megarl.config.plugins import import_modules
@@ -843,29 +844,14 @@ def _check_multi_turn(r: Any, multi_turn: Any) -> None:
         r.err(f"rollout.multi_turn.format = {multi_turn.format!r}: must be one of {sorted(MULTI_TURN_FORMATS)}")
 
 
-# Arguments of the tokenizer's apply_chat_template that megarl sets itself (the prompt's messages, the
-# generation prompt, text out) or that only act on its tokenisation, which megarl does after rendering.
-CHAT_TEMPLATE_OWN_ARGS = ("conversation", "messages", "add_generation_prompt", "continue_final_message", "tokenize")
-CHAT_TEMPLATE_TOKENIZE_ARGS = ("padding", "truncation", "max_length", "return_tensors", "return_dict",
-                               "return_assistant_tokens_mask", "tokenizer_kwargs")
-
-
 def _check_chat_template_kwargs(r: _Rules, cfg: DictConfig) -> None:
     """data.apply_chat_template_kwargs: extra arguments of the chat template, read where it renders the
     prompts (data.apply_chat_template auto or true) and the tool turns (rollout.multi_turn.enable)."""
     kwargs = _as_dict(cfg.data.apply_chat_template_kwargs)
     if not kwargs:
         return
-    own = [key for key in kwargs if key in CHAT_TEMPLATE_OWN_ARGS]
-    if own:
-        r.err(f"data.apply_chat_template_kwargs sets {own}: megarl passes these to the chat template itself (the "
-              "messages, add_generation_prompt: true, tokenize: false); remove them (the keys are the template's own "
-              "variables, e.g. enable_thinking)")
-    tokenizing = [key for key in kwargs if key in CHAT_TEMPLATE_TOKENIZE_ARGS]
-    if tokenizing:
-        r.err(f"data.apply_chat_template_kwargs sets {tokenizing}: these act only when the template tokenises, and "
-              "megarl renders text and tokenises it itself (prompt length: data.max_prompt_length, data.truncation); "
-              "remove them")
+    for message in chat_template_kwargs_errors(kwargs):
+        r.err(message)
     if str(cfg.data.apply_chat_template).strip().lower() == "false" and not cfg.rollout.multi_turn.enable:
         r.err(f"data.apply_chat_template_kwargs = {kwargs!r} with data.apply_chat_template = "
               f"{cfg.data.apply_chat_template!r} and no multi-turn rollout: no chat template is applied, nothing "

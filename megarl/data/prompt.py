@@ -8,6 +8,7 @@ from typing import Any
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerBase
 
+from megarl.config.chat_template import chat_template_kwargs_errors
 from megarl.errors import ConfigError
 
 try:  # jinja2 renders chat templates: an optional dependency of transformers, which imports it when present
@@ -65,6 +66,9 @@ class PromptRenderer:
                 "apply_chat_template is true but the tokenizer has no chat template "
                 f"({getattr(tokenizer, 'name_or_path', '?')}); set it to auto or false"
             )
+        errors = chat_template_kwargs_errors(chat_template_kwargs or {}, key="chat_template_kwargs")
+        if errors:
+            raise ConfigError("; ".join(errors))
         self.tokenizer = tokenizer
         self.use_chat_template = has_template if mode is None else mode
         self.chat_template_kwargs = dict(chat_template_kwargs or {})

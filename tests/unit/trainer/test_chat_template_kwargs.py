@@ -3,6 +3,7 @@ are built, e.g. Qwen3's `enable_thinking: false`."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,23 @@ def test_chat_template_kwargs_reach_the_template(tmp_path: Path) -> None:
 
     assert first_prompt() == "T0+1="
     assert first_prompt("data.apply_chat_template_kwargs={enable_thinking: false}") == "N0+1="
+
+
+@pytest.mark.parametrize("kwargs, named", [({"tokenize": True}, "['tokenize']"),
+                                           ({"add_generation_prompt": False, "max_length": 9}, "['max_length']")])
+def test_a_renderer_built_without_a_config_refuses_what_it_cannot_pass_on(tmp_path: Path, kwargs: dict,
+                                                                          named: str) -> None:
+    """An RLDataset or tool-turn encoder built directly (no validated config) names the argument
+    instead of failing inside transformers (`tokenize` twice: a TypeError at the first prompt)."""
+    from megarl.agent.chat import ToolTurnEncoder
+    from megarl.data.dataset import RLDataset
+    from megarl.errors import ConfigError
+
+    rows = [{"data_source": "arithmetic", "prompt": [{"role": "user", "content": "1+1="}],
+             "reward_model": {"style": "rule", "ground_truth": "2"}}]
+    write_parquet(rows, tmp_path / "train.parquet")
+    tokenizer = build_char_tokenizer("0123456789+=NT", tmp_path / "tok", chat_template=TEMPLATE)
+    with pytest.raises(ConfigError, match=rf"chat_template_kwargs sets {re.escape(named)}"):
+        RLDataset([str(tmp_path / "train.parquet")], tokenizer, max_prompt_length=16, chat_template_kwargs=kwargs)
+    with pytest.raises(ConfigError, match=rf"chat_template_kwargs sets {re.escape(named)}"):
+        ToolTurnEncoder(tokenizer, kwargs)
