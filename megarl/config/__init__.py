@@ -1,8 +1,9 @@
 """Typed experiment configuration: schema, YAML loading with `extends`, overrides, validation."""
 
 from megarl.config.loader import all_keys, load_config, suggest_key, to_yaml
+from megarl.config.rules import critic_enabled, model_hf_config, ref_enabled
 from megarl.config.schema import ExperimentConfig
-from megarl.config.validate import critic_enabled, model_hf_config, ref_enabled, validate_config
+from megarl.config.validate import validate_config
 
 __all__ = [
     "ExperimentConfig",

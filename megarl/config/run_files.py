@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from megarl.agent.tools import import_tool
 from megarl.config.model_files import architecture_problem, model_dir_problems, read_hf_config
-from megarl.config.validate import critic_enabled, model_hf_config
+from megarl.config.rules import critic_enabled, model_hf_config
 from megarl.errors import ConfigError
 
 PARQUET_MAGIC = b"PAR1"

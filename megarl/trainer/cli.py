@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from megarl.config import critic_enabled, load_config, ref_enabled
 from megarl.config.run_files import check_run_files
-from megarl.config.validate import pool_size
+from megarl.config.rules import pool_size
 
 if TYPE_CHECKING:
     from megarl.cluster.ray_cluster import StoppedBySignal

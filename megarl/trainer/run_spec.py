@@ -16,7 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 from megarl.agent.loop import AgentSettings
 from megarl.config import critic_enabled, ref_enabled
 from megarl.algorithms import RolloutCorrectionSettings, logprob_gap_uncheckable
-from megarl.config.validate import ROLLOUT_SEED_FACTOR, optimizer_steps_per_step, role_parallel, update_is_on_policy
+from megarl.config.rollout_rules import ROLLOUT_SEED_FACTOR, optimizer_steps_per_step, update_is_on_policy
+from megarl.config.rules import role_parallel
 from megarl.dtypes import long_name, short_name
 from megarl.layout import ParallelLayout
 from megarl.megatron.optim import EngineConfig

@@ -11,7 +11,7 @@ from megarl.agent.loop import AgentSettings
 from megarl.agent.parsers import _PARSERS
 from megarl.agent.tools import BUILTIN_TOOLS, CalculatorTool, PythonTool, ToolSet
 from megarl.config import load_config
-from megarl.config.validate import MULTI_TURN_FORMATS, MULTI_TURN_TOOLS
+from megarl.config.rollout_rules import MULTI_TURN_FORMATS, MULTI_TURN_TOOLS
 from megarl.errors import ConfigError
 from megarl.trainer.run_spec import multi_turn_settings
 

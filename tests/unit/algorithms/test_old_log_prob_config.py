@@ -11,7 +11,7 @@ import yaml
 
 from megarl.algorithms import CORRECTION_LEVELS, CORRECTION_MODES, RolloutCorrectionSettings
 from megarl.config import load_config
-from megarl.config import validate as rules
+from megarl.config import rollout_rules
 from megarl.errors import ConfigError
 from megarl.trainer.run_spec import resolve_run_spec
 from megarl.workers.losses import OLD_LOG_PROB_SOURCES
@@ -48,8 +48,8 @@ def errors(tmp_path: Path, *overrides: str) -> str:
 
 
 def test_torch_free_copies_of_the_names_match_the_modules() -> None:
-    assert rules.OLD_LOG_PROB_SOURCES == ("auto", *OLD_LOG_PROB_SOURCES)
-    assert rules.CORRECTION_MODES == CORRECTION_MODES and rules.CORRECTION_LEVELS == CORRECTION_LEVELS
+    assert rollout_rules.OLD_LOG_PROB_SOURCES == ("auto", *OLD_LOG_PROB_SOURCES)
+    assert rollout_rules.CORRECTION_MODES == CORRECTION_MODES and rollout_rules.CORRECTION_LEVELS == CORRECTION_LEVELS
 
 
 @pytest.mark.parametrize(("overrides", "source"), [

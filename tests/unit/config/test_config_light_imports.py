@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import model_files, validate
+from megarl.config import algorithm_rules, model_files, rules, validate
 from test_run_files import experiment, write_task
 
 pytestmark = pytest.mark.unit
@@ -77,10 +77,10 @@ def test_light_constants_equal_the_modules_they_mirror(tmp_path: Path, monkeypat
 
     assert validate._BUILTIN_ADV == set(algos.ADVANTAGE_ESTIMATORS)
     assert validate._BUILTIN_POLICY_LOSSES == set(algos.POLICY_LOSSES)
-    assert validate.REWARD_MODEL_COMBINES == tuple(COMBINES)
+    assert algorithm_rules.REWARD_MODEL_COMBINES == tuple(COMBINES)
     for length in range(1, 40):
         for cp in (1, 2, 3, 4):
-            assert validate.cp_padded_length(length, cp) == padded_length(length, cp)
+            assert rules.cp_padded_length(length, cp) == padded_length(length, cp)
     assert model_files.spec_dir() == spec_dir()
     assert {k: v["model_types"] for k, v in model_files.family_specs().items()} == \
         {k: v["model_types"] for k, v in load_family_specs().items()}

@@ -25,9 +25,9 @@ SOURCES = [p for p in (Path(schema.__file__).parents[1]).rglob("*.py") if "confi
 ALLOWED_UNREAD = {
     # Read through helpers in megarl.config that the run-spec resolver and the driver call.
     "ref.enable": "read by megarl.config.ref_enabled (used by megarl.trainer.run_spec)",
-    "critic.megatron": "read by megarl.config.validate.role_parallel (used by megarl.trainer.run_spec)",
-    "ref.megatron": "read by megarl.config.validate.role_parallel (used by megarl.trainer.run_spec)",
-    "reward_model.megatron": "read by megarl.config.validate.role_parallel (used by megarl.trainer.run_spec)",
+    "critic.megatron": "read by megarl.config.rules.role_parallel (used by megarl.trainer.run_spec)",
+    "ref.megatron": "read by megarl.config.rules.role_parallel (used by megarl.trainer.run_spec)",
+    "reward_model.megatron": "read by megarl.config.rules.role_parallel (used by megarl.trainer.run_spec)",
 }
 # Variable names the code gives a section besides its own name (`ro = cfg.rollout`).
 SECTION_ALIASES = {

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megarl.algorithms.dapo import TENSOR_METRICS
-from megarl.config import load_config, validate
+from megarl.config import algorithm_rules, load_config
 from megarl.rewards.scorers import SCORERS
 from megarl.trainer.checkpoint_dirs import CheckpointDirs
 from test_config import TINY_MODEL, VALID, errors_of, write
@@ -253,11 +253,11 @@ def test_scoring_pool_keys_need_a_custom_reward_function(tmp_path: Path, valid_f
 
 
 def test_filter_metric_names_match_the_code_that_computes_them() -> None:
-    # validate.py keeps these without importing torch (dapo) or running a scorer.
-    assert set(validate.FILTER_SUMS) == set(TENSOR_METRICS)
+    # algorithm_rules keeps these without importing torch (dapo) or running a scorer.
+    assert set(algorithm_rules.FILTER_SUMS) == set(TENSOR_METRICS)
     truths = {"countdown": {"target": 1, "numbers": [1]}}
     returned = {key for name, scorer in SCORERS.items() for key in scorer("1", truths.get(name, "1"))}
-    assert set(validate.BUILTIN_REWARD_INFO) == returned | {"failed"}  # failed: the reward manager's
+    assert set(algorithm_rules.BUILTIN_REWARD_INFO) == returned | {"failed"}  # failed: the reward manager's
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])

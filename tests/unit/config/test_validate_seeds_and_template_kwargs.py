@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megarl.config import load_config
-from megarl.config.validate import ROLLOUT_SEED_FACTOR
+from megarl.config.rollout_rules import ROLLOUT_SEED_FACTOR
 from megarl.trainer.run_spec import resolve_run_spec
 from test_config import errors_of, valid_file  # noqa: F401 (valid_file: the fixture)
 
