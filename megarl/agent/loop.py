@@ -13,12 +13,13 @@ written, so a tool's per-request state follows that order: a run with a fixed se
 Without it, a turn's calls run together, requests whose tools answered generate their next turns
 meanwhile and the loop waits for tools only when no request is ready to generate (faster with slow
 tools; rounds and tool state then depend on timing). Every round samples a request from its own
-row's random stream (`SamplingParams.prompt_indices`), whichever requests are still running. Limits: `max_turns` assistant turns, a
-response budget of `max_response_length` tokens over all turns (model and tool tokens),
-`max_parallel_calls` calls run per turn (as verl's key; each later call of the turn is answered that it
-was not run, so every call gets its answer in the order written), and a
-timeout per tool call (a call past it answers the model with a timeout error; its thread is left to
-finish, and the sandboxed interpreter has its own wall-clock limit).
+row's random stream (`SamplingParams.prompt_indices`), whichever requests are still running.
+
+Limits: `max_turns` assistant turns, a response budget of `max_response_length` tokens over all
+turns (model and tool tokens), `max_parallel_calls` calls run per turn (as verl's key; each later
+call of the turn is answered that it was not run, so every call gets its answer in the order
+written), and a timeout per tool call (a call past it answers the model with a timeout error; its
+thread is left to finish, and the sandboxed interpreter has its own wall-clock limit).
 
 Token-in, token-out: the response is the engine's ids exactly as sampled (mask 1, with their
 log-probs) and the tool-role turns tokenised once by `ToolTurnEncoder` (mask 0, log-prob 0).
