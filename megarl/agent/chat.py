@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from megarl.config.chat_template import chat_template_kwargs_errors
+from megarl.config.chat_template import require_passable
 from megarl.errors import ConfigError
 
 # Stand-in contents: the user's prompt, the model's turns, and a tool output of an earlier round.
@@ -48,11 +48,8 @@ class ToolTurnEncoder:
             raise ConfigError(
                 "rollout.multi_turn: the tokenizer has no chat_template; multi-turn rollouts render tool outputs "
                 "as the template's tool-role turn (save a tokenizer with a chat template next to the model)")
-        errors = chat_template_kwargs_errors(chat_template_kwargs or {}, key="chat_template_kwargs")
-        if errors:
-            raise ConfigError("; ".join(errors))
         self.tokenizer = tokenizer
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.chat_template_kwargs = require_passable(chat_template_kwargs)
         one, two = self._tail(["MEGARLTOOLOUTPUT0X"]), self._tail(["MEGARLTOOLOUTPUT0X", "MEGARLTOOLOUTPUT1X"])
         # The special token the template closes an assistant turn with (ChatML's <|im_end|>), if any: a
         # model turn that ended on it already holds it, and the tool turn's text then starts after it.

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from megarl.errors import ConfigError
+
 # Arguments megarl sets itself (the prompt's messages, the generation prompt, text out), or that act
 # only on the template's own tokenisation, which megarl does after rendering.
 OWN_ARGS = ("conversation", "messages", "add_generation_prompt", "continue_final_message", "tokenize")
@@ -27,3 +29,12 @@ def chat_template_kwargs_errors(kwargs: Mapping[str, Any], key: str = "data.appl
                       "text and tokenises it itself (prompt length: data.max_prompt_length, data.truncation); "
                       "remove them")
     return errors
+
+
+def require_passable(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`kwargs` as a dict, or a ConfigError naming what megarl cannot pass to the chat template (for
+    a renderer built without a validated config)."""
+    errors = chat_template_kwargs_errors(kwargs or {}, key="chat_template_kwargs")
+    if errors:
+        raise ConfigError("; ".join(errors))
+    return dict(kwargs or {})

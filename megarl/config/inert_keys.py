@@ -269,12 +269,13 @@ def _rollout_and_tracking_errors(cfg: DictConfig) -> list[str]:
     gap = rollout.max_logprob_gap
     uncheckable = logprob_gap_uncheckable(rollout.temperature, rollout.top_p, rollout.top_k, rollout.logprobs_mode)
     # null is read (no warning at the start that the check is skipped).
-    if probe_off and gap is not None and gap != RolloutConfig.max_logprob_gap and not rollout.calculate_log_probs:
+    gap_set = gap is not None and gap != RolloutConfig.max_logprob_gap
+    if probe_off and gap_set and not rollout.calculate_log_probs:
         errors.append(f"rollout.max_logprob_gap = {gap} with rollout.calculate_log_probs = false and "
                       "rollout.probe_freq = 0: the per-step check compares the rollout's log-probs, which are not "
                       "kept, and no probe runs, so nothing compares a gap with it; set calculate_log_probs: true or "
                       "rollout.probe_freq >= 1, or remove it")
-    elif probe_off and uncheckable and gap is not None and gap != RolloutConfig.max_logprob_gap:
+    elif probe_off and gap_set and uncheckable:
         # The probe samples without top-p / top-k, and is refused with raw log-probs at a temperature.
         fix = ("use logprobs_mode processed (or temperature 1)" if rollout.logprobs_mode == "raw"
                else "set rollout.probe_freq >= 1 (the probe samples without the filters), sample without them")

@@ -8,7 +8,7 @@ from typing import Any
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerBase
 
-from megarl.config.chat_template import chat_template_kwargs_errors
+from megarl.config.chat_template import require_passable
 from megarl.errors import ConfigError
 
 try:  # jinja2 renders chat templates: an optional dependency of transformers, which imports it when present
@@ -66,12 +66,9 @@ class PromptRenderer:
                 "apply_chat_template is true but the tokenizer has no chat template "
                 f"({getattr(tokenizer, 'name_or_path', '?')}); set it to auto or false"
             )
-        errors = chat_template_kwargs_errors(chat_template_kwargs or {}, key="chat_template_kwargs")
-        if errors:
-            raise ConfigError("; ".join(errors))
         self.tokenizer = tokenizer
         self.use_chat_template = has_template if mode is None else mode
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.chat_template_kwargs = require_passable(chat_template_kwargs)
         self._plain: Tokenizer | None = None  # `plain_backend`, made on first use
 
     def text(self, prompt: Prompt) -> str:
