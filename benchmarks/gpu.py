@@ -3,9 +3,11 @@
 - MFU of the train step: benchmarks/engine.py on a Qwen2.5-0.5B-shaped random model in bf16;
   MFU = 6 x parameters x train tokens/s / the GPU's peak dense bf16 FLOP/s (attention FLOPs left
   out, so this slightly understates the true utilisation).
-- Rollout tokens/s, vLLM against the HF engine: benchmarks/rollout.py with bf16 and larger batches.
-- Weight sync: benchmarks/reshard.py at its largest size (100M parameters). The 0.5B-1.5B sizes of
-  the issue need a size entry there; until then the 100M figure is the largest measured.
+- Rollout tokens/s, vLLM against the HF engine: benchmarks/rollout.py with bf16 and larger batches,
+  the HF engine on the GPU (results before its --device ran it on the host's CPU).
+- Weight sync: benchmarks/reshard.py at its largest size (100M parameters): two gloo processes on the
+  host's CPU (the plan and executor's own cost; NCCL between GPUs is not measured here). The 0.5B-1.5B
+  sizes of the issue need a size entry there; until then the 100M figure is the largest measured.
 - Prompt sharing: benchmarks/engine.py on the same model with GRPO's layout (4 prompts x 8 responses,
   512-token prompts, 128-token responses): log-prob and train-step tokens/s with
   prompt_sharing=always ("engine_shared") against the padded engine, in one run.

@@ -230,6 +230,10 @@ def _reshard(r: dict[str, Any]) -> str:
 
 def _rollout(r: dict[str, Any]) -> str:
     parts = [f"{name} {fmt(e['tokens_per_s'])} tok/s" for name, e in r["engines"].items()]
+    # Results written before benchmarks/rollout.py took --device ran the HF engine on the CPU.
+    device = r.get("config", {}).get("hf_device", "cpu")
+    if device != "cpu" or r.get("machine", {}).get("cuda"):
+        parts[0] = f"HF engine on {'the host CPU' if device == 'cpu' else device}: {parts[0]}"
     if "vllm_over_hf" in r:
         parts.append(f"vLLM/HF {fmt(r['vllm_over_hf'])}")
     elif "vllm_skipped" in r:
@@ -379,7 +383,7 @@ def _gpu(result: dict[str, Any]) -> list[str]:
     rows.append(["rollout tokens/s", component_headline("rollout", roll["result"]) if roll.get("status") == "ok"
                  else roll.get("status", "-")])
     sync = result.get("sync", {})
-    rows.append(["weight sync", component_headline("reshard", sync["result"]) if sync.get("status") == "ok"
+    rows.append(["weight sync (gloo, host CPU)", component_headline("reshard", sync["result"]) if sync.get("status") == "ok"
                  else sync.get("status", "-")])
     shared = result.get("prompt_sharing", {})
     if shared.get("status") == "ok":  # benchmarks/engine.py --group-size 8 (GRPO's layout)

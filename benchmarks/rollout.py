@@ -3,7 +3,8 @@
 A random Qwen2 (`--size tiny`: 4 layers, hidden 256, head_dim 64; `--size 25m`: the shape of
 benchmarks/e2e_25m.py) generates a fixed number of tokens per sequence (EOS ignored), so both
 engines do the same work. vLLM is measured only where it can be
-imported (the CPU build lives in its own environment, see tools/vllm_env.sh).
+imported (the CPU build lives in its own environment, see tools/vllm_env.sh). The HF engine runs on
+`--device` (default: the GPU where torch sees one, else the CPU); the JSON records which.
 
 `--engines hf,hf_concat_cache` also times the HF engine with transformers' own `DynamicCache`,
 which concatenates each token's keys and values onto a copy of the whole cache, against the
@@ -12,8 +13,11 @@ with transformers' sdpa attention, which under a padding mask repeats the key/va
 group at every token, against the engine's grouped-query attention
 (`megarl.rollout.hf_engine.grouped_sdpa_attention`); `hf_fused_decode_attention` times a decoded
 token's attention through torch's fused CPU kernel against the engine's float32 matrix products
-(`megarl.rollout.hf_engine.decode_attention`). The variants alternate with the engine as it
-is call by call, on the same prompts and seeds.
+(`megarl.rollout.hf_engine.decode_attention`); `hf_cast_cache` keeps a bfloat16 model's KV cache
+in bfloat16, which that attention casts to float32 at every token, and `hf_float32_cache` keeps it
+in float32, against the engine's choice between the two by the cache's size on CPU
+(`megarl.rollout.hf_engine.kv_storage_dtype`). The variants alternate with the engine as it is call
+by call, on the same prompts and seeds.
 
     python benchmarks/rollout.py [--out benchmarks/results/rollout.json]
 
@@ -23,6 +27,7 @@ Prints tokens/s per engine and the vLLM / HF ratio; writes the numbers as JSON.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -100,7 +105,7 @@ def _concatenating_cache(engine: Any) -> Callable[[], None]:
     from megarl.rollout import hf_engine
 
     preallocated = hf_engine.decoding_cache
-    hf_engine.decoding_cache = lambda config, capacity: DynamicCache(config=config)
+    hf_engine.decoding_cache = lambda config, capacity, storage_dtype=None: DynamicCache(config=config)
 
     def undo() -> None:
         hf_engine.decoding_cache = preallocated
@@ -115,15 +120,42 @@ def _repeated_kv_heads(engine: Any) -> Callable[[], None]:
     return lambda: engine.model.set_attn_implementation(before)
 
 
-def _fused_decode_attention(engine: Any) -> Callable[[], None]:
-    """Route the engine's decoded-token attention to torch's fused kernel (what
-    `megarl.rollout.hf_engine.decode_attention` replaced); returns the undo."""
+def _cast_cache(engine: Any) -> Callable[[], None]:
+    """Keep the engine's KV cache in the model's dtype (before `kv_storage_dtype`); returns the undo."""
     from megarl.rollout import hf_engine
 
+    float32_cache = hf_engine.kv_storage_dtype
+    hf_engine.kv_storage_dtype = lambda device, model_dtype, layer_elements: None
+
+    def undo() -> None:
+        hf_engine.kv_storage_dtype = float32_cache
+    return undo
+
+
+def _float32_cache(engine: Any) -> Callable[[], None]:
+    """Keep a bfloat16 or float16 model's KV cache in float32 on CPU whatever its size (the engine
+    does above `FLOAT32_CACHE_ELEMENTS`); returns the undo."""
+    from megarl.rollout import hf_engine
+
+    by_size = hf_engine.FLOAT32_CACHE_ELEMENTS
+    hf_engine.FLOAT32_CACHE_ELEMENTS = -1
+
+    def undo() -> None:
+        hf_engine.FLOAT32_CACHE_ELEMENTS = by_size
+    return undo
+
+
+def _fused_decode_attention(engine: Any) -> Callable[[], None]:
+    """Route the engine's decoded-token attention to torch's fused kernel over a cache in the
+    model's dtype (what `megarl.rollout.hf_engine.decode_attention` replaced); returns the undo."""
+    from megarl.rollout import hf_engine
+
+    undo_cache = _cast_cache(engine)
     hf_engine._decode_attention = hf_engine._fused_decode_attention
 
     def undo() -> None:
         hf_engine._decode_attention = hf_engine.decode_attention
+        undo_cache()
     return undo
 
 
@@ -134,6 +166,8 @@ HF_VARIANTS: dict[str, tuple[Callable[[Any], Callable[[], None]], str]] = {
     "hf_concat_cache": (_concatenating_cache, "preallocated_over_concat_cache"),
     "hf_repeat_kv": (_repeated_kv_heads, "grouped_attention_over_repeat_kv"),
     "hf_fused_decode_attention": (_fused_decode_attention, "decode_attention_over_fused_kernel"),
+    "hf_cast_cache": (_cast_cache, "engine_cache_over_cast_cache"),
+    "hf_float32_cache": (_float32_cache, "engine_cache_over_float32_cache"),
 }
 
 
@@ -173,15 +207,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pad_token_id=0, eos_token_ids=(), dtype=args.dtype, seed=args.seed,
         max_model_len=512, max_num_seqs=max(256, args.num_prompts * args.n), kv_cache_memory_gb=1.0,
     )
+    device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     results: dict[str, Any] = {
-        "config": {**vars(args), "out": str(args.out), "sequences": args.num_prompts * args.n},
+        "config": {**vars(args), "out": str(args.out), "sequences": args.num_prompts * args.n,
+                   "hf_device": str(device)},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()},
         "engines": {},
     }
 
     start = time.perf_counter()
-    hf_engine = HFRolloutEngine(model, options)
+    # On a GPU the engine gets a copy, so vLLM below starts from the same host weights.
+    hf_engine = HFRolloutEngine(model if device.type == "cpu" else copy.deepcopy(model).to(device), options)
     startup = time.perf_counter() - start
     variants = [name for name in args.engines.split(",") if name in HF_VARIANTS]
     compared = compare_variants(hf_engine, prompts, params, args.repeats, variants) if variants else None
@@ -225,18 +262,17 @@ def report(results: dict[str, Any]) -> str:
     config = results["config"]
     lines = [
         f"rollout: {config['sequences']} sequences x {config['max_new_tokens']} new tokens, {config['dtype']}, "
-        f"{config['size']} Qwen2 ({MODEL_SIZES[config['size']]}), {results['machine']['threads']} threads",
+        f"{config['size']} Qwen2 ({MODEL_SIZES[config['size']]}), {results['machine']['threads']} threads, "
+        f"hf engine on {config.get('hf_device', 'cpu')}",
         f"{'engine':<12}{'tokens/s':>12}{'startup s':>12}{'update_weights s':>18}",
     ]
     for name, numbers in results["engines"].items():
         lines.append(
             f"{name:<12}{numbers['tokens_per_s']:>12.0f}{numbers['startup_s']:>12.2f}{numbers['update_weights_s']:>18.4f}"
         )
-    if "preallocated_over_concat_cache" in results:
-        lines.append(f"hf, preallocated / concatenating KV cache (medians): {results['preallocated_over_concat_cache']:.2f}x")
-    if "grouped_attention_over_repeat_kv" in results:
-        lines.append("hf, grouped-query attention / repeated key-value heads (medians): "
-                     f"{results['grouped_attention_over_repeat_kv']:.2f}x")
+    for name, (_, key) in HF_VARIANTS.items():
+        if key in results:
+            lines.append(f"hf / {name} (medians): {results[key]:.2f}x")
     if "vllm_over_hf" in results:
         lines.append(f"vllm / hf throughput: {results['vllm_over_hf']:.2f}x")
     else:
@@ -253,7 +289,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--vocab-size", type=int, default=320)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--engines", default="hf,vllm", help="comma-separated: hf,vllm,hf_concat_cache,hf_repeat_kv,hf_fused_decode_attention")
+    parser.add_argument("--engines", default="hf,vllm", help=f"comma-separated: hf,vllm,{','.join(HF_VARIANTS)}")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="the HF engine's device (auto: cuda where torch sees a GPU, else cpu)")
     parser.add_argument("--seed", type=int, default=0, help="model, prompts and engine seed")
     parser.add_argument("--size", default="tiny", choices=sorted(MODEL_SIZES),
                         help="tiny: 4 layers, hidden 256; 25m: the shape of benchmarks/e2e_25m.py")

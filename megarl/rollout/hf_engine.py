@@ -48,11 +48,14 @@ def grouped_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     whole cache, group-size times over. On CPU a decoded token (one query row per head) goes to
     `decode_attention` instead, which reads the cache in place. Prompts (several query tokens),
     other devices and attention with extra terms (dropout, sinks, position bias) go to transformers'
-    function.
+    function, the keys and values in the query's dtype.
     """
     if (query.shape[2] != 1 or query.device.type != "cpu" or dropout != 0.0
             or any(kwargs.get(name) is not None for name in ("position_bias", "cache", "s_aux", "softcap"))
             or (attention_mask is not None and attention_mask.shape[1] != 1)):
+        # A float32 cache of a reduced-precision model (`kv_storage_dtype`) meets torch's kernel in
+        # the query's dtype: the cast rounds nothing, the cache holds the model's own values.
+        key, value = key.to(query.dtype), value.to(query.dtype)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -68,7 +71,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     dtype, the layout transformers' attention functions return.
 
     The query heads of a group become the rows of one matrix product against their key/value head,
-    so nothing is repeated or copied besides the float32 casts. torch's fused CPU kernel
+    so nothing is repeated or copied besides the float32 casts, which the engine's float32 cache
+    (`kv_storage_dtype`) makes no-ops. torch's fused CPU kernel
     (`scaled_dot_product_attention`) is slower at one query row: on one thread, 32 rows over 72
     keys of 8 heads of 64 (a 25M model's decoding), 0.37 ms against 0.32 ms here in float32 and
     1.96 ms against 0.44 ms in bfloat16, where it also rounds intermediate values to bfloat16 (its
@@ -114,11 +118,14 @@ class PreallocatedLayer(DynamicLayer):
     and attention reads a view of the filled part. transformers' `DynamicLayer` concatenates
     instead, copying the layer's whole cache at every token; at 64 tokens of a 25M model that
     copying took about a fifth of the decoding time on CPU. A write past `capacity` grows the
-    buffers to twice the length needed (one copy), so a wrong estimate costs time, not results."""
+    buffers to twice the length needed (one copy), so a wrong estimate costs time, not results.
+    `storage_dtype` (default: the keys' own) is the buffers' dtype; a wider one holds the model's
+    values exactly (see `kv_storage_dtype`)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, storage_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.capacity = capacity
+        self.storage_dtype = storage_dtype
         self._length = 0
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
@@ -129,19 +136,19 @@ class PreallocatedLayer(DynamicLayer):
         if not self.is_initialized:
             self.dtype, self.device = key_states.dtype, key_states.device
             self.is_initialized = True
-            self._allocate(key_states, value_states, max(self.capacity, end))
+            self._allocate(key_states, value_states, max(self.capacity, end), self.storage_dtype or key_states.dtype)
         elif end > self._key_buffer.shape[-2]:
-            self._allocate(self._key_buffer, self._value_buffer, 2 * end)
+            self._allocate(self._key_buffer, self._value_buffer, 2 * end, self._key_buffer.dtype)
         self._key_buffer[:, :, self._length:end].copy_(key_states)
         self._value_buffer[:, :, self._length:end].copy_(value_states)
         self._length = end
         self._point_views()
         return self.keys, self.values
 
-    def _allocate(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
-        """New buffers of `length` positions holding the filled part of the old ones (if any)."""
-        key_buffer = keys.new_empty((*keys.shape[:2], length, keys.shape[-1]))
-        value_buffer = values.new_empty((*values.shape[:2], length, values.shape[-1]))
+    def _allocate(self, keys: torch.Tensor, values: torch.Tensor, length: int, dtype: torch.dtype) -> None:
+        """New `dtype` buffers of `length` positions holding the filled part of the old ones (if any)."""
+        key_buffer = keys.new_empty((*keys.shape[:2], length, keys.shape[-1]), dtype=dtype)
+        value_buffer = values.new_empty((*values.shape[:2], length, values.shape[-1]), dtype=dtype)
         if self._key_buffer is not None:
             key_buffer[:, :, :self._length].copy_(self._key_buffer[:, :, :self._length])
             value_buffer[:, :, :self._length].copy_(self._value_buffer[:, :, :self._length])
@@ -182,12 +189,48 @@ class PreallocatedLayer(DynamicLayer):
         self._reindex_batch(lambda buffer: buffer.index_select(0, beam_idx.to(buffer.device)))
 
 
-def decoding_cache(config: Any, capacity: int) -> DynamicCache:
+# A layer's keys (and its values) above this many elements are kept in float32 on CPU by a bfloat16
+# or float16 model (`kv_storage_dtype`). Measured on a 2-core AMD EPYC, bf16, alternating calls
+# (`benchmarks/rollout.py --engines hf,hf_cast_cache,hf_float32_cache`): at 2.4M and 3.1M elements
+# (a 25M Qwen2's 32 rows x 290 positions, 128 x 96) casting at every token was 4% faster, at 0.8M
+# (32 x 96) 5%; at 6.3M (a tiny Qwen2's 512 x 96) the float32 cache was 1.10x, at 18.9M (512 x 288)
+# 2.98x (`benchmarks/results/rollout_kv_cache_*_bfloat16.json`).
+FLOAT32_CACHE_ELEMENTS = 4 * 2**20
+
+
+def cache_layer_elements(config: Any, rows: int, capacity: int) -> int:
+    """The elements of one full-attention layer's keys for `rows` sequences of `capacity` positions
+    (0 where the config does not say its heads)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    if not heads:
+        return 0
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return rows * kv_heads * capacity * head_dim
+
+
+def kv_storage_dtype(device: torch.device, model_dtype: torch.dtype, layer_elements: int) -> torch.dtype | None:
+    """The dtype the engine's KV cache keeps keys and values in: float32 for a bfloat16 or float16
+    model on CPU whose layer caches exceed `FLOAT32_CACHE_ELEMENTS`, else the model's own (None). A
+    decoded token's attention on CPU computes in float32 (`decode_attention`); a cache in the
+    model's dtype is cast to float32 whole, in every layer at every token. Small casts stay in the
+    processor's caches and cost less than reading a float32 cache twice the size; large ones do not
+    (the float32 cache was 2.98x faster at 512 rows of up to 288 positions). Widening is exact, so the
+    samples do not change; a float32 cache takes twice the memory of a bfloat16 one."""
+    if (device.type == "cpu" and model_dtype in (torch.bfloat16, torch.float16)
+            and layer_elements > FLOAT32_CACHE_ELEMENTS):
+        return torch.float32
+    return None
+
+
+def decoding_cache(config: Any, capacity: int, storage_dtype: torch.dtype | None = None) -> DynamicCache:
     """transformers' cache for `config`, its full-attention layers (`DynamicLayer`) replaced by
-    `PreallocatedLayer`s of `capacity` positions; other layer kinds (sliding window, linear
-    attention) stay transformers' own."""
+    `PreallocatedLayer`s of `capacity` positions in `storage_dtype` (default: the model's); other
+    layer kinds (sliding window, linear attention) stay transformers' own."""
     cache = DynamicCache(config=config)
-    cache.layers = [PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [PreallocatedLayer(capacity, storage_dtype) if type(layer) is DynamicLayer else layer
+                    for layer in cache.layers]
     return cache
 
 
@@ -321,7 +364,10 @@ class HFRolloutEngine(RolloutEngine):
         first = int(prompt_mask.long().argmax(dim=1).min())  # left padding: each row's first token
         ids = input_ids[:, first:].long().to(self.device)
         mask = prompt_mask[:, first:].long().to(self.device)
-        cache = decoding_cache(self.model.config, ids.shape[1] + r)
+        capacity = ids.shape[1] + r
+        storage = kv_storage_dtype(self.device, self.model.dtype,
+                                   cache_layer_elements(self.model.config, input_ids.shape[0] * n, capacity))
+        cache = decoding_cache(self.model.config, capacity, storage)
         # The n responses of a prompt share its prefill: each prompt runs once and its KV cache and
         # last logits are repeated n times after (vLLM's prefix sharing for n > 1). Caches whose
         # layers hold more than keys and values (linear attention) get the prompts repeated first.

@@ -377,3 +377,46 @@ def test_the_engine_decodes_with_grouped_attention() -> None:
         reference = reference_log_softmax(theirs, prompt, expected)
         torch.testing.assert_close(out["rollout_log_probs"][i].double(), reference[torch.arange(R), torch.tensor(expected)],
                                    atol=1e-5, rtol=0)
+
+
+def test_a_bf16_engine_on_cpu_keeps_a_large_kv_cache_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bfloat16 model's KV cache on CPU is float32 once a layer's keys exceed
+    `FLOAT32_CACHE_ELEMENTS` (`kv_storage_dtype`), and growing it past its capacity keeps that
+    dtype. Widening is exact, so the samples and log-probs are bit for bit those of a cache kept in
+    bfloat16 and cast at every token; the prefill, which runs transformers' kernel, gets the keys
+    and values in the query's dtype (a float32 cache under a bfloat16 query would fail there).
+    float32 and float64 models, small caches and other devices keep the model's dtype."""
+    big = hf_engine.FLOAT32_CACHE_ELEMENTS + 1
+    assert hf_engine.kv_storage_dtype(torch.device("cpu"), torch.bfloat16, big) == torch.float32
+    assert hf_engine.kv_storage_dtype(torch.device("cpu"), torch.float16, big) == torch.float32
+    assert hf_engine.kv_storage_dtype(torch.device("cpu"), torch.bfloat16, big - 1) is None
+    assert hf_engine.kv_storage_dtype(torch.device("cpu"), torch.float32, big) is None
+    assert hf_engine.kv_storage_dtype(torch.device("cpu"), torch.float64, big) is None
+    assert hf_engine.kv_storage_dtype(torch.device("cuda"), torch.bfloat16, big) is None
+
+    model = tiny_model(seed=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    # rows x key/value heads x positions x head dim, the positions being the prompt's and the response's
+    assert hf_engine.cache_layer_elements(model.config, 6, 10) == 6 * 2 * 10 * 16
+    engine = make_engine(copy.deepcopy(model), dtype="bfloat16")
+    seen: list[torch.dtype] = []
+    build = hf_engine.decoding_cache
+
+    def recording_cache(config, capacity, storage_dtype=None):
+        seen.append(storage_dtype)
+        return build(config, capacity, storage_dtype)
+    monkeypatch.setattr(hf_engine, "decoding_cache", recording_cache)
+    params = SamplingParams(n=3, max_new_tokens=2 * R, seed=11)
+    small = engine.generate(prompt_batch(PROMPTS), params)
+    monkeypatch.setattr(hf_engine, "FLOAT32_CACHE_ELEMENTS", 0)
+    wide = engine.generate(prompt_batch(PROMPTS), params)
+    assert seen == [None, torch.float32]
+    assert torch.equal(wide["responses"], small["responses"])
+    assert torch.equal(wide["rollout_log_probs"], small["rollout_log_probs"])
+
+    layer = hf_engine.PreallocatedLayer(2, torch.float32)
+    keys = torch.randn(1, 2, 3, 4).bfloat16()
+    layer.update(keys, keys + 1)
+    layer.update(keys[:, :, :1], keys[:, :, :1] - 1)  # past the capacity: the buffers grow
+    assert layer.keys.dtype == layer.values.dtype == torch.float32
+    assert torch.equal(layer.keys, torch.cat([keys, keys[:, :, :1]], dim=2).float())
+    assert torch.equal(layer.values, torch.cat([keys + 1, keys[:, :, :1] - 1], dim=2).float())
