@@ -217,7 +217,9 @@ def kv_storage_dtype(device: torch.device, model_dtype: torch.dtype, layer_eleme
     model's dtype is cast to float32 whole, in every layer at every token. Small casts stay in the
     processor's caches and cost less than reading a float32 cache twice the size; large ones do not
     (the float32 cache was 2.98x faster at 512 rows of up to 288 positions). Widening is exact, so the
-    samples do not change; a float32 cache takes twice the memory of a bfloat16 one."""
+    samples do not change; a float32 cache takes twice the memory of a bfloat16 one. A model whose
+    decoded tokens take transformers' kernel instead (attention sinks, logit soft-capping: none of
+    the families megarl trains) would have the cache cast back at every token."""
     if (device.type == "cpu" and model_dtype in (torch.bfloat16, torch.float16)
             and layer_elements > FLOAT32_CACHE_ELEMENTS):
         return torch.float32
