@@ -124,7 +124,7 @@ def _repeated_kv_heads(engine: Any) -> Callable[[], None]:
 def _packed_linear(engine: Any) -> Callable[[], None]:
     """Run the engine's bfloat16 linear layers on CPU through oneDNN with weights reordered once
     into its blocked layout (`torch.ops.mkldnn`, what inductor's freezing does), instead of
-    `F.linear` reordering them at every call; a candidate the engine does not use. Returns the undo."""
+    `F.linear` on the plain weights; a candidate the engine does not use. Returns the undo."""
     patched = []
     for module in engine.model.modules():
         if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.bfloat16:
