@@ -136,17 +136,19 @@ class PreallocatedLayer(DynamicLayer):
         if not self.is_initialized:
             self.dtype, self.device = key_states.dtype, key_states.device
             self.is_initialized = True
-            self._allocate(key_states, value_states, max(self.capacity, end), self.storage_dtype or key_states.dtype)
+            self._allocate(key_states, value_states, max(self.capacity, end))
         elif end > self._key_buffer.shape[-2]:
-            self._allocate(self._key_buffer, self._value_buffer, 2 * end, self._key_buffer.dtype)
+            self._allocate(self._key_buffer, self._value_buffer, 2 * end)
         self._key_buffer[:, :, self._length:end].copy_(key_states)
         self._value_buffer[:, :, self._length:end].copy_(value_states)
         self._length = end
         self._point_views()
         return self.keys, self.values
 
-    def _allocate(self, keys: torch.Tensor, values: torch.Tensor, length: int, dtype: torch.dtype) -> None:
-        """New `dtype` buffers of `length` positions holding the filled part of the old ones (if any)."""
+    def _allocate(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """New buffers of `length` positions (in `storage_dtype`, else the keys' dtype) holding the
+        filled part of the old ones (if any)."""
+        dtype = self.storage_dtype or keys.dtype
         key_buffer = keys.new_empty((*keys.shape[:2], length, keys.shape[-1]), dtype=dtype)
         value_buffer = values.new_empty((*values.shape[:2], length, values.shape[-1]), dtype=dtype)
         if self._key_buffer is not None:
@@ -366,9 +368,10 @@ class HFRolloutEngine(RolloutEngine):
         first = int(prompt_mask.long().argmax(dim=1).min())  # left padding: each row's first token
         ids = input_ids[:, first:].long().to(self.device)
         mask = prompt_mask[:, first:].long().to(self.device)
+        rows = input_ids.shape[0] * n
         capacity = ids.shape[1] + r
         storage = kv_storage_dtype(self.device, self.model.dtype,
-                                   cache_layer_elements(self.model.config, input_ids.shape[0] * n, capacity))
+                                   cache_layer_elements(self.model.config, rows, capacity))
         cache = decoding_cache(self.model.config, capacity, storage)
         # The n responses of a prompt share its prefill: each prompt runs once and its KV cache and
         # last logits are repeated n times after (vLLM's prefix sharing for n > 1). Caches whose
@@ -377,7 +380,6 @@ class HFRolloutEngine(RolloutEngine):
         if not share_prefill:
             ids, mask = ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
         positions = prompt_position_ids(mask)
-        rows = input_ids.shape[0] * n
 
         stop_ids = torch.tensor(sorted(set(self.options.eos_token_ids) | set(params.stop_token_ids)), device=self.device)
         streams = None if params.greedy else _RowStreams(
