@@ -16,8 +16,10 @@ token's attention through torch's fused CPU kernel against the engine's float32 
 (`megarl.rollout.hf_engine.decode_attention`); `hf_cast_cache` keeps a bfloat16 model's KV cache
 in bfloat16, which that attention casts to float32 at every token, and `hf_float32_cache` keeps it
 in float32, against the engine's choice between the two by the cache's size on CPU
-(`megarl.rollout.hf_engine.kv_storage_dtype`); `hf_packed_linear` runs a bfloat16 model's linear
-layers on weights reordered once for oneDNN (a candidate, not the engine's). The variants alternate
+(`megarl.rollout.hf_engine.kv_storage_dtype`); `hf_plain_linear` runs the linear layers through
+`F.linear` on their plain weights against the engine's oneDNN multiplies on weights reordered once
+(`megarl.rollout.hf_engine.PackedLinear`; records before it named the candidate `hf_packed_linear`,
+timed the other way round). The variants alternate
 with the engine as it is call by call, on the same prompts and seeds.
 
     python benchmarks/rollout.py [--out benchmarks/results/rollout.json]
@@ -121,23 +123,19 @@ def _repeated_kv_heads(engine: Any) -> Callable[[], None]:
     return lambda: engine.model.set_attn_implementation(before)
 
 
-def _packed_linear(engine: Any) -> Callable[[], None]:
-    """Run the engine's bfloat16 linear layers on CPU through oneDNN with weights reordered once
-    into its blocked layout (`torch.ops.mkldnn`, what inductor's freezing does), instead of
-    `F.linear` on the plain weights; a candidate the engine does not use. Returns the undo."""
-    patched = []
-    for module in engine.model.modules():
-        if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.bfloat16:
-            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 32)
+def _plain_linear(engine: Any) -> Callable[[], None]:
+    """Run the engine's linear layers through `F.linear` on their plain weights (`nn.Linear`'s own
+    forward) instead of oneDNN's on weights reordered once (`megarl.rollout.hf_engine.PackedLinear`);
+    returns the undo."""
+    from megarl.rollout.hf_engine import PackedLinear
 
-            def forward(x: torch.Tensor, packed: torch.Tensor = packed, bias: Any = module.bias) -> torch.Tensor:
-                return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-            module.forward = forward
-            patched.append(module)
+    packed = [module for module in engine.model.modules() if type(module) is PackedLinear]
+    for module in packed:
+        module.__class__ = torch.nn.Linear
 
     def undo() -> None:
-        for module in patched:
-            del module.forward  # back to the class's own forward
+        for module in packed:
+            module.__class__ = PackedLinear
     return undo
 
 
@@ -189,7 +187,7 @@ HF_VARIANTS: dict[str, tuple[Callable[[Any], Callable[[], None]], str]] = {
     "hf_fused_decode_attention": (_fused_decode_attention, "decode_attention_over_fused_kernel"),
     "hf_cast_cache": (_cast_cache, "engine_cache_over_cast_cache"),
     "hf_float32_cache": (_float32_cache, "engine_cache_over_float32_cache"),
-    "hf_packed_linear": (_packed_linear, "engine_over_packed_linear"),
+    "hf_plain_linear": (_plain_linear, "packed_linear_over_plain_linear"),
 }
 
 

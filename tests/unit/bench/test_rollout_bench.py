@@ -1,11 +1,14 @@
-"""benchmarks/rollout.py: where the HF engine runs, and its cache variants computing what the engine
-computes. No timing is asserted."""
+"""benchmarks/rollout.py: where the HF engine runs, and its variants (cache, linear layers) computing
+what the engine computes. No timing is asserted."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from report import _rollout
-from rollout import parse_args, run
+from rollout import HF_VARIANTS, parse_args, run
+
+from megarl.rollout.hf_engine import PackedLinear, packs_linear_weights
 
 pytestmark = pytest.mark.unit
 
@@ -22,6 +25,7 @@ def test_the_cache_variants_sample_what_the_engine_samples_on_the_device_recorde
         assert result["engines"][name]["same_responses_as_hf"] is True, name
         assert result["engines"][name]["generated_tokens_per_call"] == 2 * 2 * 3
     assert not _rollout({**result, "machine": {**result["machine"], "cuda": False}}).startswith("HF engine on")
+    assert result["engine_cache_over_cast_cache"] > 0 and result["engine_cache_over_float32_cache"] > 0
     assert _rollout({**result, "machine": {**result["machine"], "cuda": True}}).startswith("HF engine on the host CPU: hf ")
     on_gpu = {**result, "config": {**result["config"], "hf_device": "cuda"}}
     assert _rollout(on_gpu).startswith("HF engine on cuda: hf ")
@@ -29,3 +33,21 @@ def test_the_cache_variants_sample_what_the_engine_samples_on_the_device_recorde
     older = {**result, "config": {k: v for k, v in result["config"].items() if k != "hf_device"},
              "machine": {**result["machine"], "cuda": True}}
     assert _rollout(older).startswith("HF engine on the host CPU: ")
+
+
+def test_the_plain_linear_variant_runs_nn_linear_and_gives_the_packing_back() -> None:
+    """`hf_plain_linear` times the engine's linear layers as `nn.Linear`s (`F.linear` on the plain
+    weights) and turns them back into `PackedLinear`s after each call."""
+    if not packs_linear_weights(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("no oneDNN bfloat16 kernels on this processor: the engine packs nothing")
+    result = run(parse_args(TINY + ["--engines", "hf,hf_plain_linear", "--device", "cpu"]))
+    assert result["engines"]["hf_plain_linear"]["generated_tokens_per_call"] == 2 * 2 * 3
+    assert result["packed_linear_over_plain_linear"] > 0
+
+    class Engine:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    Engine.model[0].__class__ = PackedLinear
+    undo = HF_VARIANTS["hf_plain_linear"][0](Engine)
+    assert [type(m) for m in Engine.model] == [torch.nn.Linear, torch.nn.Linear]
+    undo()
+    assert [type(m) for m in Engine.model] == [PackedLinear, torch.nn.Linear]
