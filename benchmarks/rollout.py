@@ -20,7 +20,10 @@ in float32, against the engine's choice between the two by the cache's size on C
 `F.linear` on their plain weights against the engine's oneDNN multiplies on weights reordered once
 (`megarl.rollout.hf_engine.PackedLinear`; records before it named the candidate `hf_packed_linear`,
 timed the other way round). The variants alternate
-with the engine as it is call by call, on the same prompts and seeds.
+with the engine as it is call by call, on the same prompts and seeds; `--update-between-calls`
+updates every weight before each call, as a training step does, so that what the engine redoes
+after a weight change (re-packing) is timed, and `--pack-min-hidden-size 0` packs a model of any
+size (`megarl.rollout.hf_engine.PACK_MIN_HIDDEN_SIZE`).
 
     python benchmarks/rollout.py [--out benchmarks/results/rollout.json]
 
@@ -191,15 +194,20 @@ HF_VARIANTS: dict[str, tuple[Callable[[Any], Callable[[], None]], str]] = {
 }
 
 
-def compare_variants(engine: Any, prompts: Any, params: Any, repeats: int, variants: list[str]) -> dict[str, Any]:
+def compare_variants(engine: Any, prompts: Any, params: Any, repeats: int, variants: list[str],
+                     weights: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """The HF engine as it is ("hf") and in each of `variants` (names of HF_VARIANTS), alternating
-    call by call after one warm-up call each, on the same prompts and seeds."""
+    call by call after one warm-up call each, on the same prompts and seeds. With `weights`, each
+    call follows an update of every weight (untimed), as each step's generation follows a weight
+    sync in training: what the engine redoes after a weight change is timed with the call."""
     seconds: dict[str, list[float]] = {name: [] for name in ["hf", *variants]}
     outputs = {}
     for call in range(repeats + 1):
         for name in seconds:
             undo = HF_VARIANTS[name][0](engine) if name in HF_VARIANTS else (lambda: None)
             try:
+                if weights is not None:
+                    engine.update_weights(weights.items())
                 start = time.perf_counter()
                 outputs[name] = engine.generate(prompts, dataclasses.replace(params, seed=call))
                 if call:
@@ -216,9 +224,12 @@ def compare_variants(engine: Any, prompts: Any, params: Any, repeats: int, varia
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from megarl.rollout import EngineOptions, SamplingParams
+    from megarl.rollout import hf_engine as hf_engine_module
     from megarl.rollout.hf_engine import HFRolloutEngine
     from megarl.rollout.vllm_engine import vllm_import_error
 
+    if args.pack_min_hidden_size is not None:
+        hf_engine_module.PACK_MIN_HIDDEN_SIZE = args.pack_min_hidden_size
     model = build_model(args.vocab_size, args.seed, args.size)
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     prompts = prompt_batch(args.num_prompts, args.vocab_size, args.seed)
@@ -241,7 +252,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hf_engine = HFRolloutEngine(model if device.type == "cpu" else copy.deepcopy(model).to(device), options)
     startup = time.perf_counter() - start
     variants = [name for name in args.engines.split(",") if name in HF_VARIANTS]
-    compared = compare_variants(hf_engine, prompts, params, args.repeats, variants) if variants else None
+    compared = (compare_variants(hf_engine, prompts, params, args.repeats, variants,
+                                 state if args.update_between_calls else None) if variants else None)
     hf = measure(hf_engine, prompts, params, args.repeats) if compared is None else compared["hf"]
     start = time.perf_counter()
     hf_engine.update_weights(state.items())
@@ -312,6 +324,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engines", default="hf,vllm", help=f"comma-separated: hf,vllm,{','.join(HF_VARIANTS)}")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="the HF engine's device (auto: cuda where torch sees a GPU, else cpu)")
+    parser.add_argument("--pack-min-hidden-size", type=int, default=None,
+                        help="the HF engine's PACK_MIN_HIDDEN_SIZE for this run (0: pack any model; default: the engine's)")
+    parser.add_argument("--update-between-calls", action="store_true",
+                        help="with HF variants: update every weight before each call, as a training step does")
     parser.add_argument("--seed", type=int, default=0, help="model, prompts and engine seed")
     parser.add_argument("--size", default="tiny", choices=sorted(MODEL_SIZES),
                         help="tiny: 4 layers, hidden 256; 25m: the shape of benchmarks/e2e_25m.py")

@@ -244,6 +244,18 @@ PACK_LINEAR_WEIGHTS = True
 # The row count oneDNN lays a packed weight out for; any count runs on it. Measured on a 2-core AMD
 # EPYC (one thread, a 3072 x 512 weight): 32, 64 and 256 gave the same times at 1 to 256 rows.
 PACK_ROWS_HINT = 32
+# When packing pays. A pack costs about one pass over the weight's bytes after every weight change,
+# that is every training step; it saves a share of each forward pass. Measured on a 2-core AMD EPYC,
+# one thread, every weight updated before each call (`benchmarks/rollout.py --update-between-calls
+# --engines hf,hf_plain_linear`), 32 rows, plain / packed time: the quickstart's model (hidden 256)
+# never gained (4 new tokens 0.81x, 8 0.90x, 16 0.97x, 32 1.00x in float32); the 25M model (hidden
+# 512) gained from 8 tokens on (8: 1.06x float32, 1.02x bfloat16; 16: 1.14x, 1.13x; 64: 1.20x bfloat16).
+# So a model is packed from this hidden size up, and a generation call makes new packs (after a
+# weight change) only when it decodes at least this many tokens; shorter calls multiply on the
+# plain weights, or on packs still current (the quickstart's 4 tokens with packing forced on then
+# 0.99x: `benchmarks/results/rollout_plain_linear_*_updated_*.json`).
+PACK_MIN_HIDDEN_SIZE = 512
+PACK_MIN_NEW_TOKENS = 8
 
 
 class PackedLinear(torch.nn.Linear):
@@ -260,10 +272,12 @@ class PackedLinear(torch.nn.Linear):
     write bumps (a copy into the weight or into a view of it, under no_grad or inference mode
     alike), and the engine drops every pack when told of a weight change or put to sleep
     (`HFRolloutEngine.drop_packed_weights`). Outside inference mode (autograd), on other devices or
-    dtypes it is `nn.Linear`'s own forward. The parameters, their names and the state dict are
+    dtypes it is `nn.Linear`'s own forward, and so it is with `repack` False where the pack is
+    missing or stale (the engine's short calls, see `PACK_MIN_NEW_TOKENS`). The parameters, their names and the state dict are
     those of the `nn.Linear` it was made from (`pack_linear_layers` changes the class in place)."""
 
     pack: tuple[tuple[int, int], torch.Tensor] | None = None  # ((storage pointer, version), packed weight)
+    repack: bool = True  # make a pack where there is none or it is stale; False: F.linear then
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -273,6 +287,8 @@ class PackedLinear(torch.nn.Linear):
         # A weight made in inference mode has no version counter: the engine's drops alone keep it current.
         key = (weight.data_ptr(), -1 if weight.is_inference() else weight._version)
         if self.pack is None or self.pack[0] != key:
+            if not self.repack:
+                return super().forward(x)
             self.pack = (key, torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT))
         return torch.ops.mkldnn._linear_pointwise(x, self.pack[1], self.bias, "none", [], "")
 
@@ -287,10 +303,12 @@ class PackedLinear(torch.nn.Linear):
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def packs_linear_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the engine runs its linear layers as `PackedLinear`s: on CPU with oneDNN, in float32,
-    or in bfloat16 where the processor has oneDNN's bfloat16 kernels."""
-    if not PACK_LINEAR_WEIGHTS or device.type != "cpu" or not torch.backends.mkldnn.is_available():
+def packs_linear_weights(device: torch.device, dtype: torch.dtype, hidden_size: int | None) -> bool:
+    """Whether the engine runs its linear layers as `PackedLinear`s: on CPU with oneDNN, for a model
+    of at least `PACK_MIN_HIDDEN_SIZE` (None: unknown, not packed), in float32, or in bfloat16 where
+    the processor has oneDNN's bfloat16 kernels."""
+    if (not PACK_LINEAR_WEIGHTS or device.type != "cpu" or not torch.backends.mkldnn.is_available()
+            or (hidden_size or 0) < PACK_MIN_HIDDEN_SIZE):
         return False
     return dtype in _PACKED_DTYPES and (dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
@@ -375,8 +393,9 @@ class HFRolloutEngine(RolloutEngine):
         self._mapped = self.device.type == "cpu" and options.sleep_level == 2
         if self._mapped:
             _move_weights_to_mappings(self.model)
-        self._packed_linears = (pack_linear_layers(self.model) if packs_linear_weights(self.device, self.model.dtype)
-                                else [])
+        text_config = self.model.config.get_text_config()
+        packs = packs_linear_weights(self.device, self.model.dtype, getattr(text_config, "hidden_size", None))
+        self._packed_linears = pack_linear_layers(self.model) if packs else []
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -436,6 +455,8 @@ class HFRolloutEngine(RolloutEngine):
         input_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
         check_prompt_tensors(input_ids, prompt_mask)
         n, r = params.n, params.max_new_tokens
+        for module in self._packed_linears:  # a short call would not win back the packing
+            module.repack = r >= PACK_MIN_NEW_TOKENS
         # Prompts come left-padded to the data's max_prompt_length: the columns that are padding in
         # every row are dropped (the attention never reads them; positions come from the mask), so
         # the prefill and every decoding step's attention run over the batch's longest prompt only.

@@ -8,7 +8,7 @@ import torch
 from report import _rollout
 from rollout import HF_VARIANTS, parse_args, run
 
-from megarl.rollout.hf_engine import PackedLinear, packs_linear_weights
+from megarl.rollout.hf_engine import PACK_MIN_HIDDEN_SIZE, PackedLinear, packs_linear_weights
 
 pytestmark = pytest.mark.unit
 
@@ -35,12 +35,13 @@ def test_the_cache_variants_sample_what_the_engine_samples_on_the_device_recorde
     assert _rollout(older).startswith("HF engine on the host CPU: ")
 
 
-def test_the_plain_linear_variant_runs_nn_linear_and_gives_the_packing_back() -> None:
+def test_the_plain_linear_variant_runs_nn_linear_and_gives_the_packing_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """`hf_plain_linear` times the engine's linear layers as `nn.Linear`s (`F.linear` on the plain
     weights) and turns them back into `PackedLinear`s after each call."""
-    if not packs_linear_weights(torch.device("cpu"), torch.bfloat16):
+    if not packs_linear_weights(torch.device("cpu"), torch.bfloat16, PACK_MIN_HIDDEN_SIZE):
         pytest.skip("no oneDNN bfloat16 kernels on this processor: the engine packs nothing")
-    result = run(parse_args(TINY + ["--engines", "hf,hf_plain_linear", "--device", "cpu"]))
+    monkeypatch.setattr("megarl.rollout.hf_engine.PACK_MIN_HIDDEN_SIZE", 0)  # the tiny model packed too
+    result = run(parse_args(TINY + ["--engines", "hf,hf_plain_linear", "--device", "cpu", "--update-between-calls"]))
     assert result["engines"]["hf_plain_linear"]["generated_tokens_per_call"] == 2 * 2 * 3
     assert result["packed_linear_over_plain_linear"] > 0
 

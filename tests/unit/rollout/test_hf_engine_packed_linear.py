@@ -12,16 +12,22 @@ import torch
 from rollout_helpers import PAD, PROMPTS, prompt_batch, tiny_model, tiny_qwen2_config
 
 from megarl.rollout import EngineOptions, SamplingParams
-from megarl.rollout.hf_engine import HFRolloutEngine, PackedLinear, packs_linear_weights
+from megarl.rollout.hf_engine import PACK_MIN_HIDDEN_SIZE, PACK_MIN_NEW_TOKENS, HFRolloutEngine, PackedLinear, packs_linear_weights
 
 pytestmark = pytest.mark.unit
 
 OPTIONS = EngineOptions(pad_token_id=PAD, eos_token_ids=())
-GREEDY = SamplingParams.make_greedy(6)
+GREEDY = SamplingParams.make_greedy(PACK_MIN_NEW_TOKENS)  # long enough to make packs
 CPU = torch.device("cpu")
 
-needs_onednn = pytest.mark.skipif(not packs_linear_weights(CPU, torch.float32),
+needs_onednn = pytest.mark.skipif(not packs_linear_weights(CPU, torch.float32, PACK_MIN_HIDDEN_SIZE),
                                   reason="torch was built without oneDNN (mkldnn)")
+
+
+@pytest.fixture
+def pack_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny test model (hidden 64) is below the size the engine packs by default: pack it."""
+    monkeypatch.setattr("megarl.rollout.hf_engine.PACK_MIN_HIDDEN_SIZE", 0)
 
 
 def packed_modules(engine: HFRolloutEngine) -> list[PackedLinear]:
@@ -53,7 +59,7 @@ def test_a_packed_layer_equals_float64_math_within_the_dtype_error_bound(dtype: 
     """Against the float64 product: a float32-accumulated dot product of K terms errs by at most
     K u32 sum|x w| (Higham's gamma_K, first order), and the output's rounding to `dtype` adds u |y|.
     Rows of a 3-d input and a non-contiguous one (the last position, as `logits_to_keep` slices it)."""
-    if dtype == torch.bfloat16 and not packs_linear_weights(CPU, dtype):
+    if dtype == torch.bfloat16 and not packs_linear_weights(CPU, dtype, PACK_MIN_HIDDEN_SIZE):
         pytest.skip("this processor has no oneDNN bfloat16 kernels")
     generator = torch.Generator().manual_seed(0)
     k = 96
@@ -93,7 +99,7 @@ def test_outside_inference_mode_it_is_nn_linear_and_carries_gradients() -> None:
 
 
 @needs_onednn
-def test_the_engine_packs_its_linear_layers_and_keeps_the_state_dict() -> None:
+def test_the_engine_packs_its_linear_layers_and_keeps_the_state_dict(pack_any_size: None) -> None:
     model = tiny_model(seed=0)
     names = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     linears = sum(type(m) is torch.nn.Linear for m in model.modules())
@@ -105,7 +111,7 @@ def test_the_engine_packs_its_linear_layers_and_keeps_the_state_dict() -> None:
 
 
 @needs_onednn
-def test_every_way_of_changing_the_weights_reaches_the_packed_layers() -> None:
+def test_every_way_of_changing_the_weights_reaches_the_packed_layers(pack_any_size: None) -> None:
     """After each change the engine generates what a fresh engine built with the new weights
     generates (and not what it generated before): an update, an in-place sync the engine is told of
     (written at the storage level, which no version counter sees), a write through the model it was
@@ -145,7 +151,7 @@ def test_every_way_of_changing_the_weights_reaches_the_packed_layers() -> None:
 
 
 @needs_onednn
-def test_a_packed_model_copies_pickles_and_releases() -> None:
+def test_a_packed_model_copies_pickles_and_releases(pack_any_size: None) -> None:
     engine = HFRolloutEngine(tiny_model(seed=0), OPTIONS)
     expected = engine.generate(prompt_batch(PROMPTS), GREEDY)
     for clone in (copy.deepcopy(engine.model), pickle.loads(pickle.dumps(engine.model))):
@@ -158,11 +164,40 @@ def test_a_packed_model_copies_pickles_and_releases() -> None:
     assert engine._packed_linears == []
 
 
-def test_other_devices_dtypes_and_the_switch_leave_nn_linear(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not packs_linear_weights(CPU, torch.float64)
-    assert not packs_linear_weights(CPU, torch.float16)
-    assert not packs_linear_weights(torch.device("cuda"), torch.float32)
+def test_other_devices_dtypes_sizes_and_the_switch_leave_nn_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not packs_linear_weights(CPU, torch.float64, 4096)
+    assert not packs_linear_weights(CPU, torch.float16, 4096)
+    assert not packs_linear_weights(torch.device("cuda"), torch.float32, 4096)
+    assert not packs_linear_weights(CPU, torch.float32, PACK_MIN_HIDDEN_SIZE - 1)
+    assert not packs_linear_weights(CPU, torch.float32, None)
+    engine = HFRolloutEngine(tiny_model(seed=0), OPTIONS)  # hidden 64: packing would not pay
+    assert not packed_modules(engine)
+    monkeypatch.setattr("megarl.rollout.hf_engine.PACK_MIN_HIDDEN_SIZE", 0)
     monkeypatch.setattr("megarl.rollout.hf_engine.PACK_LINEAR_WEIGHTS", False)
     engine = HFRolloutEngine(tiny_model(seed=0), OPTIONS)
     assert not packed_modules(engine)
     assert sum(type(m) is torch.nn.Linear for m in engine.model.modules()) == 15
+
+
+@needs_onednn
+def test_a_model_of_the_size_that_pays_is_packed_and_short_calls_make_no_packs() -> None:
+    """From `PACK_MIN_HIDDEN_SIZE` up the engine packs; after a weight change a call of fewer than
+    `PACK_MIN_NEW_TOKENS` tokens multiplies on the plain weights (what it generates does not depend on
+    it: the same as a fresh engine's long call), a longer one packs, and later short calls use the
+    packs while they are current."""
+    engine = HFRolloutEngine(tiny_model(seed=0, hidden_size=PACK_MIN_HIDDEN_SIZE, head_dim=64, num_attention_heads=8,
+                                        num_key_value_heads=4), OPTIONS)
+    layers = packed_modules(engine)
+    assert len(layers) == 15
+    short, long = SamplingParams.make_greedy(PACK_MIN_NEW_TOKENS - 1), SamplingParams.make_greedy(PACK_MIN_NEW_TOKENS)
+    plain = engine.generate(prompt_batch(PROMPTS), short)
+    assert all(m.pack is None for m in layers)
+    packed = engine.generate(prompt_batch(PROMPTS), long)
+    assert all(m.pack is not None for m in layers)
+    assert torch.equal(packed["responses"][:, :PACK_MIN_NEW_TOKENS - 1], plain["responses"])
+    again = engine.generate(prompt_batch(PROMPTS), short)
+    assert all(m.pack is not None for m in layers)  # current packs serve short calls too
+    assert torch.equal(again["responses"], plain["responses"])
+    engine.update_weights(engine.model.state_dict().items())
+    engine.generate(prompt_batch(PROMPTS), short)
+    assert all(m.pack is None for m in layers)
