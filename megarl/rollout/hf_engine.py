@@ -239,7 +239,7 @@ def decoding_cache(config: Any, capacity: int, storage_dtype: torch.dtype | None
 
 
 # A CPU model's float32 and bfloat16 linear layers compute on weights reordered once into oneDNN's
-# blocked layout (`PackedLinear`); benchmarks set it False to time `F.linear` on the plain weights.
+# blocked layout (`PackedLinear`); False: `nn.Linear` throughout.
 PACK_LINEAR_WEIGHTS = True
 # The row count oneDNN lays a packed weight out for; any count runs on it. Measured on a 2-core AMD
 # EPYC (one thread, a 3072 x 512 weight): 32, 64 and 256 gave the same times at 1 to 256 rows.
@@ -249,7 +249,7 @@ PACK_ROWS_HINT = 32
 # one thread, every weight updated before each call (`benchmarks/rollout.py --update-between-calls
 # --engines hf,hf_plain_linear`), 32 rows, plain / packed time: the quickstart's model (hidden 256)
 # never gained (4 new tokens 0.81x, 8 0.90x, 16 0.97x, 32 1.00x in float32); the 25M model (hidden
-# 512) gained from 8 tokens on (8: 1.06x float32, 1.02x bfloat16; 16: 1.14x, 1.13x; 64: 1.20x bfloat16).
+# 512) gained from 8 tokens on (8: 1.06x float32, 1.02x bfloat16; 16: 1.14x, 1.13x; 64: 1.19x bfloat16).
 # So a model is packed from this hidden size up, and a generation call makes new packs (after a
 # weight change) only when it decodes at least this many tokens; shorter calls multiply on the
 # plain weights, or on packs still current (the quickstart's 4 tokens with packing forced on then
@@ -263,8 +263,8 @@ class PackedLinear(torch.nn.Linear):
     weight reordered once into oneDNN's blocked layout (`torch.ops.mkldnn`, what inductor's freezing
     does), instead of `F.linear` reading the row-major weight at every call. On a 2-core AMD EPYC
     with one thread, 32 rows against a 3072 x 512 weight took 0.97 ms against 1.40 ms in float32 and
-    0.47 against 0.55 ms in bfloat16; the 25M e2e model's decode (32 rows x 64 tokens) ran 1.24x
-    faster in bfloat16, with the same samples bit for bit (`benchmarks/rollout.py --engines
+    0.47 against 0.55 ms in bfloat16; the 25M e2e model's decode (32 rows x 64 tokens) ran 1.28x
+    faster in float32 and 1.24x in bfloat16, with the same samples (`benchmarks/rollout.py --engines
     hf,hf_plain_linear`).
 
     The packed copy (as many bytes as the weight) is made at the first call and remade when the
@@ -273,8 +273,9 @@ class PackedLinear(torch.nn.Linear):
     alike), and the engine drops every pack when told of a weight change or put to sleep
     (`HFRolloutEngine.drop_packed_weights`). Outside inference mode (autograd), on other devices or
     dtypes it is `nn.Linear`'s own forward, and so it is with `repack` False where the pack is
-    missing or stale (the engine's short calls, see `PACK_MIN_NEW_TOKENS`). The parameters, their names and the state dict are
-    those of the `nn.Linear` it was made from (`pack_linear_layers` changes the class in place)."""
+    missing or stale (the engine's short calls, see `PACK_MIN_NEW_TOKENS`). The parameters, their
+    names and the state dict are those of the `nn.Linear` it was made from (`pack_linear_layers`
+    changes the class in place)."""
 
     pack: tuple[tuple[int, int], torch.Tensor] | None = None  # ((storage pointer, version), packed weight)
     repack: bool = True  # make a pack where there is none or it is stale; False: F.linear then
@@ -306,9 +307,10 @@ _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 def packs_linear_weights(device: torch.device, dtype: torch.dtype, hidden_size: int | None) -> bool:
     """Whether the engine runs its linear layers as `PackedLinear`s: on CPU with oneDNN, for a model
     of at least `PACK_MIN_HIDDEN_SIZE` (None: unknown, not packed), in float32, or in bfloat16 where
-    the processor has oneDNN's bfloat16 kernels."""
+    the processor has oneDNN's bfloat16 kernels; not where oneDNN is turned off
+    (`torch.backends.mkldnn.enabled`)."""
     if (not PACK_LINEAR_WEIGHTS or device.type != "cpu" or not torch.backends.mkldnn.is_available()
-            or (hidden_size or 0) < PACK_MIN_HIDDEN_SIZE):
+            or not torch.backends.mkldnn.enabled or (hidden_size or 0) < PACK_MIN_HIDDEN_SIZE):
         return False
     return dtype in _PACKED_DTYPES and (dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
@@ -365,9 +367,10 @@ class HFRolloutEngine(RolloutEngine):
     pages the training step reuses: measured on the quickstart, its update phase then took 15-56
     ms longer, page-faulting them in again.
 
-    On CPU a float32 or bfloat16 model's `nn.Linear` layers become `PackedLinear`s (the same modules
-    and parameters): generation multiplies on copies of their weights in oneDNN's layout, made at the
-    first generation after each weight change and dropped at sleep.
+    On CPU a float32 or bfloat16 model of hidden size `PACK_MIN_HIDDEN_SIZE` and up has its
+    `nn.Linear` layers turned into `PackedLinear`s (the same modules and parameters): generation
+    multiplies on copies of their weights in oneDNN's layout, made at the first generation of at
+    least `PACK_MIN_NEW_TOKENS` tokens after each weight change and dropped at sleep.
     """
 
     name = "hf"

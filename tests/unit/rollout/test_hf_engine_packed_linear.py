@@ -170,6 +170,10 @@ def test_other_devices_dtypes_sizes_and_the_switch_leave_nn_linear(monkeypatch: 
     assert not packs_linear_weights(torch.device("cuda"), torch.float32, 4096)
     assert not packs_linear_weights(CPU, torch.float32, PACK_MIN_HIDDEN_SIZE - 1)
     assert not packs_linear_weights(CPU, torch.float32, None)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.backends.mkldnn, "enabled", False)
+        assert not packs_linear_weights(CPU, torch.float32, 4096)
+    assert torch.backends.mkldnn.enabled
     engine = HFRolloutEngine(tiny_model(seed=0), OPTIONS)  # hidden 64: packing would not pay
     assert not packed_modules(engine)
     monkeypatch.setattr("megarl.rollout.hf_engine.PACK_MIN_HIDDEN_SIZE", 0)
