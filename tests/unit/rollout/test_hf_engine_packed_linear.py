@@ -205,3 +205,23 @@ def test_a_model_of_the_size_that_pays_is_packed_and_short_calls_make_no_packs()
     engine.update_weights(engine.model.state_dict().items())
     engine.generate(prompt_batch(PROMPTS), short)
     assert all(m.pack is None for m in layers)
+
+
+@needs_onednn
+def test_a_packed_engine_samples_log_probs_of_float64_math(pack_any_size: None) -> None:
+    """Sampled tokens' log-probs of a packed float32 engine against one uncached forward pass of a
+    float64 copy of the model over each prompt and response (no pack: float64 is not packed)."""
+    model = tiny_model(seed=0)
+    reference = copy.deepcopy(model).double()
+    engine = HFRolloutEngine(model, OPTIONS)
+    n = 2
+    out = engine.generate(prompt_batch(PROMPTS), SamplingParams(n=n, max_new_tokens=PACK_MIN_NEW_TOKENS, seed=5))
+    assert all(m.pack is not None for m in packed_modules(engine))
+    for row in range(len(out)):
+        prompt = PROMPTS[row // n]
+        length = int(out["response_mask"][row].sum())
+        response = out["responses"][row, :length].tolist()
+        with torch.no_grad():
+            logits = reference(input_ids=torch.tensor([prompt + response])).logits[0][len(prompt) - 1:-1]
+        expected = torch.log_softmax(logits, dim=-1)[torch.arange(length), torch.tensor(response)]
+        torch.testing.assert_close(out["rollout_log_probs"][row, :length].double(), expected, atol=1e-5, rtol=0)
