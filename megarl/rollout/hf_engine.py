@@ -270,7 +270,7 @@ class PackedLinear(torch.nn.Linear):
     The packed copy (as many bytes as the weight) is made at the first call and remade when the
     weight changed: a pack remembers its weight's storage and version counter, which every in-place
     write bumps (a copy into the weight or into a view of it, under no_grad or inference mode
-    alike), and the engine drops every pack when told of a weight change or put to sleep
+    alike), and the engine drops every pack when told of writes it did not make or put to sleep
     (`HFRolloutEngine.drop_packed_weights`). Outside inference mode (autograd), on other devices or
     dtypes it is `nn.Linear`'s own forward, and so it is with `repack` False where the pack is
     missing or stale (the engine's short calls, see `PACK_MIN_NEW_TOKENS`). The parameters, their
@@ -548,7 +548,7 @@ class HFRolloutEngine(RolloutEngine):
             target.copy_(tensor)
             self._note_written(name)
             loaded += 1
-        self.drop_packed_weights()
+        self.drop_packed_weights()  # stale now (the copies bumped the version counters): free them
         return loaded
 
     def weight_targets(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
@@ -580,7 +580,9 @@ class HFRolloutEngine(RolloutEngine):
 
     def drop_packed_weights(self) -> None:
         """Forget the packed copies of the linear weights (`PackedLinear`): the next forward pass
-        packs each weight again. Done at every weight change the engine is told of and at sleep."""
+        packs each weight again. Done after every update (its stale packs freed at once), after
+        writes the engine is told of but did not make (`weights_written`, `mark_weights_updated`:
+        they may bypass the version counters, as a write into the storage does) and at sleep."""
         for module in self._packed_linears:
             module.pack = None
 
@@ -599,7 +601,6 @@ class HFRolloutEngine(RolloutEngine):
         return sorted(part for parts in self._unwritten.values() for part in parts)
 
     def _expect_every_weight(self) -> None:
-        self.drop_packed_weights()
         self._unwritten = {owner: set(parts) for owner, parts in self._update_parts.items()}
 
     def _weights_rewritten(self) -> None:

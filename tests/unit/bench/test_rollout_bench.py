@@ -40,7 +40,7 @@ def test_the_plain_linear_variant_runs_nn_linear_and_gives_the_packing_back(monk
     weights) and turns them back into `PackedLinear`s after each call."""
     if not packs_linear_weights(torch.device("cpu"), torch.bfloat16, PACK_MIN_HIDDEN_SIZE):
         pytest.skip("no oneDNN bfloat16 kernels on this processor: the engine packs nothing")
-    monkeypatch.setattr("megarl.rollout.hf_engine.PACK_MIN_HIDDEN_SIZE", 0)  # the tiny model packed too
+    monkeypatch.setattr("megarl.rollout.hf_engine.PACK_MIN_HIDDEN_SIZE", 0)  # the tiny model's layers PackedLinear too
     result = run(parse_args(TINY + ["--engines", "hf,hf_plain_linear", "--device", "cpu", "--update-between-calls"]))
     assert result["engines"]["hf_plain_linear"]["generated_tokens_per_call"] == 2 * 2 * 3
     assert result["packed_linear_over_plain_linear"] > 0
