@@ -48,12 +48,14 @@ from megarl.algorithms.kl import (
     register_kl_estimator,
 )
 from megarl.algorithms.policy_loss import (
+    ADVANTAGE_PROPORTIONAL_LOSSES,
     POLICY_LOSSES,
     PolicyLoss,
     PolicyLossInputs,
     PolicyLossSettings,
     get_policy_loss,
     register_policy_loss,
+    rows_with_advantage,
 )
 from megarl.algorithms.registry import Registry
 from megarl.algorithms.rollout_correction import (
@@ -74,6 +76,7 @@ from megarl.algorithms.value_loss import ValueLossInputs, ValueLossSettings, com
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "ADVANTAGE_PROPORTIONAL_LOSSES",
     "CORRECTION_LEVELS",
     "CORRECTION_MODES",
     "KL_ESTIMATORS",
@@ -121,5 +124,6 @@ __all__ = [
     "register_kl_estimator",
     "register_policy_loss",
     "rollout_mismatch_metrics",
+    "rows_with_advantage",
     "sequence_metric",
 ]

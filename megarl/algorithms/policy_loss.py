@@ -72,6 +72,16 @@ POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", "actor.policy_loss
 register_policy_loss = POLICY_LOSSES.register
 get_policy_loss = POLICY_LOSSES.get
 
+# The built-in losses whose every per-token term is the token's advantage times a factor that stays
+# finite (and depends on the token's own row only): a row whose advantages are all zero adds nothing
+# to their value or their gradient, so the update may leave it out (actor.skip_zero_advantage_rows).
+ADVANTAGE_PROPORTIONAL_LOSSES = frozenset({"vanilla", "gspo", "cispo", "reinforce", "gpg"})
+
+
+def rows_with_advantage(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: the rows of (B, R) `advantages` that are nonzero (or NaN) on some valid token."""
+    return ((advantages != 0) & response_mask.bool()).any(dim=-1)
+
 
 def _fraction(condition: torch.Tensor, mask: torch.Tensor) -> float:
     return float(masked_mean(condition.to(torch.float32), mask))

@@ -170,6 +170,17 @@ class ActorConfig:
     # rollout.max_logprob_gap, rollout_corr/*) is measured on the update's first optimizer step's
     # log-probs, after the update; actor/entropy always comes from the update.
     old_log_prob_source: str = "auto"
+    # Rows whose advantage is zero on every response token (e.g. a GRPO group whose responses all
+    # scored the same) are left out of the update's forward and backward passes where that leaves
+    # the gradient unchanged: a built-in policy loss (vanilla, gspo, cispo, reinforce/gpg, each
+    # proportional to the advantage), entropy_coeff 0 and no KL loss; elsewhere it does nothing. The
+    # rows still count in the loss's normalisers, so each optimizer step is the one the full batch
+    # gives. Metric actor/zero_advantage_rows_skipped: the share of rows left out. The update's
+    # metrics (actor/entropy, actor/pg_clipfrac, actor/ppo_kl) are then over the rows it ran, and
+    # so, without the old-log-prob pass, is the rollout-vs-trainer gap. When no pass of the actor,
+    # reference or critic comes before the update, trainer.balance_batch balances the rows' tokens
+    # the update runs (global_seqlen/*), after the advantages.
+    skip_zero_advantage_rows: bool = True
 
 
 @dataclass

@@ -10,7 +10,9 @@ Gradient convention (shared with `megarl.algorithms.aggregation`): `loss_fn` ret
 micro-batch's *share* of the mini-batch loss, normalised by the mini-batch's global counts and
 multiplied by `dp_size`; micro-batch gradients are summed; DDP averages over DP. The engine undoes
 Megatron's division of each micro-batch loss by the number of micro-batches, so the gradient is
-exactly that of the whole mini-batch loss however the mini-batch is split.
+exactly that of the whole mini-batch loss however the mini-batch is split. The same holds when
+`train_step(skip_zero_advantage=True)` leaves out the rows whose advantages are all zero, for a loss
+to which such rows add nothing: the normalisers count them, the schedule does not run them.
 
 Context parallelism (cp > 1, `megarl.megatron.context_parallel`): each micro-batch's sequence axis is
 padded to a multiple of 2*cp and split over the CP ranks (chunks r and 2*cp-1-r). Per-position
@@ -43,6 +45,7 @@ import torch.distributed as dist
 from megatron.core.transformer.module import Float16Module
 
 from megarl.algorithms.aggregation import LossNormalisers, mini_batch_normalisers
+from megarl.algorithms.policy_loss import rows_with_advantage
 from megarl.errors import CheckpointError, ConfigError, DataError, EngineStateError
 from megarl.layout import ParallelLayout
 from megarl.megatron import checkpoint as ckpt
@@ -80,6 +83,22 @@ def batch_tensors(batch: Any) -> dict[str, torch.Tensor]:
     if isinstance(batch, Mapping):
         return {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
     raise DataError(f"expected a Batch or a dict of tensors, got {type(batch).__name__}")
+
+
+def rows_to_run(data: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+    """The rows of a mini-batch whose `advantages` are nonzero on some response token, and the share of
+    rows left out. At least one row stays (the one with the fewest tokens): every rank runs the
+    step's schedule, whose end reduces the gradients across the data-parallel ranks; a row of zero
+    advantage adds nothing to the gradient there."""
+    _require(data, ("advantages", "response_mask", "attention_mask"), "train_step(skip_zero_advantage=True)")
+    keep = rows_with_advantage(data["advantages"], data["response_mask"])
+    if not bool(keep.any()):
+        keep[int(data["attention_mask"].sum(dim=-1).argmin())] = True
+    n = len(keep)
+    if bool(keep.all()):
+        return data, 0.0
+    index = keep.nonzero().squeeze(-1)
+    return {k: v[index] for k, v in data.items()}, 1.0 - len(index) / n
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -623,13 +642,17 @@ class MegatronEngine:
     # ------------------------------------------------------------------ training
     def train_step(self, batch: Any, loss_fn: LossFn, mini_batch_size: int, epochs: int = 1,
                    shuffle: bool = False, temperature: float = 1.0, calculate_entropy: bool = False,
-                   max_response_len: int | None = None) -> dict[str, Any]:
+                   max_response_len: int | None = None, skip_zero_advantage: bool = False) -> dict[str, Any]:
         """Optimizer steps over mini-batches of this rank's rows (`mini_batch_size` rows per DP rank).
 
         `loss_fn(outputs, micro_batch, normalisers) -> (loss, metrics)`; outputs hold "log_probs"
         (and "entropys") for a policy or "values" for a critic, (b, R), differentiable. Returns
         metrics as lists, one value per optimizer step: loss, grad_norm, lr, and loss_fn's metrics
         (mean over micro-batches).
+
+        `skip_zero_advantage`: each mini-batch's rows whose `advantages` are zero on every response
+        token are counted in the normalisers but not run (only for a `loss_fn` to which they add
+        nothing); metric `zero_advantage_rows_skipped`, the share of the mini-batch's rows left out.
         """
         self._check_trained("train_step")
         self._check_resident("train_step")
@@ -643,7 +666,7 @@ class MegatronEngine:
             for start in range(0, n, mini_batch_size):
                 idx = order[start:start + mini_batch_size]
                 step = self._optimizer_step({k: v[idx] for k, v in data.items()}, loss_fn, temperature,
-                                            calculate_entropy, max_response_len)
+                                            calculate_entropy, max_response_len, skip_zero_advantage)
                 for k, v in step.items():
                     history.setdefault(k, []).append(v)
         return history
@@ -656,10 +679,14 @@ class MegatronEngine:
         return dataclasses.replace(local, global_num_tokens=float(counts[0]), global_num_seqs=float(counts[1]))
 
     def _optimizer_step(self, data: dict[str, torch.Tensor], loss_fn: LossFn, temperature: float,
-                        with_entropy: bool, max_response_len: int | None) -> dict[str, float]:
+                        with_entropy: bool, max_response_len: int | None,
+                        skip_zero_advantage: bool = False) -> dict[str, float]:
         self._check_trained("train_step")
         self._check_onloaded("train_step")
         normalisers = self._normalisers(data["response_mask"], max_response_len)
+        skipped = None
+        if skip_zero_advantage:
+            data, skipped = rows_to_run(data)
         micro = self._micro_batches(data)
         num_micro = len(micro)
 
@@ -682,7 +709,10 @@ class MegatronEngine:
         _, grad_norm, _ = self.optimizer.step()
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.scheduler.step(increment=1)
-        return self._reduce_metrics(results, grad_norm, lr)
+        metrics = self._reduce_metrics(results, grad_norm, lr)
+        if skipped is not None:
+            metrics["zero_advantage_rows_skipped"] = skipped
+        return metrics
 
     def _reduce_metrics(self, results: list[dict[str, torch.Tensor]], grad_norm: Any, lr: float) -> dict[str, float]:
         keys = sorted(results[0]) if results else []

@@ -61,6 +61,7 @@ from megarl.algorithms import (
     logprob_gap,
     make_kl_controller,
     rollout_mismatch_metrics,
+    rows_with_advantage,
     sequence_metric,
 )
 from megarl.cluster.dispatch import plan_dispatch
@@ -263,6 +264,9 @@ class RLTrainer:
             or workers.critic is not None
         self.score_beside_pass = bool(self.cfg.reward.overlap and has_pass and workers.reward_model is None
                                       and not self.cfg.algorithm.filter_groups.enable)
+        # Without a pass before it, the actor's update is the first work on the rows: they are
+        # balanced after the advantages, by the tokens of the rows it runs (skip_zero_advantage_rows).
+        self.balance_update_rows = bool(spec.actor.loss.skip_zero_advantage_rows and not has_pass)
         self.checkpointer = TrainerCheckpointer(
             CheckpointDirs(run.run_dir / "checkpoints", self.cfg.trainer.max_ckpt_to_keep), trained,
             run.run_dir / "config.yaml")
@@ -450,14 +454,8 @@ class RLTrainer:
             # Rows reordered so each actor DP rank gets about the same tokens (trainer.balance_batch);
             # advantages group by uid, not position; the rollout order comes back before the dump.
             restore = None
-            dp = plan_dispatch(actor.group.rank_coords).dp_size
-            if cfg.trainer.balance_batch and balance_applies(len(batch), dp):
-                # With prompt sharing a group's rows stay together (so that its prompt can be computed
-                # once where the engine shares prompts: not on a GPU, model.prompt_sharing).
-                groups = batch["uid"] if cfg.model.prompt_sharing != "never" and "uid" in batch else None
-                order, balance_metrics = balance_order(batch["attention_mask"], dp, groups)
-                batch, restore = batch[order], torch.argsort(order)
-                metrics.update(balance_metrics)
+            if not self.balance_update_rows:
+                batch, restore = self.balance(batch, batch["attention_mask"], metrics)
 
             # 4. log-probs of the behaviour policy (a pass of the actor, unless the update itself or the
             #    rollout engine supplies them: actor.old_log_prob_source), the reference, the critic's values
@@ -485,6 +483,9 @@ class RLTrainer:
             with self.phase("adv"):
                 batch, adv_metrics = self.compute_advantages(batch)
                 metrics.update(adv_metrics)
+                if self.balance_update_rows:  # the tokens of the rows the update will run
+                    runs = rows_with_advantage(batch["advantages"], batch["response_mask"])
+                    batch, restore = self.balance(batch, batch["attention_mask"] * runs.unsqueeze(-1), metrics)
 
             # 6. updates: critic first, actor after the warm-up
             if critic is not None:
@@ -534,6 +535,21 @@ class RLTrainer:
         metrics.update(memory_step_metrics(self.memory_metrics))
         self.memory_metrics = {}
         return metrics
+
+    def balance(self, batch: Batch, token_mask: torch.Tensor, metrics: dict[str, Any]
+                ) -> tuple[Batch, Optional[torch.Tensor]]:
+        """`batch` reordered so that each actor DP rank gets about the same tokens of `token_mask`
+        (B, T) (trainer.balance_batch; metrics `global_seqlen/*`), and the order that restores it
+        (None: not reordered)."""
+        dp = plan_dispatch(self.workers.actor.group.rank_coords).dp_size
+        if not (self.cfg.trainer.balance_batch and balance_applies(len(batch), dp)):
+            return batch, None
+        # With prompt sharing a group's rows stay together (so that its prompt can be computed
+        # once where the engine shares prompts: not on a GPU, model.prompt_sharing).
+        groups = batch["uid"] if self.cfg.model.prompt_sharing != "never" and "uid" in batch else None
+        order, balance_metrics = balance_order(token_mask, dp, groups)
+        metrics.update(balance_metrics)
+        return batch[order], torch.argsort(order)
 
     def queued_calls(self) -> int:
         """Worker calls sent for the next step by a queued generation still in flight (they count there)."""

@@ -24,7 +24,7 @@ from megarl.megatron.optim import EngineConfig
 from megarl.rewards.model_scores import RewardCombine
 from megarl.rollout.base import EngineOptions, SamplingParams
 from megarl.rollout.partial import PartialRollout
-from megarl.workers.losses import ActorLossSpec, CriticLossSpec
+from megarl.workers.losses import ActorLossSpec, CriticLossSpec, zero_advantage_rows_add_nothing
 from megarl.workers.specs import EngineRoleSpec, OffloadSpec, RolloutSpec, UpdateSpec
 
 
@@ -122,6 +122,9 @@ def resolve_run_spec(cfg: DictConfig, model_dir: str, pad_token_id: int, eos_tok
         import_modules=tuple(os.path.abspath(m) if str(m).endswith(".py") else str(m)
                              for m in cfg.algorithm.import_modules),
     )
+    # Left out of the update only where they add nothing to its gradient (actor.skip_zero_advantage_rows).
+    actor_loss = dataclasses.replace(actor_loss, skip_zero_advantage_rows=bool(
+        actor.skip_zero_advantage_rows and zero_advantage_rows_add_nothing(actor_loss)))
     actor_spec = EngineRoleSpec(
         name="actor",
         model_dir=str(model_dir),

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megarl.algorithms import (
+    ADVANTAGE_PROPORTIONAL_LOSSES,
     LossNormalisers,
     PolicyLossInputs,
     PolicyLossSettings,
@@ -55,11 +56,22 @@ class ActorLossSpec:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"  # a KL estimator name (KL_ESTIMATORS, "+" for straight-through)
     old_log_prob_source: str = "recompute"  # one of OLD_LOG_PROB_SOURCES
+    # The update leaves out the rows whose advantage is zero on every response token (they still
+    # count in the loss's normalisers). Resolved on the driver (actor.skip_zero_advantage_rows): only
+    # where `zero_advantage_rows_add_nothing` holds, so that the gradient stays what it was.
+    skip_zero_advantage_rows: bool = False
     # Rollout-training mismatch correction (algorithm.rollout_correction): per-token loss weights.
     rollout_correction: RolloutCorrectionSettings = RolloutCorrectionSettings()
     # algorithm.import_modules (.py paths absolute): imported before the loss is built, for the policy
     # losses and KL estimators they register in this process.
     import_modules: tuple[str, ...] = ()
+
+
+def zero_advantage_rows_add_nothing(spec: ActorLossSpec) -> bool:
+    """Whether a row whose advantages are all zero adds nothing to the actor loss or its gradient: a
+    built-in policy loss proportional to the advantage, no entropy bonus, no KL loss (whose terms do
+    not depend on the advantage). A user-registered loss is not assumed to be proportional."""
+    return spec.loss_mode in ADVANTAGE_PROPORTIONAL_LOSSES and not spec.entropy_coeff and not spec.use_kl_loss
 
 
 @dataclass(frozen=True)
@@ -85,6 +97,11 @@ def make_actor_loss(spec: ActorLossSpec, log_prob_sink: Optional[LogProbSink] = 
     if spec.old_log_prob_source not in OLD_LOG_PROB_SOURCES:
         raise ConfigError(f"actor.old_log_prob_source = {spec.old_log_prob_source!r}; the loss takes one of "
                           f"{list(OLD_LOG_PROB_SOURCES)} (auto is resolved by the driver)")
+    if spec.skip_zero_advantage_rows and not zero_advantage_rows_add_nothing(spec):
+        raise ConfigError(f"the actor loss ({spec.loss_mode}, entropy_coeff {spec.entropy_coeff}, use_kl_loss "
+                          f"{spec.use_kl_loss}) gets a gradient from rows of zero advantage: the update cannot skip "
+                          f"them (only with a loss in {sorted(ADVANTAGE_PROPORTIONAL_LOSSES)}, no entropy bonus, no "
+                          "KL loss)")
     import_modules(spec.import_modules)
     policy_loss = get_policy_loss(spec.loss_mode)
     settings = PolicyLossSettings(

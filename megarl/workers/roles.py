@@ -130,7 +130,8 @@ class FirstStepLogProbs:
 
     Those rows are scored under the weights the update started from, the weights that generated them:
     the trainer's log-probs the separate old-log-prob pass would have computed. Rows the first step
-    does not hold (later mini-batches) stay NaN. Only the last pipeline stage sees log-probs.
+    does not hold (later mini-batches) or does not run (rows of zero advantage it skips) stay NaN.
+    Only the last pipeline stage sees log-probs.
     """
 
     ROW = "update_row"  # the column that carries each row's index through the micro-batches
@@ -152,7 +153,7 @@ class ActorUpdate:
     metrics: the update's metrics (`actor/...`).
     log_probs: without the old-log-prob pass (`old_log_prob_source` update or rollout), the first
         optimizer step's log-probs of this rank's rows (B_rank, R) float32, detached, NaN where that
-        step held no row; None with the pass. They come back with the update, not in a call of their
+        step held or ran no row (a row of zero advantage it skipped); None with the pass. They come back with the update, not in a call of their
         own: a call fewer per rank and step.
     """
 
@@ -170,13 +171,14 @@ class ActorRole(EngineRole):
 
     def update_actor(self, batch: Batch) -> ActorUpdate:
         """PPO epochs over `batch`. Without the old-log-prob pass (`old_log_prob_source` update or
-        rollout) the first optimizer step's log-probs come back with the metrics (`ActorUpdate`)."""
+        rollout) the first optimizer step's log-probs come back with the metrics (`ActorUpdate`); with
+        `skip_zero_advantage_rows`, rows the update left out are NaN there, as rows of later steps."""
         sink = None
         if self.spec.loss.old_log_prob_source != "recompute":
             sink = FirstStepLogProbs(len(batch), int(batch["responses"].shape[1]), self.engine)
             batch[FirstStepLogProbs.ROW] = torch.arange(len(batch))
         metrics = self._train(batch, make_actor_loss(self.spec.loss, sink), temperature=self.spec.temperature,
-                              calculate_entropy=True)
+                              calculate_entropy=True, skip_zero_advantage=self.spec.loss.skip_zero_advantage_rows)
         return ActorUpdate(metrics, sink.values if sink is not None else None)
 
     # ---------------------------------------------- weights to a rollout pool of its own

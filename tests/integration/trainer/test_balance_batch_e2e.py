@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from test_train_e2e import read_metrics, run_train, write_config
+from test_train_e2e import MIXED_REWARD, read_metrics, run_train, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -76,3 +76,35 @@ def test_balanced_run_trains_like_unbalanced(tmp_path: Path, varied_task: Path) 
         [(r["uid"], r["input"], r["output"], r["score"]) for r in dumps["false"]]
     assert [r["advantage"] for r in dumps["true"]] == pytest.approx([r["advantage"] for r in dumps["false"]],
                                                                     abs=1e-6)
+
+
+def test_skipping_zero_advantage_rows_trains_like_running_them(tmp_path: Path, varied_task: Path) -> None:
+    """actor.skip_zero_advantage_rows at DP=2 (no entropy bonus, no pass before the update): the same
+    updates as running every row, and the balance counts the tokens of the rows the update runs."""
+    runs = {}
+    for skip in ("true", "false"):
+        out = tmp_path / skip
+        out.mkdir()
+        reward_file = out / "mixed_reward.py"
+        reward_file.write_text(MIXED_REWARD)  # groups of even answers score 0: their rows are skipped
+        config = write_config(out, varied_task, actor={"megatron": {"tensor_model_parallel_size": 1}},
+                              reward={"custom_reward_function": {"path": str(reward_file)}},
+                              trainer={"seed": 4})
+        proc = run_train(config, f"actor.skip_zero_advantage_rows={skip}")
+        assert proc.returncode == 0
+        runs[skip] = read_metrics(out / "run")
+    on, off = runs["true"], runs["false"]
+    assert any(on[s]["actor/zero_advantage_rows_skipped"] > 0 for s in (1, 2))
+    for step in (1, 2):
+        m = on[step]
+        assert "actor/zero_advantage_rows_skipped" not in off[step]
+        for key in ("critic/score/mean", "response_length/mean"):
+            assert m[key] == off[step][key], key
+        assert m["actor/grad_norm"] > 0
+        assert m["actor/grad_norm"] == pytest.approx(off[step]["actor/grad_norm"], rel=RTOL)
+        assert m["actor/loss"] == pytest.approx(off[step]["actor/loss"], rel=RTOL, abs=1e-7)
+        # Balanced by the tokens the update runs: fewer than the batch's when it skips rows.
+        every_token = 16 * (m["prompt_length/mean"] + m["response_length/mean"])
+        assert 2 * off[step]["global_seqlen/mean"] == pytest.approx(every_token)
+        if m["actor/zero_advantage_rows_skipped"] > 0:
+            assert 2 * m["global_seqlen/mean"] < every_token

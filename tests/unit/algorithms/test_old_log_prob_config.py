@@ -112,3 +112,15 @@ def test_allowed_combinations_validate(tmp_path: Path) -> None:
            "actor.policy_loss.loss_mode=reinforce")
     config(tmp_path, "algorithm.rollout_correction.mode=mis", "algorithm.rollout_correction.level=sequence",
            "actor.ppo_epochs=2")
+
+
+@pytest.mark.parametrize(("overrides", "skips"), [
+    ((), True),  # vanilla PPO loss, no entropy bonus, no KL loss: zero-advantage rows add nothing
+    (("actor.policy_loss.loss_mode=cispo", "actor.ppo_epochs=2"), True),
+    (("actor.skip_zero_advantage_rows=false",), False),
+    (("actor.entropy_coeff=0.001",), False),
+    (("actor.use_kl_loss=true",), False),
+])
+def test_zero_advantage_rows_are_skipped_only_where_they_add_nothing(tmp_path: Path, overrides: tuple[str, ...],
+                                                                     skips: bool) -> None:
+    assert resolve(tmp_path, *overrides).actor.loss.skip_zero_advantage_rows is skips

@@ -10,9 +10,22 @@ import math
 import pytest
 import torch
 
-from megarl.algorithms import RolloutCorrectionSettings, mini_batch_normalisers
+from megarl.algorithms import (
+    ADVANTAGE_PROPORTIONAL_LOSSES,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    RolloutCorrectionSettings,
+    mini_batch_normalisers,
+    rows_with_advantage,
+)
 from megarl.errors import ConfigError
-from megarl.workers.losses import ActorLossSpec, CriticLossSpec, make_actor_loss, make_critic_loss
+from megarl.workers.losses import (
+    ActorLossSpec,
+    CriticLossSpec,
+    make_actor_loss,
+    make_critic_loss,
+    zero_advantage_rows_add_nothing,
+)
 
 from . import loop_reference as ref
 
@@ -43,7 +56,7 @@ def test_spec_fields_and_defaults() -> None:
     assert actor == {
         "loss_mode": "vanilla", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
         "loss_agg_mode": "token-mean", "entropy_coeff": 0.0, "use_kl_loss": False, "kl_loss_coef": 0.001,
-        "kl_loss_type": "low_var_kl", "old_log_prob_source": "recompute",
+        "kl_loss_type": "low_var_kl", "old_log_prob_source": "recompute", "skip_zero_advantage_rows": False,
         "rollout_correction": RolloutCorrectionSettings(), "import_modules": (),
     }
     assert {f.name: f.default for f in dataclasses.fields(CriticLossSpec)} == {
@@ -144,3 +157,67 @@ def test_actor_gradient_does_not_depend_on_the_micro_batch_split() -> None:
 def test_unknown_loss_mode_is_refused_when_building() -> None:
     with pytest.raises(ConfigError, match=r"actor.policy_loss.loss_mode = 'ppo'"):
         make_actor_loss(ActorLossSpec(loss_mode="ppo"))
+
+
+def test_rows_with_advantage_by_hand() -> None:
+    adv = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.5, 0.0], [0.0, 0.0, 2.0], [float("nan"), 0.0, 0.0], [-0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    # row 2's advantage sits on a padding token; a NaN advantage is kept (its NaN must reach the loss)
+    assert rows_with_advantage(adv, mask).tolist() == [False, True, False, True, False]
+
+
+def _zero_advantage_case(seed: int) -> dict[str, torch.Tensor]:
+    mb = micro_batch(seed, batch=8)
+    mb["advantages"][[0, 3, 4]] = 0.0  # three rows of zero advantage, one of them partly masked
+    mb["advantages"][5, mb["response_mask"][5] == 0] = 0.0
+    mb["advantages"][6] = 0.0
+    mb["advantages"][6, -1] = 1.5  # nonzero on a padding token only: a zero-advantage row
+    mb["response_mask"][6, -1] = 0.0
+    return mb
+
+
+@pytest.mark.parametrize("loss_mode", sorted(ADVANTAGE_PROPORTIONAL_LOSSES))
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_rows_of_zero_advantage_add_nothing_to_the_builtin_losses(loss_mode: str, mode: str) -> None:
+    """The rows left out (with the mini-batch's normalisers) give the loss and the gradient of all rows."""
+    mb = _zero_advantage_case(4)
+    spec = ActorLossSpec(loss_mode=loss_mode, loss_agg_mode=mode, clip_ratio_high=0.28)
+    assert zero_advantage_rows_add_nothing(spec)
+    runs = rows_with_advantage(mb["advantages"], mb["response_mask"])
+    assert runs.tolist() == [False, True, False, False, False, True, False, True]
+    normalisers = mini_batch_normalisers(mb["response_mask"])
+
+    def loss_and_grad(rows: torch.Tensor) -> tuple[float, torch.Tensor]:
+        log_prob = mb["log_probs"].clone().requires_grad_()
+        part = {k: v[rows] for k, v in mb.items()}
+        loss, _ = make_actor_loss(spec)({"log_probs": log_prob[rows]}, part, normalisers)
+        loss.backward()
+        return loss.item(), log_prob.grad
+
+    full_loss, full_grad = loss_and_grad(torch.arange(8))
+    run_loss, run_grad = loss_and_grad(runs.nonzero().squeeze(-1))
+    assert run_loss == pytest.approx(full_loss, abs=1e-12)
+    torch.testing.assert_close(run_grad, full_grad, atol=1e-12, rtol=0)
+    assert bool((full_grad[~runs] == 0).all()) and bool((full_grad[runs] != 0).any())
+
+
+@pytest.mark.parametrize("extra", [{"entropy_coeff": 0.01}, {"use_kl_loss": True}])
+def test_an_entropy_bonus_or_kl_loss_gives_zero_advantage_rows_a_gradient(extra: dict) -> None:
+    """Why those losses keep every row: the terms that do not depend on the advantage."""
+    mb = _zero_advantage_case(5)
+    spec = ActorLossSpec(**extra)
+    assert not zero_advantage_rows_add_nothing(spec)
+    log_prob = mb["log_probs"].clone().requires_grad_()
+    entropys = mb["entropys"].clone().requires_grad_()
+    loss, _ = make_actor_loss(spec)({"log_probs": log_prob, "entropys": entropys}, mb,
+                                     mini_batch_normalisers(mb["response_mask"]))
+    loss.backward()
+    grad = log_prob.grad if spec.use_kl_loss else entropys.grad
+    assert bool((grad[0] != 0).any())  # row 0: zero advantage
+    with pytest.raises(ConfigError, match="cannot skip them"):
+        make_actor_loss(dataclasses.replace(spec, skip_zero_advantage_rows=True))
+
+
+def test_a_user_loss_is_not_assumed_proportional_to_the_advantage() -> None:
+    assert set(ADVANTAGE_PROPORTIONAL_LOSSES) <= set(POLICY_LOSSES.names())
+    assert not zero_advantage_rows_add_nothing(ActorLossSpec(loss_mode="my_loss"))
