@@ -39,7 +39,9 @@ same run (torch.mm with the run's 2 threads, best of 10, in the run's precision,
 between and after round 1's two runs; the best of the three). Useful FLOPs count
 the real (unpadded) tokens of the step and the parameters that multiply them (all but the input
 embedding table):
-6 x params x tokens for an update (forward and backward), 2 x params x tokens for a log-prob pass;
+6 x params x tokens for an update (forward and backward; megarl's counts the tokens of the rows it
+ran: with `actor.skip_zero_advantage_rows`, on by default, it leaves out the rows of zero advantage,
+which add nothing to the gradient and which TRL computes), 2 x params x tokens for a log-prob pass;
 attention's sequence-squared term is left out (under 1% at these lengths). TRL has no separate
 log-prob pass; its training time is the step minus generation and scoring.
 
@@ -142,6 +144,10 @@ def useful_mfu(megarl: dict[str, Any], trl: dict[str, Any], params: int, rates: 
 
     timed = [r for r in megarl["records"] if r["step"] > 1 and r.get("total_tokens")]
     tokens = sum(r["total_tokens"] for r in timed)
+    # The update runs the rows of nonzero advantage only (actor.skip_zero_advantage_rows): its FLOPs
+    # count the tokens it ran. TRL computes every row.
+    update_tokens = sum(r["total_tokens"] * (1.0 - (r.get("update_tokens_skipped") or 0.0)) for r in timed)
+    skipped_rows = [r["update_rows_skipped"] for r in timed if r.get("update_rows_skipped") is not None]
     update_s = sum(r.get("update_actor_s", 0.0) for r in timed)
     logprob_s = sum(r.get("old_log_prob_s", 0.0) for r in timed)
     trl_timed = [r for r in trl["records"] if r["step"] > 1 and r.get("prompt_tokens") is not None]
@@ -152,9 +158,11 @@ def useful_mfu(megarl: dict[str, Any], trl: dict[str, Any], params: int, rates: 
         f"matmul_{precision}_flops_per_s": rate,
         f"matmul_{precision}_flops_per_s_measured": list(rates),
         "mfu_precision": precision,
-        "megarl_update_mfu": share(6.0 * params * tokens, update_s),
+        "megarl_update_mfu": share(6.0 * params * update_tokens, update_s),
         "megarl_old_log_prob_mfu": share(2.0 * params * tokens, logprob_s),
-        "megarl_update_gflops_per_s": 6.0 * params * tokens / update_s / 1e9 if update_s else None,
+        "megarl_update_gflops_per_s": 6.0 * params * update_tokens / update_s / 1e9 if update_s else None,
+        "megarl_update_tokens_per_step": update_tokens / len(timed) if timed else None,
+        "megarl_update_rows_skipped_mean": sum(skipped_rows) / len(skipped_rows) if skipped_rows else None,
         "trl_training_mfu": share(6.0 * params * trl_tokens, trl_train_s),
         "megarl_tokens_per_step": tokens / len(timed) if timed else None,
         "trl_tokens_per_step": trl_tokens / len(trl_timed) if trl_timed else None,
@@ -557,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
                       "resources.cpu_grad_reduce) unless megarl_overrides set the layout, rollout.engine auto (HF "
                       "unless the python given has vLLM), actor.old_log_prob_source auto (no separate "
                       "old-log-prob pass: one epoch, one mini-batch, the update's own log-probs), the next "
-                      "generation queued behind each update (trainer.queue_generation)",
+                      "generation queued behind each update (trainer.queue_generation), rows of zero advantage "
+                      "left out of the update (actor.skip_zero_advantage_rows; the same gradient)",
             "trl": f"1 process x {THREADS} threads, model.generate rollout, on-policy (no old-log-prob pass), "
                    f"gradient checkpointing {'on' if gradient_checkpointing else 'off'} as in the megarl run "
                    "(TRL's own default is on)",

@@ -86,6 +86,9 @@ def step_record(row: dict[str, Any], sequences: int) -> dict[str, Any]:
         "score_mean": m.get("critic/score/mean"),
         "total_tokens": m.get("perf/total_num_tokens"),
         "response_tokens": response_tokens,
+        # the share of the rows (and their tokens) of zero advantage the update left out (absent: it ran every row)
+        "update_rows_skipped": m.get("actor/zero_advantage_rows_skipped"),
+        "update_tokens_skipped": m.get("actor/zero_advantage_tokens_skipped"),
     }
     for phase in PHASES:
         if f"timing_s/{phase}" in m:

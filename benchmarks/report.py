@@ -437,13 +437,18 @@ def _e2e_25m(result: dict[str, Any]) -> list[str]:
     lines = _e2e(result) + ["", f"Useful-token MFU against torch.mm {precision} at {fmt(rate / 1e9 if rate else None)} GFLOP/s "
                                 f"(2 threads, {when}), {fmt(mfu.get('useful_params'))} parameters "
                                 "multiplying each token:", ""]
-    rows = [["megarl update (6 x params x tokens)", mfu.get("megarl_update_mfu")],
+    rows = [["megarl update (6 x params x tokens it ran)", mfu.get("megarl_update_mfu")],
             ["megarl old log-prob pass (2 x params x tokens)", mfu.get("megarl_old_log_prob_mfu")],
             ["TRL training (step minus generation and scoring; 6 x params x tokens)", mfu.get("trl_training_mfu")]]
     phases = result["megarl"]["summary"].get("phase_seconds_mean", {})
     lines += table(["phase", "MFU"], rows)
     lines += ["", "megarl's phases (s, mean of steps 2..N): "
               + ", ".join(f"{k} {fmt(v)}" for k, v in phases.items()), ""]
+    if mfu.get("megarl_update_rows_skipped_mean") is not None:
+        lines += [f"megarl's update left out {pct(mfu['megarl_update_rows_skipped_mean'])} of the rows (mean of steps "
+                  f"2..N), those of zero advantage (`actor.skip_zero_advantage_rows`), and ran "
+                  f"{fmt(mfu.get('megarl_update_tokens_per_step'))} of {fmt(mfu.get('megarl_tokens_per_step'))} "
+                  "tokens a step; TRL computes every row.", ""]
     return lines
 
 

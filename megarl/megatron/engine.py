@@ -38,7 +38,7 @@ import dataclasses
 import functools
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -85,20 +85,16 @@ def batch_tensors(batch: Any) -> dict[str, torch.Tensor]:
     raise DataError(f"expected a Batch or a dict of tensors, got {type(batch).__name__}")
 
 
-def rows_to_run(data: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
-    """The rows of a mini-batch whose `advantages` are nonzero on some response token, and the share of
-    rows left out. At least one row stays (the one with the fewest tokens): every rank runs the
-    step's schedule, whose end reduces the gradients across the data-parallel ranks; a row of zero
-    advantage adds nothing to the gradient there."""
+def rows_to_run(data: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(B,) bool: the rows of a mini-batch whose `advantages` are nonzero on some response token. At
+    least one row runs (the one with the fewest tokens): every rank runs the step's schedule, whose
+    end reduces the gradients across the data-parallel ranks; a row of zero advantage adds nothing
+    to the gradient there."""
     _require(data, ("advantages", "response_mask", "attention_mask"), "train_step(skip_zero_advantage=True)")
     keep = rows_with_advantage(data["advantages"], data["response_mask"])
     if not bool(keep.any()):
         keep[int(data["attention_mask"].sum(dim=-1).argmin())] = True
-    n = len(keep)
-    if bool(keep.all()):
-        return data, 0.0
-    index = keep.nonzero().squeeze(-1)
-    return {k: v[index] for k, v in data.items()}, 1.0 - len(index) / n
+    return keep
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -652,7 +648,8 @@ class MegatronEngine:
 
         `skip_zero_advantage`: each mini-batch's rows whose `advantages` are zero on every response
         token are counted in the normalisers but not run (only for a `loss_fn` to which they add
-        nothing); metric `zero_advantage_rows_skipped`, the share of the mini-batch's rows left out.
+        nothing); metrics `zero_advantage_rows_skipped` and `zero_advantage_tokens_skipped`, the share
+        of the mini-batch's rows and of its tokens (prompt + response) left out, over every DP rank.
         """
         self._check_trained("train_step")
         self._check_resident("train_step")
@@ -671,22 +668,37 @@ class MegatronEngine:
                     history.setdefault(k, []).append(v)
         return history
 
-    def _normalisers(self, mask: torch.Tensor, max_response_len: int | None) -> LossNormalisers:
-        """This rank's counts, summed over the DP ranks that share the mini-batch."""
+    def _normalisers(self, mask: torch.Tensor, max_response_len: int | None, extra: Sequence[float] = ()
+                     ) -> tuple[LossNormalisers, list[float]]:
+        """This rank's counts, summed over the DP ranks that share the mini-batch; `extra` counts of
+        this rank summed with them (in the same all-reduce)."""
         local = mini_batch_normalisers(mask, max_response_len=max_response_len, dp_size=self.ranks.dp_size)
-        counts = torch.tensor([local.global_num_tokens, local.global_num_seqs], dtype=torch.float64, device=self.device)
+        counts = torch.tensor([local.global_num_tokens, local.global_num_seqs, *extra], dtype=torch.float64,
+                              device=self.device)
         dist.all_reduce(counts, group=self.dp_group)
-        return dataclasses.replace(local, global_num_tokens=float(counts[0]), global_num_seqs=float(counts[1]))
+        totals = counts.tolist()
+        return dataclasses.replace(local, global_num_tokens=totals[0], global_num_seqs=totals[1]), totals[2:]
 
     def _optimizer_step(self, data: dict[str, torch.Tensor], loss_fn: LossFn, temperature: float,
                         with_entropy: bool, max_response_len: int | None,
                         skip_zero_advantage: bool = False) -> dict[str, float]:
         self._check_trained("train_step")
         self._check_onloaded("train_step")
-        normalisers = self._normalisers(data["response_mask"], max_response_len)
-        skipped = None
+        skipped: dict[str, float] = {}
         if skip_zero_advantage:
-            data, skipped = rows_to_run(data)
+            keep = rows_to_run(data)
+            tokens = data["attention_mask"].sum(dim=-1)
+            # rows and tokens (prompt + response) of the mini-batch, and those that run: over every DP rank
+            counts = [len(keep), float(keep.sum()), float(tokens.sum()), float(tokens[keep].sum())]
+            normalisers, (rows, rows_run, all_tokens, tokens_run) = self._normalisers(
+                data["response_mask"], max_response_len, counts)
+            skipped = {"zero_advantage_rows_skipped": 1.0 - rows_run / rows,
+                       "zero_advantage_tokens_skipped": 1.0 - tokens_run / max(all_tokens, 1.0)}
+            if not bool(keep.all()):
+                index = keep.nonzero().squeeze(-1)
+                data = {k: v[index] for k, v in data.items()}
+        else:
+            normalisers, _ = self._normalisers(data["response_mask"], max_response_len)
         micro = self._micro_batches(data)
         num_micro = len(micro)
 
@@ -709,10 +721,7 @@ class MegatronEngine:
         _, grad_norm, _ = self.optimizer.step()
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.scheduler.step(increment=1)
-        metrics = self._reduce_metrics(results, grad_norm, lr)
-        if skipped is not None:
-            metrics["zero_advantage_rows_skipped"] = skipped
-        return metrics
+        return {**self._reduce_metrics(results, grad_norm, lr), **skipped}
 
     def _reduce_metrics(self, results: list[dict[str, torch.Tensor]], grad_norm: Any, lr: float) -> dict[str, float]:
         keys = sorted(results[0]) if results else []

@@ -85,14 +85,20 @@ def test_skipping_zero_advantage_rows_keeps_the_float64_policy_gradient() -> Non
     trainer64 = hf_logprobs(model, batch)[0]
     runs = torch.ones(ROWS, dtype=torch.bool)
     runs[ZERO_ROWS] = False
+    lengths = batch["attention_mask"].sum(dim=-1)
+    ran_rows = runs.clone()
+    ran_rows[int(lengths[:4].argmin())] = True  # rank 0's row of fewest tokens
     for engine_name in ENGINES:
         for rank, rank_result in enumerate(res):
             full, skipped = rank_result[engine_name, False], rank_result[engine_name, True]
             assert relative_error(full["grads"], exact) < GRAD_RTOL, engine_name
             assert relative_error(skipped["grads"], exact) < GRAD_RTOL, engine_name
-            # Rank 0 runs one row of its four (the one with the fewest tokens), rank 1 the two with an advantage.
-            assert skipped["metrics"]["actor/zero_advantage_rows_skipped"] == (0.75 if rank == 0 else 0.5)
-            assert "actor/zero_advantage_rows_skipped" not in full["metrics"]
+            # Rank 0 runs one row of its four (the one with the fewest tokens), rank 1 the two with an
+            # advantage: 5 of 8 rows left out, and their tokens, counted over both ranks.
+            assert skipped["metrics"]["actor/zero_advantage_rows_skipped"] == 5 / 8
+            assert skipped["metrics"]["actor/zero_advantage_tokens_skipped"] == pytest.approx(
+                1 - float(lengths[ran_rows].sum()) / float(lengths.sum()), abs=1e-12)
+            assert not {"actor/zero_advantage_rows_skipped", "actor/zero_advantage_tokens_skipped"} & set(full["metrics"])
             # The loss counts every row: the same value either way.
             assert skipped["metrics"]["actor/loss"] == pytest.approx(full["metrics"]["actor/loss"], rel=1e-5, abs=1e-7)
             # The log-probs of the rows it ran come back; the rows it left out are NaN.

@@ -133,7 +133,7 @@ def test_report_gives_the_25m_mfu_against_the_best_of_the_measured_rates():
     assert ("Useful-token MFU against torch.mm fp32 at 300 GFLOP/s (2 threads, the best of 250, 300, 280 measured "
             "before, between and after round 1's two runs), 25,000,000 parameters") in md
     mfu = next(t for t in _tables(md) if t[0] == ["phase", "MFU"])
-    assert mfu[1:] == [["megarl update (6 x params x tokens)", "0.55"],
+    assert mfu[1:] == [["megarl update (6 x params x tokens it ran)", "0.55"],
                        ["megarl old log-prob pass (2 x params x tokens)", "-"],
                        ["TRL training (step minus generation and scoring; 6 x params x tokens)", "0.45"]]
     # A record written before the rate was measured more than once still renders.
