@@ -175,7 +175,8 @@ class ActorConfig:
     # the gradient unchanged: a built-in policy loss (vanilla, gspo, cispo, reinforce/gpg, each
     # proportional to the advantage), entropy_coeff 0 and no KL loss; elsewhere it does nothing. The
     # rows still count in the loss's normalisers, so each optimizer step is the one the full batch
-    # gives. Metric actor/zero_advantage_rows_skipped: the share of rows left out. The update's
+    # gives. Metrics actor/zero_advantage_rows_skipped and actor/zero_advantage_tokens_skipped: the
+    # shares of the rows and of their tokens (prompt + response) left out. The update's
     # metrics (actor/entropy, actor/pg_clipfrac, actor/ppo_kl) are then over the rows it ran, and
     # so, without the old-log-prob pass, is the rollout-vs-trainer gap. When no pass of the actor,
     # reference or critic comes before the update, trainer.balance_batch balances the rows' tokens

@@ -70,7 +70,9 @@ class ActorLossSpec:
 def zero_advantage_rows_add_nothing(spec: ActorLossSpec) -> bool:
     """Whether a row whose advantages are all zero adds nothing to the actor loss or its gradient: a
     built-in policy loss proportional to the advantage, no entropy bonus, no KL loss (whose terms do
-    not depend on the advantage). A user-registered loss is not assumed to be proportional."""
+    not depend on the advantage). A user-registered loss is not assumed to be proportional. Nothing
+    else in the update sees a row: the models train without dropout and a MoE router without a
+    load-balancing loss (`megarl.models.spec`)."""
     return spec.loss_mode in ADVANTAGE_PROPORTIONAL_LOSSES and not spec.entropy_coeff and not spec.use_kl_loss
 
 
