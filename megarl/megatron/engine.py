@@ -679,26 +679,31 @@ class MegatronEngine:
         totals = counts.tolist()
         return dataclasses.replace(local, global_num_tokens=totals[0], global_num_seqs=totals[1]), totals[2:]
 
+    def _rows_with_advantage(self, data: dict[str, torch.Tensor], max_response_len: int | None
+                             ) -> tuple[dict[str, torch.Tensor], LossNormalisers, dict[str, float]]:
+        """The mini-batch's rows that run (`rows_to_run`), the normalisers of all its rows, and the
+        shares of its rows and tokens (prompt + response) left out, over every DP rank."""
+        keep = rows_to_run(data)
+        tokens = data["attention_mask"].sum(dim=-1)
+        counts = [len(keep), float(keep.sum()), float(tokens.sum()), float(tokens[keep].sum())]
+        normalisers, (rows, rows_run, all_tokens, tokens_run) = self._normalisers(
+            data["response_mask"], max_response_len, counts)
+        skipped = {"zero_advantage_rows_skipped": 1.0 - rows_run / rows,
+                   "zero_advantage_tokens_skipped": 1.0 - tokens_run / max(all_tokens, 1.0)}
+        if not bool(keep.all()):
+            index = keep.nonzero().squeeze(-1)
+            data = {k: v[index] for k, v in data.items()}
+        return data, normalisers, skipped
+
     def _optimizer_step(self, data: dict[str, torch.Tensor], loss_fn: LossFn, temperature: float,
                         with_entropy: bool, max_response_len: int | None,
                         skip_zero_advantage: bool = False) -> dict[str, float]:
         self._check_trained("train_step")
         self._check_onloaded("train_step")
-        skipped: dict[str, float] = {}
         if skip_zero_advantage:
-            keep = rows_to_run(data)
-            tokens = data["attention_mask"].sum(dim=-1)
-            # rows and tokens (prompt + response) of the mini-batch, and those that run: over every DP rank
-            counts = [len(keep), float(keep.sum()), float(tokens.sum()), float(tokens[keep].sum())]
-            normalisers, (rows, rows_run, all_tokens, tokens_run) = self._normalisers(
-                data["response_mask"], max_response_len, counts)
-            skipped = {"zero_advantage_rows_skipped": 1.0 - rows_run / rows,
-                       "zero_advantage_tokens_skipped": 1.0 - tokens_run / max(all_tokens, 1.0)}
-            if not bool(keep.all()):
-                index = keep.nonzero().squeeze(-1)
-                data = {k: v[index] for k, v in data.items()}
+            data, normalisers, skipped = self._rows_with_advantage(data, max_response_len)
         else:
-            normalisers, _ = self._normalisers(data["response_mask"], max_response_len)
+            (normalisers, _), skipped = self._normalisers(data["response_mask"], max_response_len), {}
         micro = self._micro_batches(data)
         num_micro = len(micro)
 

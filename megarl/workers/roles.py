@@ -153,8 +153,8 @@ class ActorUpdate:
     metrics: the update's metrics (`actor/...`).
     log_probs: without the old-log-prob pass (`old_log_prob_source` update or rollout), the first
         optimizer step's log-probs of this rank's rows (B_rank, R) float32, detached, NaN where that
-        step held or ran no row (a row of zero advantage it skipped); None with the pass. They come back with the update, not in a call of their
-        own: a call fewer per rank and step.
+        step held or ran no row (a row of zero advantage it skipped); None with the pass. They come
+        back with the update, not in a call of their own: a call fewer per rank and step.
     """
 
     metrics: dict[str, float]
