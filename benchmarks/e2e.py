@@ -41,7 +41,9 @@ the real (unpadded) tokens of the step and the parameters that multiply them (al
 embedding table):
 6 x params x tokens for an update (forward and backward; megarl's counts the tokens of the rows it
 ran: with `actor.skip_zero_advantage_rows`, on by default, it leaves out the rows of zero advantage,
-which add nothing to the gradient and which TRL computes), 2 x params x tokens for a log-prob pass;
+which add nothing to the gradient and which TRL computes), 2 x params x tokens for a log-prob pass
+(over the rows it computed: with that key and several mini-batches it runs after the advantages, on
+the update's rows);
 attention's sequence-squared term is left out (under 1% at these lengths). TRL has no separate
 log-prob pass; its training time is the step minus generation and scoring.
 
@@ -147,6 +149,8 @@ def useful_mfu(megarl: dict[str, Any], trl: dict[str, Any], params: int, rates: 
     # The update runs the rows of nonzero advantage only (actor.skip_zero_advantage_rows): its FLOPs
     # count the tokens it ran. TRL computes every row.
     update_tokens = sum(r["total_tokens"] * (1.0 - (r.get("update_tokens_skipped") or 0.0)) for r in timed)
+    # So does the old-log-prob pass where it runs after the advantages (the same key, several mini-batches).
+    logprob_tokens = sum(r["total_tokens"] * (1.0 - (r.get("old_log_prob_tokens_skipped") or 0.0)) for r in timed)
     skipped_rows = [r["update_rows_skipped"] for r in timed if r.get("update_rows_skipped") is not None]
     update_s = sum(r.get("update_actor_s", 0.0) for r in timed)
     logprob_s = sum(r.get("old_log_prob_s", 0.0) for r in timed)
@@ -159,7 +163,7 @@ def useful_mfu(megarl: dict[str, Any], trl: dict[str, Any], params: int, rates: 
         f"matmul_{precision}_flops_per_s_measured": list(rates),
         "mfu_precision": precision,
         "megarl_update_mfu": share(6.0 * params * update_tokens, update_s),
-        "megarl_old_log_prob_mfu": share(2.0 * params * tokens, logprob_s),
+        "megarl_old_log_prob_mfu": share(2.0 * params * logprob_tokens, logprob_s),
         "megarl_update_gflops_per_s": 6.0 * params * update_tokens / update_s / 1e9 if update_s else None,
         "megarl_update_tokens_per_step": update_tokens / len(timed) if timed else None,
         "megarl_update_rows_skipped_mean": sum(skipped_rows) / len(skipped_rows) if skipped_rows else None,

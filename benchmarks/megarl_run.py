@@ -89,6 +89,7 @@ def step_record(row: dict[str, Any], sequences: int) -> dict[str, Any]:
         # the share of the rows (and their tokens) of zero advantage the update left out (absent: it ran every row)
         "update_rows_skipped": m.get("actor/zero_advantage_rows_skipped"),
         "update_tokens_skipped": m.get("actor/zero_advantage_tokens_skipped"),
+        "old_log_prob_tokens_skipped": m.get("training/old_log_prob_tokens_skipped"),
     }
     for phase in PHASES:
         if f"timing_s/{phase}" in m:

@@ -178,9 +178,13 @@ class ActorConfig:
     # gives. Metrics actor/zero_advantage_rows_skipped and actor/zero_advantage_tokens_skipped: the
     # shares of the rows and of their tokens (prompt + response) left out. The update's
     # metrics (actor/entropy, actor/pg_clipfrac, actor/ppo_kl) are then over the rows it ran, and
-    # so, without the old-log-prob pass, is the rollout-vs-trainer gap. When no pass of the actor,
-    # reference or critic comes before the update, trainer.balance_batch balances the rows' tokens
-    # the update runs (global_seqlen/*), after the advantages.
+    # so is the rollout-vs-trainer gap. Where the old-log-prob pass runs (old_log_prob_source
+    # recompute) without a reference or critic, the advantages come before it and it computes only
+    # the rows the update runs (training/old_log_prob_rows_skipped: the share left out; their
+    # old_log_probs are NaN); the scores are then needed before it and do not overlap it
+    # (reward.overlap). When no pass of the actor, reference or critic comes before the
+    # advantages, trainer.balance_batch balances the rows' tokens the update runs
+    # (global_seqlen/*), after them.
     skip_zero_advantage_rows: bool = True
 
 
@@ -272,7 +276,9 @@ class RewardConfig:
     max_failure_share: float = 0.5
     # Score on the driver while the workers run the step's first forward pass (old log-probs,
     # reference or values), instead of before it. Applies without the DAPO group filter and the
-    # reward model, and when such a pass runs; `training/reward_overlapped` says whether it did.
+    # reward model, and when such a pass runs before the advantages (not the old-log-prob pass
+    # alone under actor.skip_zero_advantage_rows, which needs the advantages first);
+    # `training/reward_overlapped` says whether it did.
     overlap: bool = True
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     reward_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -12,7 +12,9 @@ One step (see `RLTrainer.train_step`):
      first pass of step 4 instead: `reward.overlap`)
   4. old log-probs (an actor pass; or, without it, the update's own or the rollout's:
      `actor.old_log_prob_source`), reference log-probs, values (critic); first the rows are
-     reordered so each actor DP rank gets about the same tokens (`trainer.balance_batch`)
+     reordered so each actor DP rank gets about the same tokens (`trainer.balance_batch`). When the
+     actor's pass is the only one and the update leaves out the rows of zero advantage
+     (`actor.skip_zero_advantage_rows`), it runs after step 5, on the rows the update runs
   5. advantages on the driver's CPU (KL in the reward first when configured)
   6. critic update, then actor update (after the critic warm-up); in sync mode the next step's
      weight sync and generation are sent right behind the update (`trainer.queue_generation`)
@@ -257,15 +259,22 @@ class RLTrainer:
         trained = {"actor": workers.actor}
         if workers.critic is not None:
             trained["critic"] = workers.critic
+        # Where the update leaves out the rows of zero advantage and the old-log-prob pass is the only
+        # pass (no reference, no critic: the advantages need nothing from a worker), the advantages
+        # come first and the pass computes the rows the update runs only (step 4 after step 5).
+        self.pass_after_advantages = bool(
+            spec.actor.loss.skip_zero_advantage_rows and spec.actor.loss.old_log_prob_source == "recompute"
+            and workers.ref is None and workers.critic is None and not self.cfg.algorithm.use_kl_in_reward)
         # Scores are needed first by the advantages (step 5), so the driver can compute them while the
         # workers run the first forward pass of step 4; not when the DAPO filter needs them to pick
-        # the batch, nor with a reward model (its workers may be the ones computing), nor without a pass.
-        has_pass = spec.actor.loss.old_log_prob_source == "recompute" or workers.ref is not None \
-            or workers.critic is not None
+        # the batch, nor with a reward model (its workers may be the ones computing), nor without a
+        # pass before the advantages.
+        has_pass = (spec.actor.loss.old_log_prob_source == "recompute" and not self.pass_after_advantages) \
+            or workers.ref is not None or workers.critic is not None
         self.score_beside_pass = bool(self.cfg.reward.overlap and has_pass and workers.reward_model is None
                                       and not self.cfg.algorithm.filter_groups.enable)
-        # Without a pass before it, the actor's update is the first work on the rows: they are
-        # balanced after the advantages, by the tokens of the rows it runs (skip_zero_advantage_rows).
+        # Without a pass before the advantages, the rows are balanced after them, by the tokens of the
+        # rows the update runs (skip_zero_advantage_rows).
         self.balance_update_rows = bool(spec.actor.loss.skip_zero_advantage_rows and not has_pass)
         self.checkpointer = TrainerCheckpointer(
             CheckpointDirs(run.run_dir / "checkpoints", self.cfg.trainer.max_ckpt_to_keep), trained,
@@ -463,7 +472,7 @@ class RLTrainer:
             metrics["training/old_log_prob_source"] = OLD_LOG_PROB_SOURCES.index(source)
             metrics["training/reward_overlapped"] = float(self.score_beside_pass)
             unscored = self.score_beside_pass  # the first pass below scores beside its workers
-            if source == "recompute":
+            if source == "recompute" and not self.pass_after_advantages:
                 with self.phase("old_log_prob"), self.onloaded(actor, self.spec.actor, params_only=True):
                     batch = self.forward_pass(actor, ActorRole.compute_log_prob, batch, metrics, unscored)
                 unscored = False
@@ -486,6 +495,10 @@ class RLTrainer:
                 if self.balance_update_rows:  # the tokens of the rows the update will run
                     runs = rows_with_advantage(batch["advantages"], batch["response_mask"])
                     batch, restore = self.balance(batch, batch["attention_mask"] * runs.unsqueeze(-1), metrics)
+            if self.pass_after_advantages:  # 4. old log-probs of the rows the update runs
+                with self.phase("old_log_prob"), self.onloaded(actor, self.spec.actor, params_only=True):
+                    batch, passed = self.old_log_probs_of_rows_run(batch, metrics)
+                metrics.update(self.rollout_mismatch(batch[passed], batch["old_log_probs"][passed], step))
 
             # 6. updates: critic first, actor after the warm-up
             if critic is not None:
@@ -915,6 +928,33 @@ class RLTrainer:
             batch, reward_metrics = self.score(batch)
         metrics.update(reward_metrics)
         return batch.union(handle.result(role.group.call_timeout_s))
+
+    def old_log_probs_of_rows_run(self, batch: Batch, metrics: dict[str, Any]) -> tuple[Batch, torch.Tensor]:
+        """`batch` with `old_log_probs` and `entropys` of the rows of nonzero advantage, computed by
+        the actor's pass on those rows alone (balanced over its DP ranks by their tokens), NaN on the
+        others, which no optimizer step runs (a row the update must run on a rank with none of them
+        takes its own log-probs: `make_actor_loss`); and the indices of the rows computed. Without a
+        row of nonzero advantage it computes the row of fewest tokens, so that the rollout-vs-trainer
+        gap is still measured and checked (rollout.max_logprob_gap).
+        Metrics `training/old_log_prob_rows_skipped` and `training/old_log_prob_tokens_skipped`: the
+        shares of the rows and of their tokens (prompt + response) left out."""
+        runs = rows_with_advantage(batch["advantages"], batch["response_mask"])
+        tokens = batch["attention_mask"].sum(dim=-1)
+        if not bool(runs.any()):
+            runs[int(tokens.argmin())] = True
+        passed = runs.nonzero().squeeze(-1)
+        metrics["training/old_log_prob_rows_skipped"] = 1.0 - len(passed) / len(batch)
+        metrics["training/old_log_prob_tokens_skipped"] = (1.0 - float(tokens[passed].sum())
+                                                           / max(float(tokens.sum()), 1.0))
+        shape = tuple(batch["response_mask"].shape)
+        computed = {"old_log_probs": torch.full(shape, float("nan")), "entropys": torch.full(shape, float("nan"))}
+        rows, restore = self.balance(batch[passed], batch["attention_mask"][passed], {})
+        out = self.workers.actor.call_dp(ActorRole.compute_log_prob, rows)
+        for key, values in computed.items():
+            values[passed] = out[key][restore] if restore is not None else out[key]
+        for key, values in computed.items():
+            batch[key] = values
+        return batch, passed
 
     def sampling(self, step: int, validation: bool = False) -> SamplingParams:
         """The sampling parameters of training (or validation) at `step`, with a seed of their own."""

@@ -29,6 +29,7 @@ from megarl.algorithms import (
     correction_weights,
     get_policy_loss,
     kl_penalty,
+    rows_with_advantage,
 )
 from megarl.config.plugins import import_modules
 from megarl.errors import ConfigError
@@ -76,6 +77,19 @@ def zero_advantage_rows_add_nothing(spec: ActorLossSpec) -> bool:
     return spec.loss_mode in ADVANTAGE_PROPORTIONAL_LOSSES and not spec.entropy_coeff and not spec.use_kl_loss
 
 
+def own_where_left_out(old_log_prob: torch.Tensor, own: torch.Tensor, advantages: torch.Tensor,
+                       response_mask: torch.Tensor) -> torch.Tensor:
+    """`old_log_prob` (B, R) with the rows that the old-log-prob pass left out (NaN there: zero
+    advantage, `RLTrainer.old_log_probs_of_rows_run`) replaced by the update's own log-probs `own`,
+    detached: such a row runs only where its rank's mini-batch holds no other (`rows_to_run`), and
+    with ratio 1 and zero advantage it adds nothing. A row of nonzero advantage keeps its NaN: a pass
+    that failed to cover it is a bug to surface, not to hide."""
+    left_out = torch.isnan(old_log_prob).any(dim=-1) & ~rows_with_advantage(advantages, response_mask)
+    if not bool(left_out.any()):
+        return old_log_prob
+    return torch.where(left_out.unsqueeze(-1), own, old_log_prob)
+
+
 @dataclass(frozen=True)
 class CriticLossSpec:
     """The critic's clipped value loss."""
@@ -93,7 +107,8 @@ def make_actor_loss(spec: ActorLossSpec, log_prob_sink: Optional[LogProbSink] = 
     The correction's importance weights compare the trainer's log-probs under the sampling weights
     (the recomputed `old_log_probs`; otherwise the update's own, which equal them when the update is
     on-policy) with the rollout engine's. `log_prob_sink`, when given, receives every micro-batch's
-    data and detached log-probs. Metrics: `actor/<policy loss metric>`, `actor/pg_loss`,
+    data and detached log-probs. With `skip_zero_advantage_rows` and the pass, a row the pass left
+    out takes the update's own log-probs (`own_where_left_out`). Metrics: `actor/<policy loss metric>`, `actor/pg_loss`,
     `actor/entropy` (when entropies are computed), `actor/kl_loss` and `actor/kl_coef` (with the KL loss).
     """
     if spec.old_log_prob_source not in OLD_LOG_PROB_SOURCES:
@@ -122,9 +137,11 @@ def make_actor_loss(spec: ActorLossSpec, log_prob_sink: Optional[LogProbSink] = 
             log_prob_sink(mb, detached)
         mask = mb["response_mask"]
         old = detached if source == "update" else mb["old_log_probs"]
+        if spec.skip_zero_advantage_rows and source == "recompute":
+            old = own_where_left_out(old, detached, mb["advantages"], mask)
         weights = None
         if correction.mode != "none":
-            trainer = mb["old_log_probs"] if source == "recompute" else detached
+            trainer = old if source == "recompute" else detached
             weights = correction_weights(trainer, mb["rollout_log_probs"], mask, correction)
         inputs = PolicyLossInputs(old, log_prob, mb["advantages"], mask, normalisers=normalisers, weights=weights)
         loss, metrics = policy_loss(inputs, settings)

@@ -108,3 +108,45 @@ def test_skipping_zero_advantage_rows_trains_like_running_them(tmp_path: Path, v
         assert 2 * off[step]["global_seqlen/mean"] == pytest.approx(every_token)
         if m["actor/zero_advantage_rows_skipped"] > 0:
             assert 2 * m["global_seqlen/mean"] < every_token
+
+
+def test_old_log_prob_pass_computes_only_the_rows_the_update_runs(tmp_path: Path, varied_task: Path) -> None:
+    """Two mini-batches a step (old log-probs recomputed) with actor.skip_zero_advantage_rows: the
+    advantages come first and the pass computes only the rows of nonzero advantage; the updates are
+    those of the run computing every row. trainer.balance_batch off on both sides: balancing after the
+    advantages orders the rows otherwise, and so fills the mini-batches otherwise."""
+    runs = {}
+    for skip in ("true", "false"):
+        out = tmp_path / skip
+        out.mkdir()
+        reward_file = out / "mixed_reward.py"
+        reward_file.write_text(MIXED_REWARD)  # groups of even answers score 0: their rows are skipped
+        config = write_config(out, varied_task,
+                              actor={"megatron": {"tensor_model_parallel_size": 1}, "ppo_mini_batch_size": 2,
+                                     "ppo_micro_batch_size_per_gpu": 4},
+                              reward={"custom_reward_function": {"path": str(reward_file)}},
+                              trainer={"seed": 4, "balance_batch": False})
+        proc = run_train(config, f"actor.skip_zero_advantage_rows={skip}")
+        assert proc.returncode == 0
+        runs[skip] = read_metrics(out / "run")
+    on, off = runs["true"], runs["false"]
+    assert any(on[s]["training/old_log_prob_rows_skipped"] > 0 for s in (1, 2))
+    for s in (1, 2):
+        assert (on[s]["training/old_log_prob_tokens_skipped"] > 0) == (on[s]["training/old_log_prob_rows_skipped"] > 0)
+    # A rank's mini-batch without a row of nonzero advantage ran one anyway, on its own log-probs:
+    # the update ran more rows than the pass computed.
+    assert any(on[s]["actor/zero_advantage_rows_skipped"] < on[s]["training/old_log_prob_rows_skipped"]
+               for s in (1, 2))
+    for step in (1, 2):
+        m = on[step]
+        assert m["training/old_log_prob_source"] == off[step]["training/old_log_prob_source"] == 0  # recompute
+        assert "training/old_log_prob_rows_skipped" not in off[step]
+        # The scores come before the pass (it needs the advantages), beside it with the key off.
+        assert (m["training/reward_overlapped"], off[step]["training/reward_overlapped"]) == (0.0, 1.0)
+        for key in ("critic/score/mean", "response_length/mean"):
+            assert m[key] == off[step][key], key
+        assert m["actor/grad_norm"] > 0
+        assert m["actor/grad_norm"] == pytest.approx(off[step]["actor/grad_norm"], rel=RTOL)
+        assert m["actor/loss"] == pytest.approx(off[step]["actor/loss"], rel=RTOL, abs=1e-7)
+        # The rollout-vs-trainer gap over the rows computed: the same weights, fp32 rounding apart.
+        assert m["training/rollout_logprob_abs_diff_mean"] < 1e-4

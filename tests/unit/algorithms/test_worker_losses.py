@@ -24,6 +24,7 @@ from megarl.workers.losses import (
     CriticLossSpec,
     make_actor_loss,
     make_critic_loss,
+    own_where_left_out,
     zero_advantage_rows_add_nothing,
 )
 
@@ -221,3 +222,52 @@ def test_an_entropy_bonus_or_kl_loss_gives_zero_advantage_rows_a_gradient(extra:
 def test_a_user_loss_is_not_assumed_proportional_to_the_advantage() -> None:
     assert set(ADVANTAGE_PROPORTIONAL_LOSSES) <= set(POLICY_LOSSES.names())
     assert not zero_advantage_rows_add_nothing(ActorLossSpec(loss_mode="my_loss"))
+
+
+@pytest.mark.parametrize("loss_mode", sorted(ADVANTAGE_PROPORTIONAL_LOSSES))
+@pytest.mark.parametrize("correction", ["none", "tis"])
+def test_a_row_the_pass_left_out_runs_on_its_own_log_probs(loss_mode: str, correction: str) -> None:
+    """A zero-advantage row whose old log-probs are NaN (the pass left it out) and that the update
+    runs anyway adds nothing: the loss and gradient are those of the rows of nonzero advantage with the
+    row's old log-probs given (any finite value gives the same), rollout correction or not."""
+    mb = _zero_advantage_case(6)
+    mb["rollout_log_probs"] = mb["old_log_probs"] - 0.05
+    spec = ActorLossSpec(loss_mode=loss_mode, old_log_prob_source="recompute", skip_zero_advantage_rows=True,
+                         rollout_correction=RolloutCorrectionSettings(mode=correction, threshold=2.0))
+    normalisers = mini_batch_normalisers(mb["response_mask"])
+    left_out = torch.tensor([True, False, False, True, False, False, True, False])  # rows 0, 3, 6: zero advantage
+
+    def loss_and_grad(old: torch.Tensor) -> tuple[float, torch.Tensor]:
+        log_prob = mb["log_probs"].clone().requires_grad_()
+        loss, _ = make_actor_loss(spec)({"log_probs": log_prob}, {**mb, "old_log_probs": old}, normalisers)
+        loss.backward()
+        return loss.item(), log_prob.grad
+
+    given_loss, given_grad = loss_and_grad(mb["old_log_probs"])
+    missing = mb["old_log_probs"].masked_fill(left_out.unsqueeze(-1), float("nan"))
+    loss, grad = loss_and_grad(missing)
+    assert math.isfinite(loss) and loss == pytest.approx(given_loss, abs=1e-12)
+    torch.testing.assert_close(grad, given_grad, atol=1e-12, rtol=0)
+    assert bool((grad[left_out] == 0).all())
+
+
+def test_own_where_left_out_by_hand() -> None:
+    nan = float("nan")
+    old = torch.tensor([[nan, nan], [-1.0, -2.0], [nan, nan], [-0.5, nan]], dtype=torch.float64)
+    own = torch.tensor([[-3.0, -4.0], [-5.0, -6.0], [-7.0, -8.0], [-9.0, -9.5]], dtype=torch.float64)
+    adv = torch.tensor([[0.0, 0.0], [0.0, 0.0], [1.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1], [1, 1], [1, 1], [1, 0]])
+    out = own_where_left_out(old, own, adv, mask)
+    # rows 0 and 3 (zero advantage, NaN somewhere) take their own log-probs whole; row 1 keeps its
+    # own old log-probs; row 2 has an advantage: its NaN stays, for the loss to show.
+    assert out[0].tolist() == [-3.0, -4.0] and out[3].tolist() == [-9.0, -9.5]
+    assert out[1].tolist() == [-1.0, -2.0]
+    assert bool(torch.isnan(out[2]).all())
+
+
+def test_without_the_skip_a_missing_old_log_prob_reaches_the_loss() -> None:
+    mb = _zero_advantage_case(7)
+    mb["old_log_probs"][0] = float("nan")  # row 0: zero advantage
+    spec = ActorLossSpec(old_log_prob_source="recompute")
+    loss, _ = make_actor_loss(spec)({"log_probs": mb["log_probs"]}, mb, mini_batch_normalisers(mb["response_mask"]))
+    assert math.isnan(loss.item())

@@ -264,17 +264,21 @@ def test_reward_plot_over_seeds_is_written(tmp_path):
 
 def test_useful_mfu_counts_the_tokens_the_update_ran():
     """With rows of zero advantage left out (actor.skip_zero_advantage_rows) the update's FLOPs are
-    those of the tokens it ran; the old-log-prob pass still counts every token."""
+    those of the tokens it ran; the old-log-prob pass counts the tokens it computed (all of them
+    unless it ran after the advantages: old_log_prob_tokens_skipped)."""
     from e2e import useful_mfu
 
     megarl = {"records": [{"step": 1, "total_tokens": 999, "update_actor_s": 99.0},
                           {"step": 2, "total_tokens": 100, "update_actor_s": 2.0, "old_log_prob_s": 1.0,
                            "update_rows_skipped": 0.5, "update_tokens_skipped": 0.25},
                           {"step": 3, "total_tokens": 300, "update_actor_s": 2.0, "old_log_prob_s": 1.0,
-                           "update_rows_skipped": 0.0, "update_tokens_skipped": 0.0}]}
+                           "update_rows_skipped": 0.0, "update_tokens_skipped": 0.0},
+                          {"step": 4, "total_tokens": 200, "update_actor_s": 2.0, "old_log_prob_s": 1.0,
+                           "update_rows_skipped": 0.5, "update_tokens_skipped": 0.5,
+                           "old_log_prob_tokens_skipped": 0.6}]}
     trl = {"records": [{"step": 2, "prompt_tokens": 50, "response_tokens": 150, "step_s": 5.0, "gen_and_score_s": 3.0}]}
     out = useful_mfu(megarl, trl, params=1000, rates=[1e6])
-    assert out["megarl_update_tokens_per_step"] == pytest.approx((75 + 300) / 2)
-    assert out["megarl_update_mfu"] == pytest.approx(6 * 1000 * 375 / 4.0 / 1e6)
-    assert out["megarl_old_log_prob_mfu"] == pytest.approx(2 * 1000 * 400 / 2.0 / 1e6)
-    assert out["megarl_update_rows_skipped_mean"] == pytest.approx(0.25)
+    assert out["megarl_update_tokens_per_step"] == pytest.approx((75 + 300 + 100) / 3)
+    assert out["megarl_update_mfu"] == pytest.approx(6 * 1000 * 475 / 6.0 / 1e6)
+    assert out["megarl_old_log_prob_mfu"] == pytest.approx(2 * 1000 * (100 + 300 + 80) / 3.0 / 1e6)
+    assert out["megarl_update_rows_skipped_mean"] == pytest.approx(1.0 / 3)
