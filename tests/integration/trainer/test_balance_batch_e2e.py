@@ -78,22 +78,29 @@ def test_balanced_run_trains_like_unbalanced(tmp_path: Path, varied_task: Path) 
                                                                     abs=1e-6)
 
 
-def test_skipping_zero_advantage_rows_trains_like_running_them(tmp_path: Path, varied_task: Path) -> None:
-    """actor.skip_zero_advantage_rows at DP=2 (no entropy bonus, no pass before the update): the same
-    updates as running every row, and the balance counts the tokens of the rows the update runs."""
+def runs_with_and_without_skipping(tmp_path: Path, task: Path, actor: dict, trainer: dict) -> tuple[dict, dict]:
+    """The metrics of two 2-step runs at DP=2, actor.skip_zero_advantage_rows true and false, with a
+    reward that gives the groups of even answers 0 (their rows have zero advantage) and the others a
+    signal; `actor` and `trainer` sections over the common ones."""
     runs = {}
     for skip in ("true", "false"):
         out = tmp_path / skip
         out.mkdir()
         reward_file = out / "mixed_reward.py"
-        reward_file.write_text(MIXED_REWARD)  # groups of even answers score 0: their rows are skipped
-        config = write_config(out, varied_task, actor={"megatron": {"tensor_model_parallel_size": 1}},
+        reward_file.write_text(MIXED_REWARD)
+        config = write_config(out, task, actor={"megatron": {"tensor_model_parallel_size": 1}, **actor},
                               reward={"custom_reward_function": {"path": str(reward_file)}},
-                              trainer={"seed": 4})
+                              trainer={"seed": 4, **trainer})
         proc = run_train(config, f"actor.skip_zero_advantage_rows={skip}")
         assert proc.returncode == 0
         runs[skip] = read_metrics(out / "run")
-    on, off = runs["true"], runs["false"]
+    return runs["true"], runs["false"]
+
+
+def test_skipping_zero_advantage_rows_trains_like_running_them(tmp_path: Path, varied_task: Path) -> None:
+    """actor.skip_zero_advantage_rows at DP=2 (no entropy bonus, no pass before the update): the same
+    updates as running every row, and the balance counts the tokens of the rows the update runs."""
+    on, off = runs_with_and_without_skipping(tmp_path, varied_task, actor={}, trainer={})
     assert any(on[s]["actor/zero_advantage_rows_skipped"] > 0 for s in (1, 2))
     for step in (1, 2):
         m = on[step]
@@ -115,21 +122,9 @@ def test_old_log_prob_pass_computes_only_the_rows_the_update_runs(tmp_path: Path
     advantages come first and the pass computes only the rows of nonzero advantage; the updates are
     those of the run computing every row. trainer.balance_batch off on both sides: balancing after the
     advantages orders the rows otherwise, and so fills the mini-batches otherwise."""
-    runs = {}
-    for skip in ("true", "false"):
-        out = tmp_path / skip
-        out.mkdir()
-        reward_file = out / "mixed_reward.py"
-        reward_file.write_text(MIXED_REWARD)  # groups of even answers score 0: their rows are skipped
-        config = write_config(out, varied_task,
-                              actor={"megatron": {"tensor_model_parallel_size": 1}, "ppo_mini_batch_size": 2,
-                                     "ppo_micro_batch_size_per_gpu": 4},
-                              reward={"custom_reward_function": {"path": str(reward_file)}},
-                              trainer={"seed": 4, "balance_batch": False})
-        proc = run_train(config, f"actor.skip_zero_advantage_rows={skip}")
-        assert proc.returncode == 0
-        runs[skip] = read_metrics(out / "run")
-    on, off = runs["true"], runs["false"]
+    on, off = runs_with_and_without_skipping(tmp_path, varied_task,
+                                             actor={"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 4},
+                                             trainer={"balance_batch": False})
     assert any(on[s]["training/old_log_prob_rows_skipped"] > 0 for s in (1, 2))
     for s in (1, 2):
         assert (on[s]["training/old_log_prob_tokens_skipped"] > 0) == (on[s]["training/old_log_prob_rows_skipped"] > 0)
