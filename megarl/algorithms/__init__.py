@@ -56,6 +56,7 @@ from megarl.algorithms.policy_loss import (
     get_policy_loss,
     register_policy_loss,
     rows_with_advantage,
+    rows_with_advantage_or_one,
 )
 from megarl.algorithms.registry import Registry
 from megarl.algorithms.rollout_correction import (
@@ -125,5 +126,6 @@ __all__ = [
     "register_policy_loss",
     "rollout_mismatch_metrics",
     "rows_with_advantage",
+    "rows_with_advantage_or_one",
     "sequence_metric",
 ]

@@ -83,6 +83,16 @@ def rows_with_advantage(advantages: torch.Tensor, response_mask: torch.Tensor) -
     return ((advantages != 0) & response_mask.bool()).any(dim=-1)
 
 
+def rows_with_advantage_or_one(advantages: torch.Tensor, response_mask: torch.Tensor,
+                               tokens: torch.Tensor) -> torch.Tensor:
+    """`rows_with_advantage`, or, where no row has one, the row of fewest `tokens` (B,): for work
+    that must run on at least one row (an update's schedule, a pass whose log-probs are checked)."""
+    keep = rows_with_advantage(advantages, response_mask)
+    if not bool(keep.any()):
+        keep[int(tokens.argmin())] = True
+    return keep
+
+
 def _fraction(condition: torch.Tensor, mask: torch.Tensor) -> float:
     return float(masked_mean(condition.to(torch.float32), mask))
 

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from megatron.core.transformer.module import Float16Module
 
 from megarl.algorithms.aggregation import LossNormalisers, mini_batch_normalisers
-from megarl.algorithms.policy_loss import rows_with_advantage
+from megarl.algorithms.policy_loss import rows_with_advantage_or_one
 from megarl.errors import CheckpointError, ConfigError, DataError, EngineStateError
 from megarl.layout import ParallelLayout
 from megarl.megatron import checkpoint as ckpt
@@ -91,10 +91,7 @@ def rows_to_run(data: dict[str, torch.Tensor]) -> torch.Tensor:
     end reduces the gradients across the data-parallel ranks; a row of zero advantage adds nothing
     to the gradient there."""
     _require(data, ("advantages", "response_mask", "attention_mask"), "train_step(skip_zero_advantage=True)")
-    keep = rows_with_advantage(data["advantages"], data["response_mask"])
-    if not bool(keep.any()):
-        keep[int(data["attention_mask"].sum(dim=-1).argmin())] = True
-    return keep
+    return rows_with_advantage_or_one(data["advantages"], data["response_mask"], data["attention_mask"].sum(dim=-1))
 
 
 def _round_up(n: int, multiple: int) -> int:

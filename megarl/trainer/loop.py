@@ -64,6 +64,7 @@ from megarl.algorithms import (
     make_kl_controller,
     rollout_mismatch_metrics,
     rows_with_advantage,
+    rows_with_advantage_or_one,
     sequence_metric,
 )
 from megarl.cluster.dispatch import plan_dispatch
@@ -938,21 +939,16 @@ class RLTrainer:
         gap is still measured and checked (rollout.max_logprob_gap).
         Metrics `training/old_log_prob_rows_skipped` and `training/old_log_prob_tokens_skipped`: the
         shares of the rows and of their tokens (prompt + response) left out."""
-        runs = rows_with_advantage(batch["advantages"], batch["response_mask"])
         tokens = batch["attention_mask"].sum(dim=-1)
-        if not bool(runs.any()):
-            runs[int(tokens.argmin())] = True
-        passed = runs.nonzero().squeeze(-1)
+        passed = rows_with_advantage_or_one(batch["advantages"], batch["response_mask"], tokens).nonzero().squeeze(-1)
         metrics["training/old_log_prob_rows_skipped"] = 1.0 - len(passed) / len(batch)
         metrics["training/old_log_prob_tokens_skipped"] = (1.0 - float(tokens[passed].sum())
                                                            / max(float(tokens.sum()), 1.0))
-        shape = tuple(batch["response_mask"].shape)
-        computed = {"old_log_probs": torch.full(shape, float("nan")), "entropys": torch.full(shape, float("nan"))}
         rows, restore = self.balance(batch[passed], batch["attention_mask"][passed], {})
         out = self.workers.actor.call_dp(ActorRole.compute_log_prob, rows)
-        for key, values in computed.items():
+        for key in ("old_log_probs", "entropys"):
+            values = torch.full(tuple(batch["response_mask"].shape), float("nan"))
             values[passed] = out[key][restore] if restore is not None else out[key]
-        for key, values in computed.items():
             batch[key] = values
         return batch, passed
 
